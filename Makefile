@@ -1,0 +1,34 @@
+# Two entry points (README quick start): `make demo` and `make test`. Both build the pinned CPU
+# environment in .venv first; `make test` also builds .venv-mcore016 to run the engine tests on
+# megatron-core 0.16.1.
+PY ?= python3
+VENV ?= .venv
+VENV16 ?= .venv-mcore016
+PIP_FLAGS ?= -q --disable-pip-version-check
+DEMO_ARGS ?= --pp 2 --vp 2 --dp 2 --microbatches 4 --steps 3 --policy aligned --telemetry telemetry.jsonl
+
+.PHONY: install install-mcore016 demo test
+
+$(VENV)/.installed: requirements/cpu.txt requirements/nodeps.txt requirements/constraints.txt pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(VENV)/bin/pip install $(PIP_FLAGS) -c requirements/constraints.txt -r requirements/cpu.txt
+	$(VENV)/bin/pip install $(PIP_FLAGS) --no-deps -r requirements/nodeps.txt
+	$(VENV)/bin/pip install $(PIP_FLAGS) --no-deps -e .
+	touch $@
+
+$(VENV16)/.installed: requirements/mcore016.txt requirements/constraints.txt pyproject.toml
+	$(PY) -m venv $(VENV16)
+	$(VENV16)/bin/pip install $(PIP_FLAGS) -c requirements/constraints.txt -r requirements/mcore016.txt
+	$(VENV16)/bin/pip install $(PIP_FLAGS) --no-deps megatron-core==0.16.1
+	$(VENV16)/bin/pip install $(PIP_FLAGS) --no-deps -e .
+	touch $@
+
+install: $(VENV)/.installed
+install-mcore016: $(VENV16)/.installed
+
+demo: install
+	$(VENV)/bin/nemo-fp8-align demo $(DEMO_ARGS)
+
+test: install install-mcore016
+	$(VENV)/bin/python -m pytest -q
+	$(VENV16)/bin/python -m pytest -q -m "not nemo" tests/test_schedule.py tests/test_engine_mcore.py
