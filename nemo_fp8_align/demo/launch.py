@@ -1,0 +1,102 @@
+"""Spawns the demo's ranks, gathers their results and checks the alignment invariants."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import torch.multiprocessing as mp
+
+from nemo_fp8_align.config import Policy
+from nemo_fp8_align.demo.train import DemoOptions, run_rank
+from nemo_fp8_align.engine.schedule import InterleavedSchedule
+
+__all__ = ["DemoResult", "run_demo", "alignment_problems", "format_report"]
+
+
+@dataclass
+class DemoResult:
+    options: DemoOptions
+    ranks: List[Dict[str, Any]]  # one per global rank, as written by run_rank
+    records: List[Dict[str, Any]]  # telemetry of every rank, sorted by (step, chunk, pp, dp)
+
+    def losses(self) -> List[float]:
+        """Per-step mean loss, from the last pipeline stage of data-parallel rank 0."""
+        last = [r for r in self.ranks if r["pp_rank"] == self.options.pp - 1 and r["dp_rank"] == 0]
+        return last[0]["losses"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_demo(opts: DemoOptions, telemetry_path: Optional[str] = None) -> DemoResult:
+    """Run the demo in ``opts.world_size`` spawned processes; raises if any rank fails.
+
+    The schedule shape is validated first, so a bad shape fails here with the reason instead of
+    inside every rank.
+    """
+    InterleavedSchedule(opts.pp, opts.vp, opts.microbatches, opts.group_size)
+    with tempfile.TemporaryDirectory(prefix="nemo_fp8_align_demo_") as out_dir:
+        mp.start_processes(run_rank, args=(opts.world_size, _free_port(), opts, out_dir, True),
+                           nprocs=opts.world_size, join=True, start_method="spawn")
+        ranks = []
+        for rank in range(opts.world_size):
+            with open(os.path.join(out_dir, f"rank{rank}.json"), encoding="utf-8") as f:
+                ranks.append(json.load(f))
+        records = sorted((rec for r in ranks for rec in r.get("records", [])),
+                         key=lambda x: (x["step"], x["chunk"], x["pp_rank"], x["dp_rank"]))
+    if telemetry_path:
+        with open(telemetry_path, "w", encoding="utf-8") as f:
+            for rec in records:
+                f.write(json.dumps(rec, sort_keys=True) + "\n")
+    return DemoResult(opts, ranks, records)
+
+
+def alignment_problems(result: DemoResult) -> List[str]:
+    """Every violated invariant of the run, as sentences (empty when all hold)."""
+    opts, problems = result.options, []
+    for r in result.ranks:
+        for step, builds in enumerate(r["builds_per_step"]):
+            if any(b != 1 for b in builds):
+                problems.append(f"rank {r['rank']} step {step}: transposes per FP8 weight "
+                                f"{sorted(set(builds))}, expected exactly 1")
+        if r["eval_builds"]:
+            problems.append(f"rank {r['rank']}: forward-only passes built {r['eval_builds']} transposes")
+    if opts.policy is Policy.OFF:
+        return problems
+    expected = opts.steps * opts.world_size * opts.vp
+    if len(result.records) != expected:
+        problems.append(f"{len(result.records)} telemetry records, expected {expected}")
+    for rec in result.records:
+        where = f"step {rec['step']} chunk {rec['chunk']} pp_rank {rec['pp_rank']} dp_rank {rec['dp_rank']}"
+        if not rec["after_all_gather"]:
+            problems.append(f"{where}: transposes built before the all-gather finished")
+        if rec["transposed"] != rec["weights"]:
+            problems.append(f"{where}: {rec['transposed']} of {rec['weights']} weights transposed")
+        want = rec["aligned_slot"] + (rec["pp_rank"] if opts.policy is Policy.LAZY else 0)
+        if rec["slot"] != want:
+            problems.append(f"{where}: slot {rec['slot']}, expected {want} under {opts.policy.value}")
+    return problems
+
+
+def format_report(result: DemoResult) -> str:
+    """A table of the last step: per chunk, the slot each pipeline rank built at."""
+    opts = result.options
+    lines = [f"nemo_fp8_align demo: PP={opts.pp} VP={opts.vp} DP={opts.dp} M={opts.microbatches} "
+             f"steps={opts.steps} policy={opts.policy.value}",
+             "losses per step: " + ", ".join(f"{x:.6f}" for x in result.losses())]
+    last = [r for r in result.records if r["step"] == opts.steps - 1 and r["dp_rank"] == 0]
+    for chunk in range(opts.vp):
+        rows = [r for r in last if r["chunk"] == chunk]
+        slots = " ".join(f"r{r['pp_rank']}:{r['slot']}" for r in rows)
+        built = sum(r["transposed"] for r in rows)
+        lines.append(f"  chunk {chunk}: aligned slot {rows[0]['aligned_slot'] if rows else '-'}; "
+                     f"built at slots {slots}; {built} transposes")
+    return "\n".join(lines)

@@ -1,0 +1,203 @@
+"""One rank of the CPU demo: megatron-core's interleaved schedule, DDP with overlapped and
+aligned param all-gathers, the DistributedOptimizer, reference FP8 weights, and the aligner.
+
+It sets ``config.param_sync_func`` the way Megatron-LM's training loop does, so the schedule
+launches the all-gathers itself; the aligner only adds the transposes at the aligned slots.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from nemo_fp8_align.config import AlignConfig, Policy
+from nemo_fp8_align.demo.model import DemoModelConfig, GPTChunk
+
+__all__ = ["DemoOptions", "run_rank"]
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    """Everything one demo run needs; the CLI flags map onto these fields."""
+
+    pp: int = 2
+    vp: int = 2
+    dp: int = 1
+    microbatches: int = 4
+    group_size: Optional[int] = None
+    steps: int = 3
+    policy: Policy = Policy.ALIGNED
+    micro_batch_size: int = 2
+    eval_after_each_step: bool = True
+    model: DemoModelConfig = field(default_factory=DemoModelConfig)
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp
+
+
+def _batches(opts: DemoOptions, step: int, dp_rank: int) -> List[Dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(opts.model.seed * 7919 + step * 131 + dp_rank)
+    out = []
+    for _ in range(opts.microbatches):
+        tokens = torch.randint(0, opts.model.vocab_size, (opts.micro_batch_size, opts.model.seq_length),
+                               generator=gen)
+        out.append({"tokens": tokens, "labels": torch.roll(tokens, shifts=-1, dims=1)})
+    return out
+
+
+def _forward_step(data_iterator: Iterator[Dict[str, torch.Tensor]], model: torch.nn.Module):
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["labels"])
+
+    def loss_func(per_token: torch.Tensor):
+        loss = per_token.mean()
+        return loss, {"lm loss": loss.detach().clone()}  # the schedule divides loss in place
+
+    return output, loss_func
+
+
+def _digest(tensors: List[torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _build(opts: DemoOptions, pp_rank: int):
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer import TransformerConfig
+
+    from nemo_fp8_align.fp8.reference import ReferenceBackend
+
+    config = TransformerConfig(
+        num_layers=opts.pp * opts.vp * opts.model.layers_per_chunk,
+        hidden_size=opts.model.hidden_size, num_attention_heads=opts.model.num_heads,
+        pipeline_model_parallel_size=opts.pp, virtual_pipeline_model_parallel_size=opts.vp,
+        microbatch_group_size_per_vp_stage=opts.group_size, pipeline_dtype=torch.float32,
+        params_dtype=torch.float32, use_cpu_initialization=True,
+        batch_p2p_comm=False)  # gloo pairs batched same-peer messages wrongly (STACK.md)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=True, use_distributed_optimizer=True,
+        overlap_param_gather=True, align_param_gather=True, bucket_size=20000)
+    backend = ReferenceBackend()
+    chunks = []
+    for c in range(opts.vp):
+        parallel_state.set_virtual_pipeline_model_parallel_rank(c)
+        module = GPTChunk(opts.model, config=config, stage=c * opts.pp + pp_rank,
+                          pre_process=parallel_state.is_pipeline_first_stage(),
+                          post_process=parallel_state.is_pipeline_last_stage(), backend=backend)
+        # As Megatron-LM does: only the first chunk is bucketed.
+        chunks.append(DistributedDataParallel(config=config, ddp_config=ddp_config, module=module,
+                                              disable_bucketing=c > 0))
+    parallel_state.set_virtual_pipeline_model_parallel_rank(0)
+    # As Megatron-LM's training loop does with overlap_param_gather and align_param_gather:
+    config.param_sync_func = [chunk.start_param_sync for chunk in chunks]
+    config.no_sync_func = [chunk.no_sync for chunk in chunks]
+    from megatron.core.distributed import finalize_model_grads
+    config.finalize_model_grads_func = finalize_model_grads
+    return config, chunks, backend
+
+
+def _optimizer(chunks):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    cfg = OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.0, clip_grad=1.0,
+                          use_distributed_optimizer=True, params_dtype=torch.float32)
+    return get_megatron_optimizer(cfg, chunks)
+
+
+def _train(opts: DemoOptions, telemetry_path: Optional[str]) -> Dict[str, Any]:
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from nemo_fp8_align.engine.aligner import TransposeAligner
+    from nemo_fp8_align.engine.mcore_sync import McoreParamSync
+    from nemo_fp8_align.engine.schedule import InterleavedSchedule
+    from nemo_fp8_align.engine.telemetry import TelemetryWriter
+
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    dp_rank = parallel_state.get_data_parallel_rank()
+    config, chunks, backend = _build(opts, pp_rank)
+    optimizer = _optimizer(chunks)
+    weights = [chunk.module.fp8_weights() for chunk in chunks]
+    align = AlignConfig(policy=opts.policy)
+    aligner = None
+    if align.active:
+        schedule = InterleavedSchedule(opts.pp, opts.vp, opts.microbatches, opts.group_size)
+        aligner = TransposeAligner(
+            chunks, schedule=schedule, pp_rank=pp_rank, dp_rank=dp_rank,
+            param_sync=McoreParamSync(chunks), weights=weights, backend=backend, config=align,
+            telemetry=TelemetryWriter(telemetry_path) if telemetry_path else None)
+        aligner.attach(config)
+
+    fwd_bwd = get_forward_backward_func()
+    common = dict(forward_step_func=_forward_step, model=chunks, num_microbatches=opts.microbatches,
+                  seq_length=opts.model.seq_length, micro_batch_size=opts.micro_batch_size)
+    flat = [w for ws in weights for w in ws]
+    result: Dict[str, Any] = {"pp_rank": pp_rank, "dp_rank": dp_rank, "losses": [], "grads": [],
+                              "params": [], "builds_per_step": [], "eval_builds": 0,
+                              "weights_per_chunk": [len(w) for w in weights]}
+    for step in range(opts.steps):
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        built_before = [w.transposes_built for w in flat]
+        data = _batches(opts, step, dp_rank)
+        out = fwd_bwd(data_iterator=[iter(data) for _ in chunks], forward_only=False, **common)
+        result["builds_per_step"].append([w.transposes_built - b for w, b in zip(flat, built_before)])
+        result["grads"].append(_digest([buf.grad_data for c in chunks for buf in c.buffers]))
+        optimizer.step()
+        for w in flat:  # the next all-gather brings new values: the FP8 copies are stale
+            w.invalidate()
+        result["params"].append(_digest([buf.param_data for c in chunks for buf in c.buffers]))
+        if out:
+            result["losses"].append(float(torch.stack([o["lm loss"] for o in out]).mean()))
+        if opts.eval_after_each_step:
+            records_before, built_before = len(aligner.records) if aligner else 0, sum(
+                w.transposes_built for w in flat)
+            with torch.no_grad():
+                fwd_bwd(data_iterator=[iter(data) for _ in chunks], forward_only=True, **common)
+            result["eval_builds"] += sum(w.transposes_built for w in flat) - built_before
+            result["eval_builds"] += (len(aligner.records) if aligner else 0) - records_before
+    if aligner is not None:
+        result["records"] = [asdict(r) for r in aligner.records]
+        aligner.detach()
+    return result
+
+
+def run_rank(rank: int, world_size: int, port: int, opts: DemoOptions, out_dir: str,
+             telemetry: bool) -> None:
+    """Entry point of one spawned rank; writes ``rank{N}.json`` (and telemetry) to out_dir."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    compat = None
+    if not torch.cuda.is_available():
+        from nemo_fp8_align.compat.cpu import enable_cpu_compat
+        compat = enable_cpu_compat()
+    try:
+        from megatron.core import parallel_state
+
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=1, pipeline_model_parallel_size=opts.pp,
+            virtual_pipeline_model_parallel_size=opts.vp)
+        path = os.path.join(out_dir, f"telemetry.rank{rank}.jsonl") if telemetry else None
+        result = _train(opts, path)
+        result["rank"] = rank
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w", encoding="utf-8") as f:
+            json.dump(result, f)
+        dist.barrier()
+        parallel_state.destroy_model_parallel()
+    finally:
+        if compat is not None:
+            compat.undo()
+        dist.destroy_process_group()

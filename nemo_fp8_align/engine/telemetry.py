@@ -1,0 +1,68 @@
+"""Per-step, per-chunk telemetry: where a chunk's transposes ran, how many, and whether the
+chunk's all-gather had finished first. One JSON object per (step, pp_rank, dp_rank, chunk)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import IO, Iterable, List, Optional
+
+__all__ = ["TransposeRecord", "TelemetryWriter", "read_records"]
+
+
+@dataclass(frozen=True)
+class TransposeRecord:
+    """What happened to one chunk's transposes in one training step on one rank.
+
+    ``vmid`` is this rank's forward virtual-microbatch index before which the transposes ran
+    (-1: at the start of the schedule, before any pipeline communication); ``slot`` is the
+    schedule slot of that position (``vmid + pp_rank``, 0 for -1). With ``aligned`` every rank
+    reports ``slot == aligned_slot``. ``seconds`` is host wall time of finishing the all-gather
+    plus building the transposes (``None`` under ``lazy``, where the build is only observed).
+    """
+
+    step: int
+    pp_rank: int
+    dp_rank: int
+    chunk: int
+    policy: str
+    backend: str
+    vmid: int
+    slot: int
+    aligned_slot: int
+    transposed: int
+    weights: int
+    after_all_gather: bool
+    seconds: Optional[float]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+
+class TelemetryWriter:
+    """Appends records as JSON lines to ``path`` (opened lazily, flushed per record)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._file: Optional[IO[str]] = None
+
+    def write(self, record: TransposeRecord) -> None:
+        if self._file is None:
+            self._file = open(self.path, "a", encoding="utf-8")
+        self._file.write(record.to_json() + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_records(paths: Iterable[str]) -> List[dict]:
+    """Load the JSON-lines files written by :class:`TelemetryWriter`, sorted by position."""
+    rows: List[dict] = []
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            rows.extend(json.loads(line) for line in f if line.strip())
+    rows.sort(key=lambda r: (r["step"], r["chunk"], r["pp_rank"], r["dp_rank"]))
+    return rows
