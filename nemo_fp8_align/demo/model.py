@@ -69,10 +69,11 @@ class GPTChunk(torch.nn.Module):
     share_embeddings_and_output_weights = False
     model_type = ModelType.encoder_or_decoder
 
-    def __init__(self, cfg: DemoModelConfig, *, config: Any, stage: int, pre_process: bool,
-                 post_process: bool, backend: ReferenceBackend) -> None:
+    def __init__(self, cfg: DemoModelConfig, *, config: Any, stage: int, vp_stage: int,
+                 pre_process: bool, post_process: bool, backend: ReferenceBackend) -> None:
         super().__init__()
         self.config = config
+        self.vp_stage = vp_stage  # megatron-core 0.16's schedule checks it against its own
         self.pre_process, self.post_process = pre_process, post_process
         # Seed per virtual stage: the same weights whatever PP x VP cut produced this stage.
         with torch.random.fork_rng(devices=[]):
@@ -104,7 +105,7 @@ class GPTChunk(torch.nn.Module):
         for layer in self.layers:
             x = layer(x)
         if not self.post_process:
-            return x
+            return x.contiguous()  # sent as is to the next stage
         logits = self.head(self.final_norm(x))  # [s, b, vocab]
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
                                labels.transpose(0, 1).reshape(-1), reduction="none")

@@ -72,7 +72,6 @@ def _digest(tensors: List[torch.Tensor]) -> str:
 
 
 def _build(opts: DemoOptions, pp_rank: int):
-    from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer import TransformerConfig
 
@@ -91,14 +90,14 @@ def _build(opts: DemoOptions, pp_rank: int):
     backend = ReferenceBackend()
     chunks = []
     for c in range(opts.vp):
-        parallel_state.set_virtual_pipeline_model_parallel_rank(c)
-        module = GPTChunk(opts.model, config=config, stage=c * opts.pp + pp_rank,
-                          pre_process=parallel_state.is_pipeline_first_stage(),
-                          post_process=parallel_state.is_pipeline_last_stage(), backend=backend)
+        # First/last virtual stage computed here: parallel_state's helpers changed their
+        # virtual-stage defaults between megatron-core 0.12 and 0.16.
+        module = GPTChunk(opts.model, config=config, stage=c * opts.pp + pp_rank, vp_stage=c,
+                          pre_process=pp_rank == 0 and c == 0,
+                          post_process=pp_rank == opts.pp - 1 and c == opts.vp - 1, backend=backend)
         # As Megatron-LM does: only the first chunk is bucketed.
         chunks.append(DistributedDataParallel(config=config, ddp_config=ddp_config, module=module,
                                               disable_bucketing=c > 0))
-    parallel_state.set_virtual_pipeline_model_parallel_rank(0)
     # As Megatron-LM's training loop does with overlap_param_gather and align_param_gather:
     config.param_sync_func = [chunk.start_param_sync for chunk in chunks]
     config.no_sync_func = [chunk.no_sync for chunk in chunks]
