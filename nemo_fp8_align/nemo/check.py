@@ -161,6 +161,16 @@ class _Absent:
 ABSENT: Any = _Absent()
 
 
+class _Unresolved:
+    """A value whose interpolation failed to resolve: reported once, where it was read."""
+
+    def __repr__(self) -> str:
+        return "<unresolvable interpolation>"
+
+
+UNRESOLVED: Any = _Unresolved()
+
+
 def _split(cfg: Union[DictConfig, Mapping]) -> Tuple[DictConfig, Optional[DictConfig]]:
     """(model node, trainer node or None) of a full training config or of a model node."""
     if not isinstance(cfg, DictConfig):
@@ -197,13 +207,20 @@ class _Reader:
         self.violations: List[Violation] = []
 
     def get(self, key: str) -> Any:
-        """The resolved value at dotted ``key``; ABSENT when missing (or ``???``)."""
+        """The resolved value at dotted ``key``; ABSENT when missing (or ``???``).
+
+        An interpolation that does not resolve is reported here and read as UNRESOLVED, which
+        later rules do not report again.
+        """
         try:
-            return OmegaConf.select(self.node, key, default=ABSENT, throw_on_resolution_failure=True)
+            return OmegaConf.select(self.node, key, default=ABSENT,
+                                    throw_on_resolution_failure=True)
         except OmegaConfBaseException as err:
-            self.add(key, ABSENT, f"a value that resolves ({type(err).__name__}: "
-                     f"{str(err).splitlines()[0]})", fix=f"{self.prefix}{key}=<a literal value>")
-            return ABSENT
+            self.violations.append(Violation(
+                self.prefix + key, "an interpolation that does not resolve",
+                f"a value that resolves ({type(err).__name__}: {str(err).splitlines()[0]})",
+                f"{self.prefix}{key}=<a literal value>"))
+            return UNRESOLVED
 
     def fix(self, key: str, value: Any, present: bool) -> str:
         return f"{'' if present else '+'}{self.prefix}{key}={_hydra_value(value)}"
@@ -211,6 +228,8 @@ class _Reader:
     def add(self, key: str, found: Any, expected: str, value: Any = None, *,
             fix: Optional[str] = None) -> None:
         """Record a violation; the fix sets ``key`` to ``value`` unless ``fix`` is given."""
+        if found is UNRESOLVED:
+            return  # already reported by get()
         if fix is None:
             fix = self.fix(key, value, present=found is not ABSENT)
         self.violations.append(Violation(self.prefix + key, _show(found), expected, fix))
@@ -261,7 +280,7 @@ def _read_block(reader: _Reader) -> Tuple[List[Violation], AlignConfig]:
     """(violations, AlignConfig) of ``model.fp8_transpose_align``; invalid values -> defaults."""
     sub = _Reader(OmegaConf.create({}), f"{reader.prefix}{BLOCK_KEY}.")
     block = reader.get(BLOCK_KEY)
-    if block is ABSENT or block is None:
+    if block is ABSENT or block is None or block is UNRESOLVED:
         return sub.violations, AlignConfig()
     fields = block_fields()
     if not isinstance(block, DictConfig):
@@ -274,7 +293,7 @@ def _read_block(reader: _Reader) -> Tuple[List[Violation], AlignConfig]:
     values = {}
     for key in map(str, block.keys()):
         value = sub.get(key)
-        if value is ABSENT:
+        if value is ABSENT or value is UNRESOLVED:
             continue
         try:  # the structured config rejects unknown keys and unconvertible values
             OmegaConf.merge(schema, {key: value})

@@ -1,0 +1,355 @@
+"""The NeMo startup check: every violation at once, each with its key, value found and fix."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from omegaconf import OmegaConf
+
+from nemo_fp8_align.config import AlignConfig, Policy
+from nemo_fp8_align.nemo.check import (FP8AlignConfigError, Violation, align_config_from,
+                                       check_config, find_violations)
+
+
+def seed_config(**model_overrides):
+    """The seed's settings plus DESIGN.md §5: PP=4, VP=2, 8 GPUs (DP=2), M = 16 / 2 = 8."""
+    cfg = OmegaConf.create({
+        "trainer": {"devices": 8, "num_nodes": 1},
+        "model": {
+            "tensor_model_parallel_size": 1,
+            "pipeline_model_parallel_size": 4,
+            "virtual_pipeline_model_parallel_size": 2,
+            "num_layers": 16,
+            "micro_batch_size": 1,
+            "global_batch_size": 16,
+            "megatron_amp_O2": True,
+            "transformer_engine": True,
+            "fp8": True,
+            "fp8_hybrid": True,
+            "fp8_params": True,
+            "optim": {"name": "distributed_fused_adam", "overlap_param_sync": True,
+                      "overlap_grad_sync": True},
+        },
+    })
+    for key, value in model_overrides.items():
+        OmegaConf.update(cfg, "model." + key, value, force_add=True)
+    return cfg
+
+
+def without(cfg, dotted):
+    parent, _, leaf = ("model." + dotted).rpartition(".")
+    node = OmegaConf.select(cfg, parent)
+    del node[leaf]
+    return cfg
+
+
+def only(violations):
+    assert len(violations) == 1, "\n".join(map(str, violations))
+    return violations[0]
+
+
+def test_seed_config_passes():
+    assert find_violations(seed_config()) == []
+    check_config(seed_config())  # does not raise
+
+
+def test_model_node_alone_is_accepted_and_skips_microbatch_checks():
+    model = seed_config(global_batch_size=3).model  # M would be wrong, but DP is unknown
+    assert find_violations(model) == []
+    # ...unless DP is given explicitly.
+    v = only(find_violations(model, data_parallel_size=2))
+    assert v.key == "model.global_batch_size"
+
+
+# Each single violation: (overrides of the seed, key, found, fix).
+SINGLE = [
+    ({"pipeline_model_parallel_size": 1}, "model.pipeline_model_parallel_size", "1",
+     "model.pipeline_model_parallel_size=2"),
+    ({"virtual_pipeline_model_parallel_size": None},
+     "model.virtual_pipeline_model_parallel_size", "null",
+     "model.virtual_pipeline_model_parallel_size=2"),
+    ({"virtual_pipeline_model_parallel_size": 1},
+     "model.virtual_pipeline_model_parallel_size", "1",
+     "model.virtual_pipeline_model_parallel_size=2"),
+    ({"transformer_engine": False}, "model.transformer_engine", "False",
+     "model.transformer_engine=True"),
+    ({"fp8": False}, "model.fp8", "False", "model.fp8=True"),
+    ({"fp8_params": False}, "model.fp8_params", "False", "model.fp8_params=True"),
+    ({"megatron_amp_O2": False}, "model.megatron_amp_O2", "False", "model.megatron_amp_O2=True"),
+    ({"fp8_hybrid": False}, "model.fp8_hybrid", "False", "model.fp8_hybrid=True"),
+    ({"optim.name": "fused_adam"}, "model.optim.name", "'fused_adam' (a string)",
+     "model.optim.name=distributed_fused_adam"),
+    ({"optim.overlap_param_sync": False}, "model.optim.overlap_param_sync", "False",
+     "model.optim.overlap_param_sync=True"),
+    ({"optim.overlap_grad_sync": False}, "model.optim.overlap_grad_sync", "False",
+     "model.optim.overlap_grad_sync=True"),
+    ({"disable_parameter_transpose_cache": True}, "model.disable_parameter_transpose_cache",
+     "True", "model.disable_parameter_transpose_cache=False"),
+    ({"mcore_customization_config.disable_parameter_transpose_cache": True},
+     "model.mcore_customization_config.disable_parameter_transpose_cache", "True",
+     "model.mcore_customization_config.disable_parameter_transpose_cache=False"),
+    ({"fp8_recipe": "mxfp8"}, "model.fp8_recipe", "'mxfp8' (a string)",
+     "model.fp8_recipe=delayed"),
+    ({"fp8_recipe": "blockwise"}, "model.fp8_recipe", "'blockwise' (a string)",
+     "model.fp8_recipe=delayed"),
+    ({"mcore_customization_config.fp8_recipe": "mxfp8"},
+     "model.mcore_customization_config.fp8_recipe", "'mxfp8' (a string)",
+     "model.mcore_customization_config.fp8_recipe=delayed"),
+    # M = 12 / 2 = 6: 6 mod N=PP=4 = 2, in (0, PP): megatron-core raises RuntimeError.
+    ({"global_batch_size": 12}, "model.global_batch_size",
+     "12 (M = 12 / (1 * DP 2) = 6)", "model.global_batch_size=16"),
+    # M = 6 / 2 = 3 < PP = 4.
+    ({"global_batch_size": 6}, "model.global_batch_size", "6 (M = 6 / (1 * DP 2) = 3)",
+     "model.global_batch_size=8"),
+    # Not a multiple of micro_batch_size * DP = 2.
+    ({"global_batch_size": 17}, "model.global_batch_size", "17 (M = 17 / (1 * DP 2) = 8.5)",
+     "model.global_batch_size=24"),
+    # N = 3 < PP = 4, while the default N would be fine.
+    ({"microbatch_group_size_per_vp_stage": 3}, "model.microbatch_group_size_per_vp_stage", "3",
+     "model.microbatch_group_size_per_vp_stage=null"),
+    # 16 layers / PP 4 = 4 per rank: 3 chunks cannot split them evenly.
+    ({"virtual_pipeline_model_parallel_size": 3}, "model.virtual_pipeline_model_parallel_size",
+     "3", "model.virtual_pipeline_model_parallel_size=2"),
+]
+
+
+@pytest.mark.parametrize("overrides,key,found,fix", SINGLE,
+                         ids=[next(iter(case[0])) + "=" + str(next(iter(case[0].values())))
+                              for case in SINGLE])
+def test_each_single_violation_is_reported_alone_with_its_fix(overrides, key, found, fix):
+    v = only(find_violations(seed_config(**overrides)))
+    assert (v.key, v.found, v.fix) == (key, found, fix)
+    with pytest.raises(FP8AlignConfigError) as info:
+        check_config(seed_config(**overrides))
+    assert info.value.violations == [v]
+    assert key in str(info.value) and fix in str(info.value)
+
+
+def test_group_size_above_m_is_blamed_on_the_group_size():
+    # N = 16 > M = 8; N = 8 would do, and so would the default.
+    v = only(find_violations(seed_config(microbatch_group_size_per_vp_stage=16)))
+    assert v.key == "model.microbatch_group_size_per_vp_stage"
+
+
+def test_valid_group_size_with_remainder_of_at_least_pp_passes():
+    # M = 20 / 2 = 10, N = 6: 10 mod 6 = 4 >= PP = 4, accepted by megatron-core.
+    assert find_violations(seed_config(global_batch_size=20,
+                                       microbatch_group_size_per_vp_stage=6)) == []
+
+
+@pytest.mark.parametrize("key,fix", [
+    ("transformer_engine", "+model.transformer_engine=True"),
+    ("fp8", "+model.fp8=True"),
+    ("fp8_params", "+model.fp8_params=True"),
+    ("optim.name", "+model.optim.name=distributed_fused_adam"),
+    ("optim.overlap_param_sync", "+model.optim.overlap_param_sync=True"),
+    ("virtual_pipeline_model_parallel_size", "+model.virtual_pipeline_model_parallel_size=2"),
+])
+def test_missing_key_is_a_violation_fixed_with_plus(key, fix):
+    v = only(find_violations(without(seed_config(), key)))
+    assert (v.key, v.found, v.fix) == ("model." + key, "<missing>", fix)
+
+
+def test_missing_optional_keys_take_nemo_defaults():
+    # fp8_recipe absent: megatron-core's default "delayed"; transpose cache absent: on.
+    cfg = seed_config()
+    assert "fp8_recipe" not in cfg.model and "disable_parameter_transpose_cache" not in cfg.model
+    assert find_violations(cfg) == []
+    assert find_violations(seed_config(fp8_recipe="tensorwise")) == []
+
+
+@pytest.mark.parametrize("key,value,fix", [
+    ("fp8", "yes", "model.fp8=True"),
+    ("fp8_params", 1, "model.fp8_params=True"),
+    ("virtual_pipeline_model_parallel_size", "2", "model.virtual_pipeline_model_parallel_size=2"),
+    ("pipeline_model_parallel_size", "4", "model.pipeline_model_parallel_size=4"),
+    ("pipeline_model_parallel_size", 4.0, "model.pipeline_model_parallel_size=2"),
+    ("optim.overlap_grad_sync", "True", "model.optim.overlap_grad_sync=True"),
+    ("disable_parameter_transpose_cache", "no", "model.disable_parameter_transpose_cache=False"),
+])
+def test_wrong_types_are_violations(key, value, fix):
+    v = only(find_violations(seed_config(**{key: value})))
+    assert v.key == "model." + key
+    assert v.fix == fix
+    if isinstance(value, str):
+        assert v.found == f"{value!r} (a string)"
+
+
+def test_all_violations_are_listed_at_once():
+    cfg = OmegaConf.create({
+        "trainer": {"devices": 8},
+        "model": {"pipeline_model_parallel_size": 1, "fp8": "yes", "fp8_recipe": "mxfp8",
+                  "disable_parameter_transpose_cache": True, "optim": {"name": "adam"},
+                  "fp8_transpose_align": {"polcy": "lazy"}},
+    })
+    with pytest.raises(FP8AlignConfigError) as info:
+        check_config(cfg)
+    keys = [v.key for v in info.value.violations]
+    assert keys == [
+        "model.fp8_transpose_align.polcy",
+        "model.pipeline_model_parallel_size",
+        "model.virtual_pipeline_model_parallel_size",
+        "model.transformer_engine",
+        "model.fp8",
+        "model.fp8_params",
+        "model.megatron_amp_O2",
+        "model.fp8_hybrid",
+        "model.fp8_recipe",
+        "model.disable_parameter_transpose_cache",
+        "model.optim.name",
+        "model.optim.overlap_param_sync",
+        "model.optim.overlap_grad_sync",
+    ]
+    message = str(info.value)
+    assert message.startswith("13 setting(s)")
+    for v in info.value.violations:
+        assert f"  - {v.key}: found {v.found}; expected " in message
+        assert f"| fix: {v.fix}" in message
+    assert isinstance(info.value, ValueError)
+
+
+def test_trainer_world_size_not_divisible_by_model_parallel_size():
+    cfg = seed_config()
+    cfg.trainer.devices = 6  # 6 GPUs, TP*PP = 4
+    v = only(find_violations(cfg))
+    assert (v.key, v.found, v.fix) == ("trainer.devices", "6", "trainer.devices=8")
+
+
+def test_unresolvable_trainer_devices_skip_the_microbatch_checks():
+    cfg = seed_config(global_batch_size=3)
+    cfg.trainer.devices = "auto"
+    assert find_violations(cfg) == []
+
+
+def test_data_parallel_size_counts_tp_pp_and_cp():
+    cfg = seed_config(tensor_model_parallel_size=2, global_batch_size=8)
+    cfg.trainer.devices, cfg.trainer.num_nodes = 8, 4  # DP = 32 / (TP 2 * PP 4) = 4: M = 2 < PP
+    v = only(find_violations(cfg))
+    assert v.found == "8 (M = 8 / (1 * DP 4) = 2)"
+    assert v.fix == "model.global_batch_size=16"
+    cfg.model.context_parallel_size = 2  # DP = 32 / 16 = 2: M = 4 = PP
+    assert find_violations(cfg) == []
+
+
+# --- the mcore_distributed_optim path ---
+
+def mcore(**extra):
+    return seed_config(**{"optim.name": "mcore_distributed_optim", **extra})
+
+
+def test_mcore_distributed_optim_accepted_with_align_param_gather():
+    assert find_violations(mcore(**{"optim.align_param_gather": True})) == []
+
+
+def test_mcore_distributed_optim_rejected_without_align_param_gather():
+    v = only(find_violations(mcore()))
+    assert (v.key, v.found, v.fix) == ("model.optim.align_param_gather", "<missing>",
+                                       "+model.optim.align_param_gather=True")
+    v = only(find_violations(mcore(**{"optim.align_param_gather": False})))
+    assert v.fix == "model.optim.align_param_gather=True"
+
+
+def test_mcore_distributed_optim_still_needs_the_overlap_settings():
+    violations = find_violations(mcore(**{"optim.align_param_gather": True,
+                                          "optim.overlap_param_sync": False}))
+    assert [v.key for v in violations] == ["model.optim.overlap_param_sync"]
+
+
+# --- the plugin's own block ---
+
+def test_typo_in_plugin_block_suggests_the_key():
+    v = only(find_violations(seed_config(fp8_transpose_align={"polcy": "lazy"})))
+    assert v.key == "model.fp8_transpose_align.polcy"
+    assert "did you mean 'policy'?" in v.expected
+    assert v.fix == "~model.fp8_transpose_align.polcy model.fp8_transpose_align.policy=lazy"
+
+
+def test_unknown_key_without_a_close_match_lists_the_keys():
+    v = only(find_violations(seed_config(fp8_transpose_align={"zzz": 1})))
+    assert "known keys: enabled, policy, telemetry_path" in v.expected
+    assert v.fix == "~model.fp8_transpose_align.zzz"
+
+
+def test_wrong_policy_names_the_choices():
+    v = only(find_violations(seed_config(fp8_transpose_align={"policy": "eager"})))
+    assert v.key == "model.fp8_transpose_align.policy"
+    assert v.expected == "one of: aligned, lazy, off"
+    assert v.fix == "model.fp8_transpose_align.policy=aligned"
+
+
+@pytest.mark.parametrize("key,value", [("enabled", "yes"), ("enabled", 1),
+                                       ("use_triton_kernel", "false"),
+                                       ("telemetry_path", 3), ("telemetry_path", True)])
+def test_wrong_types_in_plugin_block(key, value):
+    v = only(find_violations(seed_config(fp8_transpose_align={key: value})))
+    assert v.key == f"model.fp8_transpose_align.{key}"
+    assert v.expected.startswith("a value of type ")
+
+
+def test_plugin_block_with_a_list_instead_of_a_mapping():
+    v = only(find_violations(seed_config(fp8_transpose_align=["aligned"])))
+    assert (v.key, v.fix) == ("model.fp8_transpose_align", "~model.fp8_transpose_align")
+
+
+@pytest.mark.parametrize("block", [{"enabled": False}, {"policy": "off"}])
+def test_inactive_plugin_reports_nothing(block):
+    cfg = seed_config(fp8_transpose_align=block, fp8=False, **{"optim.name": "adam"})
+    assert find_violations(cfg) == []
+    check_config(cfg)
+
+
+def test_inactive_plugin_still_reports_errors_in_its_own_block():
+    cfg = seed_config(fp8_transpose_align={"enabled": False, "polcy": "x"}, fp8=False)
+    assert [v.key for v in find_violations(cfg)] == ["model.fp8_transpose_align.polcy"]
+
+
+def test_align_config_from_block_and_defaults():
+    assert align_config_from(seed_config()) == AlignConfig()
+    cfg = seed_config(fp8_transpose_align={"policy": "lazy", "telemetry_path": "/tmp/t{rank}"})
+    align = align_config_from(cfg)
+    assert align.policy is Policy.LAZY and align.telemetry_path == "/tmp/t{rank}"
+    assert align.enabled is AlignConfig().enabled
+    assert align_config_from(cfg.model) == align
+    with pytest.raises(FP8AlignConfigError, match="did you mean 'enabled'"):
+        align_config_from(seed_config(fp8_transpose_align={"enabld": False}))
+
+
+def test_plain_dict_input():
+    cfg = OmegaConf.to_container(seed_config())
+    assert find_violations(cfg) == []
+    cfg["model"]["fp8"] = False
+    assert [v.key for v in find_violations(cfg)] == ["model.fp8"]
+
+
+def test_unresolvable_interpolation_in_a_checked_key_is_a_violation():
+    cfg = seed_config()
+    cfg.model.fp8 = "${nowhere.fp8}"
+    v = only(find_violations(cfg))
+    assert v.key == "model.fp8" and v.expected.startswith("a value that resolves")
+
+
+def test_interpolations_elsewhere_are_not_resolved():
+    cfg = seed_config()
+    cfg.model.ffn_hidden_size = "${multiply:4, ${.hidden_size}}"  # resolver not registered
+    cfg.model.fp8_params = "${.fp8}"  # resolvable: True
+    assert find_violations(cfg) == []
+
+
+def test_violation_str():
+    v = Violation("model.fp8", "False", "True", "model.fp8=True")
+    assert str(v) == "model.fp8: found False; expected True | fix: model.fp8=True"
+
+
+def test_check_imports_neither_nemo_nor_megatron():
+    code = textwrap.dedent("""
+        import sys
+        import nemo_fp8_align.nemo
+        from nemo_fp8_align.nemo.check import check_config
+        bad = [m for m in sys.modules if m.split('.')[0] in ('nemo', 'megatron', 'torch')]
+        print(bad)
+        assert not bad, bad
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True)
