@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from nemo_fp8_align.config import AlignConfig, Policy
 from nemo_fp8_align.nemo.check import (FP8AlignConfigError, Violation, align_config_from,
-                                       check_config, find_violations)
+                                       check_config, data_parallel_size_of, find_violations)
 
 
 def seed_config(**model_overrides):
@@ -216,6 +216,15 @@ def test_trainer_world_size_not_divisible_by_model_parallel_size():
     cfg.trainer.devices = 6  # 6 GPUs, TP*PP = 4
     v = only(find_violations(cfg))
     assert (v.key, v.found, v.fix) == ("trainer.devices", "6", "trainer.devices=8")
+
+
+def test_data_parallel_size_of():
+    assert data_parallel_size_of(seed_config()) == 2
+    assert data_parallel_size_of(seed_config().model) is None
+    cfg = seed_config(context_parallel_size=2)
+    assert data_parallel_size_of(cfg) == 1
+    cfg.trainer.devices = 12  # not a multiple of TP*PP*CP = 8
+    assert data_parallel_size_of(cfg) is None
 
 
 def test_unresolvable_trainer_devices_skip_the_microbatch_checks():

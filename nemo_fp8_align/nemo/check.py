@@ -52,7 +52,7 @@ from nemo_fp8_align.engine.schedule import InterleavedSchedule, ScheduleError
 from nemo_fp8_align.nemo.structured import BLOCK_KEY, block_fields, block_schema
 
 __all__ = ["FP8AlignConfigError", "Violation", "align_config_from", "check_config",
-           "find_violations", "PER_TENSOR_RECIPES", "SUPPORTED_OPTIMIZERS"]
+           "data_parallel_size_of", "find_violations", "PER_TENSOR_RECIPES", "SUPPORTED_OPTIMIZERS"]
 
 #: fp8_recipe values whose FP8 weights carry one scale per tensor (byte transpose is valid).
 PER_TENSOR_RECIPES = ("delayed", "tensorwise")
@@ -135,6 +135,20 @@ def find_violations(cfg: Union[DictConfig, Mapping], *,
         if dp is not None:
             _check_microbatches(reader, pp, vp, dp)
     return block_violations + reader.violations + trainer_reader.violations
+
+
+def data_parallel_size_of(cfg: Union[DictConfig, Mapping]) -> Optional[int]:
+    """DP = trainer.devices * trainer.num_nodes / (TP * PP * CP), or None when not derivable
+    (no ``trainer:`` block, ``devices: auto``, a size that does not divide, ...)."""
+    model, trainer = _split(cfg)
+    if trainer is None:
+        return None
+    reader = _Reader(model, "model.")
+    pp = reader.get("pipeline_model_parallel_size")
+    pp = 1 if pp is ABSENT else pp
+    if type(pp) is not int or pp < 1:
+        return None
+    return _data_parallel_size(reader, _Reader(trainer, "trainer."), pp)
 
 
 def align_config_from(cfg: Union[DictConfig, Mapping]) -> AlignConfig:

@@ -106,14 +106,21 @@ def run_check(args: argparse.Namespace, *, out: Optional[TextIO] = None,
         print(f"error: {error}", file=err)
         return EXIT_INVALID
 
-    from nemo_fp8_align.nemo.check import FP8AlignConfigError, align_config_from, find_violations
+    from nemo_fp8_align.nemo.check import (FP8AlignConfigError, align_config_from,
+                                           data_parallel_size_of, find_violations)
 
     violations = find_violations(cfg, data_parallel_size=args.data_parallel_size)
     if violations:
         print(f"{path}: {FP8AlignConfigError(violations)}", file=err)
         return EXIT_INVALID
     align = align_config_from(cfg)
-    state = f"policy={align.policy.value}" if align.active else "plugin inactive, nothing to check"
+    if not align.active:
+        state = "plugin inactive, nothing to check"
+    elif args.data_parallel_size is None and data_parallel_size_of(cfg) is None:
+        state = (f"policy={align.policy.value}; microbatch checks skipped: data-parallel size "
+                 "unknown, pass --data-parallel-size")
+    else:
+        state = f"policy={align.policy.value}"
     print(f"{path}: OK ({state})", file=out)
     return EXIT_OK
 

@@ -1,0 +1,191 @@
+"""``nemo-fp8-align check CONFIG.yaml [overrides...]``: exit codes, overrides, unreadable files."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nemo_fp8_align.nemo.check_cli import EXIT_INVALID, EXIT_OK, add_check_parser, run_check
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+FP8_ALIGN = CONF / "megatron_gpt_fp8_align.yaml"
+LAUNCHER = CONF / "launcher" / "gpt3_175b_fp8_align.yaml"
+
+SEED_YAML = """\
+trainer:
+  devices: 8
+  num_nodes: 1
+model:
+  pipeline_model_parallel_size: 4
+  virtual_pipeline_model_parallel_size: 2
+  num_layers: 16
+  micro_batch_size: 1
+  global_batch_size: 16
+  megatron_amp_O2: true
+  transformer_engine: true
+  fp8: true
+  fp8_hybrid: true
+  fp8_params: true
+  optim:
+    name: distributed_fused_adam
+    overlap_param_sync: true
+    overlap_grad_sync: true
+"""
+
+
+def check(*argv: str):
+    """Parse ``check *argv`` the way a main would, run it; (status, stdout, stderr)."""
+    parser = argparse.ArgumentParser(prog="nemo-fp8-align")
+    add_check_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["check", *argv])
+    out, err = io.StringIO(), io.StringIO()
+    status = args.func(args, out=out, err=err)
+    return status, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture
+def seed_yaml(tmp_path):
+    path = tmp_path / "seed.yaml"
+    path.write_text(SEED_YAML)
+    return path
+
+
+def test_valid_config_exits_0_with_one_ok_line(seed_yaml):
+    status, out, err = check(str(seed_yaml))
+    assert status == EXIT_OK == 0
+    assert out == f"{seed_yaml}: OK (policy=aligned)\n"
+    assert err == ""
+
+
+def test_overrides_are_parsed_as_yaml_values(seed_yaml):
+    # "False" must become a bool (a string would be a wrong type, with a different message).
+    status, out, err = check(str(seed_yaml), "model.fp8=False", "model.global_batch_size=12")
+    assert status == EXIT_INVALID == 2
+    assert out == ""
+    assert "2 setting(s)" in err
+    assert "model.fp8: found False; expected True" in err
+    assert "| fix: model.fp8=True" in err
+    assert "model.global_batch_size: found 12 (M = 12 / (1 * DP 2) = 6)" in err
+    assert "| fix: model.global_batch_size=16" in err
+
+
+def test_override_can_fix_a_config(seed_yaml):
+    seed_yaml.write_text(SEED_YAML.replace("fp8_params: true", "fp8_params: false"))
+    assert check(str(seed_yaml))[0] == EXIT_INVALID
+    assert check(str(seed_yaml), "model.fp8_params=True")[0] == EXIT_OK
+
+
+def test_delete_and_append_overrides(seed_yaml):
+    status, _, err = check(str(seed_yaml), "~model.fp8_params")
+    assert status == EXIT_INVALID
+    assert "model.fp8_params: found <missing>" in err and "+model.fp8_params=True" in err
+    status, _, err = check(str(seed_yaml), "~model.fp8_params", "+model.fp8_params=true")
+    assert status == EXIT_OK, err
+    status, _, err = check(str(seed_yaml), "+model.optim.align_param_gather=True",
+                           "model.optim.name=mcore_distributed_optim")
+    assert status == EXIT_OK, err
+
+
+def test_override_of_a_missing_key_without_plus_is_an_error(seed_yaml):
+    status, _, err = check(str(seed_yaml), "model.fp8_recipe=mxfp8")
+    assert status == EXIT_INVALID
+    assert "+model.fp8_recipe=mxfp8" in err  # Hydra's own hint
+    status, _, err = check(str(seed_yaml), "+model.fp8_recipe=mxfp8")
+    assert status == EXIT_INVALID and "model.fp8_recipe: found 'mxfp8'" in err
+
+
+def test_inactive_plugin_is_ok(seed_yaml):
+    status, out, _ = check(str(seed_yaml), "model.fp8=False",
+                           "+model.fp8_transpose_align.enabled=False")
+    assert status == EXIT_OK
+    assert "plugin inactive" in out
+
+
+def test_ok_line_says_when_microbatch_checks_were_skipped(seed_yaml):
+    status, out, _ = check(str(seed_yaml), "trainer.devices=auto", "model.global_batch_size=3")
+    assert status == EXIT_OK
+    assert "microbatch checks skipped" in out and "--data-parallel-size" in out
+    status, _, err = check(str(seed_yaml), "trainer.devices=auto", "model.global_batch_size=3",
+                           "--data-parallel-size", "2")
+    assert status == EXIT_INVALID and "model.global_batch_size" in err
+
+
+def test_data_parallel_size_option(seed_yaml):
+    # DP 4 instead of the trainer's 2: M = 16 / 4 = 4, still fine; DP 8: M = 2 < PP.
+    assert check(str(seed_yaml), "--data-parallel-size", "4")[0] == EXIT_OK
+    status, _, err = check(str(seed_yaml), "--data-parallel-size", "8")
+    assert status == EXIT_INVALID and "DP 8" in err
+
+
+def test_missing_file_exits_2(tmp_path):
+    status, out, err = check(str(tmp_path / "nope.yaml"))
+    assert status == EXIT_INVALID
+    assert out == ""
+    assert err == f"error: {tmp_path / 'nope.yaml'}: no such file\n"
+
+
+def test_unparseable_file_exits_2(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("model: [1,\n  fp8: }\n")
+    status, _, err = check(str(path))
+    assert status == EXIT_INVALID
+    assert err.startswith(f"error: {path}: could not compose the config")
+
+
+def test_not_a_yaml_suffix_exits_2(tmp_path):
+    path = tmp_path / "cfg.yml"
+    path.write_text(SEED_YAML)
+    status, _, err = check(str(path))
+    assert status == EXIT_INVALID and "cfg.yaml" in err
+
+
+def test_misspelt_plugin_key_in_an_override_gets_a_suggestion():
+    status, _, err = check(str(FP8_ALIGN), "model.fp8_transpose_align.polcy=lazy")
+    assert status == EXIT_INVALID
+    assert "did you mean 'policy'?" in err
+
+
+def test_misspelt_plugin_key_in_a_yaml_gets_a_suggestion(seed_yaml):
+    seed_yaml.write_text(SEED_YAML + "  fp8_transpose_align:\n    telemetry_pth: /tmp/t\n")
+    status, _, err = check(str(seed_yaml))
+    assert status == EXIT_INVALID
+    assert "model.fp8_transpose_align.telemetry_pth" in err
+    assert "did you mean 'telemetry_path'?" in err
+
+
+def test_shipped_configs_pass_and_their_overrides_are_checked():
+    assert check(str(FP8_ALIGN))[0] == EXIT_OK
+    assert check(str(LAUNCHER))[0] == EXIT_OK
+    status, _, err = check(str(LAUNCHER), "model.virtual_pipeline_model_parallel_size=5")
+    assert status == EXIT_INVALID
+    assert "| fix: model.virtual_pipeline_model_parallel_size=4" in err
+    status, _, err = check(str(FP8_ALIGN), "model.fp8_transpose_align.policy=eager")
+    assert status == EXIT_INVALID and "one of: aligned, lazy, off" in err
+
+
+def test_subprocess_exit_codes(seed_yaml):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "nemo_fp8_align.nemo.check_cli"]
+    ok = subprocess.run([*cmd, str(seed_yaml)], env=env, capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.strip().endswith("OK (policy=aligned)")
+    bad = subprocess.run([*cmd, str(seed_yaml), "model.fp8_params=false"], env=env,
+                         capture_output=True, text=True)
+    assert bad.returncode == 2
+    assert "model.fp8_params: found False" in bad.stderr
+    missing = subprocess.run([*cmd, "/nonexistent/x.yaml"], env=env, capture_output=True,
+                             text=True)
+    assert missing.returncode == 2 and "no such file" in missing.stderr
+
+
+def test_run_check_defaults_to_sys_streams(seed_yaml, capsys):
+    args = argparse.Namespace(config=str(seed_yaml), overrides=[], data_parallel_size=None)
+    assert run_check(args) == EXIT_OK
+    assert "OK" in capsys.readouterr().out
