@@ -130,7 +130,7 @@ def _megatron_accepts(monkeypatch, pp, m, n):
         # megatron-core >= 0.14 takes its process groups as arguments: hand it a PP group of
         # the size under test, so no process group has to exist.
         group = SimpleNamespace(size=lambda: pp, rank=lambda: 0)
-        kwargs = dict(p2p_communicator=SimpleNamespace(pp_group=group),
+        kwargs = dict(p2p_communicator=SimpleNamespace(pp_group=group, config=config),
                       pg_collection=SimpleNamespace(tp=group, cp=group, embd=None, pos_embd=None,
                                                     pp=group, dp_cp=group))
         early_reads = 2  # it reads the model type (hasattr + getattr) before the shape checks
