@@ -102,6 +102,9 @@ def check_config(cfg: Union[DictConfig, Mapping], *, data_parallel_size: Optiona
                  ) -> None:
     """Raise :class:`FP8AlignConfigError` listing every violation; return None when valid.
 
+    When ``model.fp8_transpose_align`` says ``enabled: false`` or ``policy: off`` the plugin is
+    inactive and only errors inside that block itself are reported.
+
     Args:
         cfg: the full training config (``trainer:``, ``model:``, ...) or just its model node.
         data_parallel_size: DP for the microbatch checks; derived from ``trainer:`` when None.
@@ -113,7 +116,11 @@ def check_config(cfg: Union[DictConfig, Mapping], *, data_parallel_size: Optiona
 
 def find_violations(cfg: Union[DictConfig, Mapping], *,
                     data_parallel_size: Optional[int] = None) -> List[Violation]:
-    """Every violation in ``cfg`` (see the module docstring); empty when valid or inactive."""
+    """Every violation in ``cfg``, in a stable order (see the module docstring).
+
+    Empty when the config is valid, and when the plugin block says ``enabled: false`` or
+    ``policy: off`` (plugin inactive; errors inside the block itself are still listed).
+    """
     model, trainer = _split(cfg)
     reader = _Reader(model, "model.")
     block_violations, align = _read_block(reader)
@@ -157,7 +164,9 @@ def align_config_from(cfg: Union[DictConfig, Mapping]) -> AlignConfig:
     Raises :class:`FP8AlignConfigError` when the block has unknown keys or invalid values.
     """
     model, _ = _split(cfg)
-    violations, align = _read_block(_Reader(model, "model."))
+    reader = _Reader(model, "model.")
+    violations, align = _read_block(reader)
+    violations += reader.violations  # an unresolvable block
     if violations:
         raise FP8AlignConfigError(violations)
     return align
@@ -236,7 +245,8 @@ class _Reader:
                 f"{self.prefix}{key}=<a literal value>"))
             return UNRESOLVED
 
-    def fix(self, key: str, value: Any, present: bool) -> str:
+    def override(self, key: str, value: Any, present: bool) -> str:
+        """The Hydra override setting ``key`` to ``value`` (``+`` when the key is absent)."""
         return f"{'' if present else '+'}{self.prefix}{key}={_hydra_value(value)}"
 
     def add(self, key: str, found: Any, expected: str, value: Any = None, *,
@@ -245,7 +255,7 @@ class _Reader:
         if found is UNRESOLVED:
             return  # already reported by get()
         if fix is None:
-            fix = self.fix(key, value, present=found is not ABSENT)
+            fix = self.override(key, value, present=found is not ABSENT)
         self.violations.append(Violation(self.prefix + key, _show(found), expected, fix))
 
     def require_true(self, key: str, why: str) -> bool:
@@ -462,7 +472,7 @@ def _check_microbatches(reader: _Reader, pp: int, vp: int, dp: int) -> None:
     found = f"{gbs} (M = {gbs} / ({mbs} * DP {dp}) = {gbs / per_microbatch:g})"
     reader.violations.append(Violation(
         reader.prefix + "global_batch_size", found, error,
-        reader.fix("global_batch_size", _valid_gbs(pp, vp, m, n, per_microbatch), True)))
+        reader.override("global_batch_size", _valid_gbs(pp, vp, m, n, per_microbatch), True)))
 
 
 def _schedule_error(pp: int, vp: int, m: int, n: Optional[int]) -> Optional[str]:
