@@ -1,0 +1,332 @@
+"""``FP8TransposeAlignMixin``: aligned FP8 weight transposes for NeMo's ``MegatronGPTModel``.
+
+Put it first in the bases::
+
+    class MegatronGPTFP8AlignModel(FP8TransposeAlignMixin, MegatronGPTModel):
+        pass
+
+What it adds to the model (nemo_toolkit 2.3.3, NeMo 1.x GPT path):
+
+* construction: the startup check (:func:`nemo_fp8_align.nemo.check.check_config`) runs on the
+  model config *before* ``MegatronGPTModel`` builds anything, and raises one error listing every
+  violation with its Hydra fix;
+* ``on_train_start``: one :class:`~nemo_fp8_align.engine.aligner.TransposeAligner` per rank over
+  ``self.model`` (the chunks the schedule calls), with the optimizer's chunk param-sync adapter
+  (``optim.name=distributed_fused_adam``: :class:`~nemo_fp8_align.nemo.apex_sync.ApexParamSync`;
+  ``mcore_distributed_optim``: :class:`~nemo_fp8_align.engine.mcore_sync.McoreParamSync`);
+* training ``fwd_bwd_step``: NeMo re-binds ``config.param_sync_func`` on every call, so the
+  mixin does not wrap the config. Apex path: it overrides ``sync_overlap_parameters`` (what NeMo
+  binds) and tells the aligner which chunk was launched. Megatron-core path: NeMo binds
+  ``[chunk.start_param_sync for chunk in self.model]``, so for the duration of the training
+  ``fwd_bwd_step`` each chunk's ``start_param_sync`` is shadowed by the aligner's wrapper;
+  nothing else calls it there (the optimizer step and checkpointing run outside);
+* ``on_train_end`` / ``teardown``: hooks removed, wrappers gone (idempotent).
+
+Forward-only passes (validation) never launch through the wrappers, so they trigger nothing.
+
+FP8 weights: ``model.fp8_params=True`` means Transformer Engine ``Float8Tensor`` parameters
+(:attr:`FP8Weights.TE`, backend ``nemo_fp8_align.fp8.te_backend``). Where TE is absent (the CPU
+smoke run), a model class may set ``fp8_align_weights = FP8Weights.REFERENCE``: each chunk's
+2-D linear weights then get a plain-torch :class:`~nemo_fp8_align.fp8.reference.ReferenceFP8Weight`
+shadow, rebuilt (cast, scale, transpose) from the all-gathered parameter at the chunk's slot.
+The GPT's GEMMs do not read those shadows: they exercise where and when the transposes are
+built, not FP8 numerics; the TE-only config keys are then not required by the startup check.
+
+It also carries a workaround for a megatron-core 0.12.3 bucketing bug that stops NeMo's
+interleaved path with ``mcore_distributed_optim`` ("Param should not be in param_gbuf_map"):
+see :func:`shared_embedding_bucket_workaround`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+from typing import Any, Dict, Iterator, List, Optional, Sequence
+
+import torch
+
+from nemo_fp8_align.config import AlignConfig
+
+__all__ = ["FP8TransposeAlignMixin", "FP8Weights", "SharedEmbeddingBucketError",
+           "shared_embedding_bucket_workaround", "startup_check"]
+
+logger = logging.getLogger(__name__)
+
+#: Config keys that only make sense with Transformer Engine FP8 weights; not required when the
+#: model uses reference FP8 shadows (TE absent).
+_TE_ONLY_KEYS = ("model.transformer_engine", "model.fp8", "model.fp8_params", "model.fp8_hybrid",
+                 "model.fp8_e4m3")
+
+
+class FP8Weights(str, enum.Enum):
+    """Which FP8 weights the aligner transposes."""
+
+    #: Transformer Engine ``Float8Tensor`` parameters (``model.fp8_params=True``).
+    TE = "te"
+    #: Plain-torch reference FP8 shadows of each chunk's 2-D linear weights (no TE needed).
+    REFERENCE = "reference"
+
+
+class SharedEmbeddingBucketError(RuntimeError):
+    """megatron-core 0.12.3 put a parameter into two buckets of one gradient buffer."""
+
+
+def startup_check(cfg: Any, trainer: Any = None, *,
+                  weights: FP8Weights = FP8Weights.TE) -> AlignConfig:
+    """Check the model config; return the plugin's :class:`AlignConfig`.
+
+    Raises :class:`~nemo_fp8_align.nemo.check.FP8AlignConfigError` listing every violation.
+    ``trainer`` (when given) supplies the data-parallel size for the microbatch rules.
+    """
+    from nemo_fp8_align.nemo.check import (FP8AlignConfigError, align_config_from,
+                                           find_violations)
+
+    violations = find_violations(cfg, data_parallel_size=_data_parallel_size(cfg, trainer))
+    if weights is FP8Weights.REFERENCE:
+        violations = [v for v in violations if v.key not in _TE_ONLY_KEYS]
+    if violations:
+        raise FP8AlignConfigError(violations)
+    return align_config_from(cfg)
+
+
+def _data_parallel_size(cfg: Any, trainer: Any) -> Optional[int]:
+    world = getattr(trainer, "world_size", None)
+    if not isinstance(world, int) or world < 1:
+        return None
+    model_parallel = 1
+    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                "context_parallel_size"):
+        value = cfg.get(key, 1)
+        model_parallel *= value if isinstance(value, int) and value > 0 else 1
+    return world // model_parallel if world % model_parallel == 0 else None
+
+
+@contextlib.contextmanager
+def shared_embedding_bucket_workaround(chunks: Sequence[torch.nn.Module], *,
+                                       data_parallel_size: int) -> Iterator[None]:
+    """Build megatron-core DDP around ``chunks`` without 0.12.3's shared-embedding bucket bug.
+
+    megatron-core 0.12.3 gives a ``shared_embedding`` parameter its own bucket when the
+    distributed optimizer is used. When it closes the bucket before that parameter it pads the
+    bucket's end to a multiple of lcm(DP, 128) only if the running offset is not already a
+    multiple of DP, but the parameter's own start is not moved to that padded end. If the
+    offset is a multiple of DP but not of lcm(DP, 128) (e.g. DP=1 and parameters whose sizes
+    are not multiples of 128), the shared parameter starts inside the previous bucket, the
+    DistributedOptimizer finds it in two buckets and asserts "Param should not be in
+    param_gbuf_map". Fixed upstream by 0.16 (the parameter starts at the padded end).
+
+    The separate bucket only matters with DP > 1 (both pipeline ends must shard the shared
+    weight the same way across data-parallel replicas). So with DP == 1 the flag is hidden while
+    the buffers are built, and restored afterwards; with DP > 1 the buffers are checked after
+    construction and a :class:`SharedEmbeddingBucketError` names the cause and the fixes.
+    """
+    flagged = [p for chunk in chunks for p in chunk.parameters()
+               if getattr(p, "shared_embedding", False)]
+    hide = data_parallel_size == 1 and bool(flagged)
+    if hide:
+        for p in flagged:
+            p.shared_embedding = False
+    try:
+        yield
+    finally:
+        if hide:
+            for p in flagged:
+                p.shared_embedding = True
+
+
+def check_buckets(ddp_chunks: Sequence[Any]) -> None:
+    """Raise :class:`SharedEmbeddingBucketError` if a parameter spills out of its bucket."""
+    for c, ddp in enumerate(ddp_chunks):
+        for buffer in list(getattr(ddp, "buffers", [])) + list(
+                getattr(ddp, "expert_parallel_buffers", [])):
+            indices = getattr(buffer, "bucket_indices", None)
+            if indices is None:
+                continue
+            for param, (start, end, bucket_id) in buffer.param_index_map.items():
+                b_start, b_end = indices[bucket_id]
+                if start < b_start or end > b_end:
+                    raise SharedEmbeddingBucketError(
+                        f"model chunk {c}: a parameter of shape {tuple(param.shape)} occupies "
+                        f"[{start}, {end}) of its gradient buffer but its bucket {bucket_id} is "
+                        f"[{b_start}, {b_end}): megatron-core 0.12.3's shared-embedding bucket "
+                        "padding bug (the DistributedOptimizer would assert 'Param should not "
+                        "be in param_gbuf_map'). Use hidden_size / ffn_hidden_size that are "
+                        "multiples of 128, a data-parallel size that is a multiple of 128 or "
+                        "1, or model.share_embeddings_and_output_weights=False.")
+
+
+class FP8TransposeAlignMixin:
+    """Adds aligned FP8 weight transposes to ``MegatronGPTModel`` (list it first in the bases).
+
+    Class attribute:
+        fp8_align_weights: :class:`FP8Weights` the aligner transposes (default TE).
+    """
+
+    fp8_align_weights: FP8Weights = FP8Weights.TE
+
+    def __init__(self, cfg: Any, trainer: Any, *args: Any, **kwargs: Any) -> None:
+        # Before MegatronGPTModel builds anything: a bad config fails in seconds, not after
+        # model construction and process-group setup.
+        align = startup_check(cfg, trainer, weights=FP8Weights(self.fp8_align_weights))
+        super().__init__(cfg, trainer, *args, **kwargs)
+        self._fp8_align_config = align
+        self._fp8_aligner: Any = None
+        self._fp8_align_reference: List[Any] = []
+        self._fp8_align_chunk_of_first_param: Dict[int, int] = {}
+        self._fp8_align_in_training_step = False
+
+    # ------------------------------------------------------------------ public state
+    @property
+    def fp8_align_config(self) -> AlignConfig:
+        """The plugin's settings read from ``model.fp8_transpose_align``."""
+        return self._fp8_align_config
+
+    @property
+    def fp8_aligner(self) -> Any:
+        """The rank's :class:`TransposeAligner` while training (None otherwise)."""
+        return self._fp8_aligner
+
+    # ------------------------------------------------------------------ megatron-core DDP
+    def setup_mcore_distributed_parallel(self) -> None:
+        from megatron.core import parallel_state
+
+        chunks = self.model if isinstance(self.model, list) else [self.model]
+        dp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+        with shared_embedding_bucket_workaround(chunks, data_parallel_size=dp):
+            super().setup_mcore_distributed_parallel()
+        if getattr(self, "use_mcore_dist_optim", False):
+            check_buckets(self.model if isinstance(self.model, list) else [self.model])
+
+    # ------------------------------------------------------------------ lifecycle
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self.fp8_align_attach()
+
+    def on_train_end(self) -> None:
+        self.fp8_align_detach()
+        super().on_train_end()
+
+    def teardown(self, stage: str) -> None:
+        self.fp8_align_detach()
+        super().teardown(stage)
+
+    def fp8_align_attach(self) -> bool:
+        """Build and attach the rank's aligner (idempotent); returns whether it is active."""
+        if self._fp8_aligner is not None:
+            return self._fp8_aligner.attached
+        if not self._fp8_align_config.active:
+            logger.info("nemo_fp8_align: disabled by model.fp8_transpose_align")
+            return False
+        aligner = self._fp8_align_build()
+        if aligner is None or not aligner.attach():
+            return False
+        self._fp8_aligner = aligner
+        return True
+
+    def fp8_align_detach(self) -> None:
+        """Remove the aligner's hooks (idempotent)."""
+        if self._fp8_aligner is not None:
+            self._fp8_aligner.detach()
+            self._fp8_aligner = None
+        self._fp8_align_in_training_step = False
+
+    def _fp8_align_chunks(self) -> List[torch.nn.Module]:
+        return list(self.model) if isinstance(self.model, list) else [self.model]
+
+    def _fp8_align_build(self) -> Any:
+        from megatron.core import parallel_state
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+        from megatron.core.utils import get_model_config
+
+        from nemo_fp8_align.engine.aligner import TransposeAligner
+        from nemo_fp8_align.engine.schedule import InterleavedSchedule
+        from nemo_fp8_align.engine.telemetry import TelemetryWriter
+
+        chunks = self._fp8_align_chunks()
+        model_config = get_model_config(chunks[0])
+        schedule = InterleavedSchedule(
+            pp=parallel_state.get_pipeline_model_parallel_world_size(), vp=len(chunks),
+            microbatches=get_num_microbatches(),
+            group_size=getattr(model_config, "microbatch_group_size_per_vp_stage", None))
+        # Collected before the first optimizer step, while Apex's pre-forward hooks are still
+        # disarmed: iterating parameters and reading their types touches no hooked attribute.
+        weights, backend = self._fp8_align_weights(chunks)
+        self._fp8_align_chunk_of_first_param = {
+            id(next(iter(chunk.parameters()))): c for c, chunk in enumerate(chunks)}
+        path = self._fp8_align_config.telemetry_path
+        telemetry = None
+        if path:
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+            telemetry = TelemetryWriter(path.replace("{rank}", str(rank)))
+        return TransposeAligner(
+            chunks, schedule=schedule,
+            pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+            dp_rank=parallel_state.get_data_parallel_rank(with_context_parallel=True),
+            param_sync=self._fp8_align_param_sync(chunks), weights=weights, backend=backend,
+            config=self._fp8_align_config, telemetry=telemetry)
+
+    def _fp8_align_param_sync(self, chunks: Sequence[torch.nn.Module]) -> Any:
+        if getattr(self, "use_mcore_dist_optim", False):
+            from nemo_fp8_align.engine.mcore_sync import McoreParamSync
+
+            return McoreParamSync(chunks)
+        from nemo_fp8_align.nemo.apex_sync import ApexParamSync
+
+        return ApexParamSync(self._optimizer, [list(c.parameters()) for c in chunks])
+
+    def _fp8_align_weights(self, chunks: Sequence[torch.nn.Module]) -> Any:
+        if FP8Weights(self.fp8_align_weights) is FP8Weights.REFERENCE:
+            from nemo_fp8_align.fp8.reference import ReferenceBackend, ReferenceFP8Weight
+
+            weights = [[ReferenceFP8Weight(p, name=f"chunk{c}.{n}")
+                        for n, p in chunk.named_parameters()
+                        if p.dim() == 2 and "embedding" not in n]
+                       for c, chunk in enumerate(chunks)]
+            self._fp8_align_reference = [w for ws in weights for w in ws]
+            return weights, ReferenceBackend(
+                use_triton_kernel=self._fp8_align_config.use_triton_kernel)
+        from nemo_fp8_align.fp8 import te_backend
+
+        backend = te_backend.make_backend(self._fp8_align_config)
+        return [[p for p in chunk.parameters() if backend.is_fp8_weight(p)]
+                for chunk in chunks], backend
+
+    # ------------------------------------------------------------------ per step
+    def fwd_bwd_step(self, dataloader_iter: Any, forward_only: bool,
+                     first_val_step: Any = None) -> Any:
+        aligner = self._fp8_aligner
+        if forward_only or aligner is None or not aligner.attached:
+            return super().fwd_bwd_step(dataloader_iter, forward_only, first_val_step)
+        # The optimizer step changed the high-precision weights: the shadows are stale.
+        for weight in self._fp8_align_reference:
+            weight.invalidate()
+        with self._fp8_align_launch_notifications(aligner):
+            return super().fwd_bwd_step(dataloader_iter, forward_only, first_val_step)
+
+    @contextlib.contextmanager
+    def _fp8_align_launch_notifications(self, aligner: Any) -> Iterator[None]:
+        shadowed: List[torch.nn.Module] = []
+        self._fp8_align_in_training_step = True
+        try:
+            if getattr(self, "use_mcore_dist_optim", False):
+                # NeMo builds param_sync_func from these attributes inside fwd_bwd_step.
+                for c, chunk in enumerate(self._fp8_align_chunks()):
+                    chunk.start_param_sync = aligner.param_sync_wrapper(c, chunk.start_param_sync)
+                    shadowed.append(chunk)
+            yield
+        finally:
+            self._fp8_align_in_training_step = False
+            for chunk in shadowed:
+                del chunk.start_param_sync
+
+    def sync_overlap_parameters(self, params: Any = None) -> None:
+        aligner = self._fp8_aligner
+        if params is None or aligner is None or not self._fp8_align_in_training_step:
+            return super().sync_overlap_parameters(params)
+        params = list(params)  # the schedule passes a generator: read it once
+        super().sync_overlap_parameters(params)
+        chunk = self._fp8_align_chunk_of_first_param.get(id(params[0])) if params else None
+        if chunk is not None:
+            aligner.on_param_sync_launched(chunk)
+        return None
