@@ -1,0 +1,237 @@
+"""The aligner's hooks on one simulated rank: slots, exactly-once, handles, forward-only."""
+
+import json
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from nemo_fp8_align.config import AlignConfig, Policy
+from nemo_fp8_align.engine.aligner import TransposeAligner
+from nemo_fp8_align.engine.schedule import AT_START, InterleavedSchedule
+from nemo_fp8_align.engine.telemetry import TelemetryWriter, read_records
+
+
+class FakeWeight:
+    def __init__(self):
+        self.valid = False
+        self.builds = 0
+
+
+class FakeBackend:
+    name = "fake"
+
+    def __init__(self, needed=True):
+        self.needed = needed
+
+    def transpose_needed(self):
+        return self.needed, "fake backend says so"
+
+    def has_valid_transpose(self, w):
+        return w.valid
+
+    def build_transposes(self, weights):
+        stale = [w for w in weights if not w.valid]
+        for w in stale:
+            w.valid, w.builds = True, w.builds + 1
+        return len(stale)
+
+
+class FakeSync:
+    """Records launches and finishes; refuses to finish a chunk that was never launched."""
+
+    def __init__(self):
+        self.log, self.launched, self.done = [], set(), set()
+        self.report_finished = True
+
+    def launcher(self, chunk):
+        def launch(*_):
+            self.launched.add(chunk)
+            self.log.append(("launch", chunk))
+        return launch
+
+    def finish(self, chunk):
+        if chunk not in self.launched:
+            raise AssertionError(f"finish({chunk}) before its launch")
+        self.done.add(chunk)
+        self.log.append(("finish", chunk))
+        return self.report_finished
+
+    def finished(self, chunk):
+        return chunk in self.done
+
+    def new_step(self):
+        self.launched.clear()
+        self.done.clear()
+
+
+class Chunk(torch.nn.Module):
+    """Builds its weights' transposes lazily at first use, as TE and the reference linear do."""
+
+    def __init__(self, weights, backend):
+        super().__init__()
+        self.weights, self.backend = weights, backend
+
+    def forward(self, x):
+        if torch.is_grad_enabled():
+            self.backend.build_transposes(self.weights)
+        return x
+
+
+def make_rank(pp=4, vp=3, m=8, rank=1, policy=Policy.ALIGNED, n_weights=2, needed=True):
+    schedule = InterleavedSchedule(pp, vp, m)
+    backend, sync = FakeBackend(needed), FakeSync()
+    weights = [[FakeWeight() for _ in range(n_weights)] for _ in range(vp)]
+    chunks = [Chunk(w, backend) for w in weights]
+    config = SimpleNamespace(param_sync_func=[sync.launcher(c) for c in range(vp)])
+    aligner = TransposeAligner(chunks, schedule=schedule, pp_rank=rank, dp_rank=0, param_sync=sync,
+                               weights=weights, backend=backend, config=AlignConfig(policy=policy))
+    return SimpleNamespace(schedule=schedule, sync=sync, weights=weights, chunks=chunks,
+                           config=config, aligner=aligner, rank=rank)
+
+
+def run_training_step(r):
+    """Drive one rank the way megatron-core's interleaved schedule does."""
+    s, funcs = r.schedule, r.config.param_sync_func
+    funcs[0]()
+    funcs[1]()
+    for v in range(s.total):
+        t = v + r.rank
+        if t < s.total and s.forward_table[t][0] == 0 and 1 < s.chunk_of(t) + 1 < s.vp:
+            funcs[s.chunk_of(t) + 1]()
+        r.chunks[s.chunk_of(v)](torch.ones(1))
+    for ws in r.weights:  # the optimizer step: next step's all-gather brings new values
+        for w in ws:
+            w.valid = False
+    r.sync.new_step()
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2, 3])
+def test_aligned_every_chunk_at_its_slot_once(rank):
+    r = make_rank(rank=rank)
+    assert r.aligner.attach(r.config)
+    for _ in range(3):
+        run_training_step(r)
+    recs = r.aligner.records
+    assert len(recs) == 3 * r.schedule.vp
+    for rec in recs:
+        assert rec.slot == r.schedule.aligned_slot(rec.chunk)
+        assert rec.vmid == r.schedule.trigger_vmid(rank, rec.chunk)
+        assert rec.transposed == rec.weights == 2 and rec.after_all_gather
+    assert {rec.chunk for rec in recs if rec.step == 2} == {0, 1, 2}  # the last chunk too
+    assert all(w.builds == 3 for ws in r.weights for w in ws)  # exactly once per step
+
+
+def test_chunk0_is_finished_after_both_preloop_launches():
+    r = make_rank(rank=2)
+    r.aligner.attach(r.config)
+    run_training_step(r)
+    assert r.sync.log[:3] == [("launch", 0), ("launch", 1), ("finish", 0)]
+    assert r.aligner.records[0].vmid == AT_START and r.aligner.records[0].slot == 0
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_lazy_only_observes_first_use(rank):
+    r = make_rank(rank=rank, policy=Policy.LAZY)
+    r.aligner.attach(r.config)
+    run_training_step(r)
+    assert not [e for e in r.sync.log if e[0] == "finish"]  # lazy never finishes anything
+    for rec in r.aligner.records:
+        assert rec.vmid == r.schedule.first_vmid(rec.chunk)
+        assert rec.slot == r.schedule.aligned_slot(rec.chunk) + rank
+        assert rec.transposed == 2 and rec.seconds is None
+
+
+def test_attach_detach_idempotent_and_leak_free():
+    r = make_rank()
+    original = r.config.param_sync_func
+    assert r.aligner.attach(r.config) and r.aligner.attach(r.config)
+    assert [len(c._forward_pre_hooks) for c in r.chunks] == [1, 1, 1]
+    r.aligner.detach()
+    r.aligner.detach()
+    assert all(not c._forward_pre_hooks and not c._forward_hooks for c in r.chunks)
+    assert r.config.param_sync_func is original
+    run_training_step(r)  # detached: nothing recorded, weights built lazily by the chunks
+    assert r.aligner.records == []
+    assert r.aligner.attach(r.config)  # re-attach works after detach
+    run_training_step(r)
+    assert len(r.aligner.records) == 3
+
+
+def test_forward_only_passes_do_nothing():
+    r = make_rank()
+    r.aligner.attach(r.config)
+    with torch.no_grad():  # forward-only: the schedule calls no param_sync_func
+        for v in range(r.schedule.total):
+            r.chunks[r.schedule.chunk_of(v)](torch.ones(1))
+    assert r.aligner.records == [] and r.sync.log == []
+    run_training_step(r)
+    n = len(r.aligner.records)
+    with torch.no_grad():  # evaluation after a training step
+        for v in range(r.schedule.total):
+            r.chunks[r.schedule.chunk_of(v)](torch.ones(1))
+    assert len(r.aligner.records) == n
+
+
+def test_schedule_mismatch_is_an_error():
+    r = make_rank(m=8)
+    r.aligner.attach(r.config)
+    r.config.param_sync_func[0]()
+    r.config.param_sync_func[1]()
+    with pytest.raises(RuntimeError, match="runs chunk 0 there"):
+        r.chunks[1](torch.ones(1))
+
+
+def test_inactive_where_no_transpose_is_needed(caplog):
+    r = make_rank(needed=False)
+    with caplog.at_level(logging.INFO):
+        assert not r.aligner.attach(r.config)
+    assert "fake backend says so" in caplog.text
+    assert all(not c._forward_pre_hooks for c in r.chunks)
+
+
+def test_policy_off_attaches_nothing():
+    r = make_rank(policy=Policy.OFF)
+    assert not r.aligner.attach(r.config)
+    assert not r.aligner.attached
+
+
+def test_missing_param_sync_func_names_the_fix():
+    r = make_rank()
+    with pytest.raises(ValueError, match="align_param_gather=True"):
+        r.aligner.attach(SimpleNamespace(param_sync_func=None))
+    assert not r.aligner.attached
+
+
+def test_wrong_chunk_count_is_rejected():
+    r = make_rank()
+    with pytest.raises(ValueError, match="virtual_pipeline_model_parallel_size=3"):
+        TransposeAligner(r.chunks[:2], schedule=r.schedule, pp_rank=0, dp_rank=0,
+                         param_sync=r.sync, weights=r.weights, backend=FakeBackend(),
+                         config=AlignConfig())
+
+
+def test_telemetry_lines(tmp_path):
+    r = make_rank(rank=3)
+    path = tmp_path / "t.jsonl"
+    r.aligner.telemetry = TelemetryWriter(str(path))
+    r.aligner.attach(r.config)
+    run_training_step(r)
+    r.aligner.detach()
+    rows = read_records([str(path)])
+    assert len(rows) == 3
+    for row in rows:
+        assert {"step", "pp_rank", "dp_rank", "chunk", "policy", "vmid", "slot", "transposed",
+                "after_all_gather"} <= set(row)
+        assert row["pp_rank"] == 3 and row["policy"] == "aligned"
+        assert row["slot"] == (0 if row["vmid"] == -1 else row["vmid"] + 3)
+    json.dumps(rows)
+
+
+def test_unfinished_all_gather_is_reported():
+    r = make_rank()
+    r.sync.report_finished = False
+    r.aligner.attach(r.config)
+    run_training_step(r)
+    assert not any(rec.after_all_gather for rec in r.aligner.records)

@@ -1,0 +1,25 @@
+import pytest
+import torch
+
+from nemo_fp8_align.compat.cpu import enable_cpu_compat
+
+
+def test_redirects_and_undo():
+    original_type = torch.Tensor.type
+    compat = enable_cpu_compat()
+    try:
+        assert torch.zeros(2, device="cuda").device.type == "cpu"
+        assert torch.ones(1).cuda().device.type == "cpu"
+        assert torch.ones(1).type() == "torch.cuda.FloatTensor"
+        torch.cuda.synchronize()
+    finally:
+        compat.undo()
+        compat.undo()  # idempotent
+    assert torch.Tensor.type is original_type
+    assert torch.ones(1).type() == "torch.FloatTensor"
+
+
+def test_refuses_on_a_gpu_machine(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(RuntimeError, match="refuses to patch"):
+        enable_cpu_compat()

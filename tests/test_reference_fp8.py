@@ -1,0 +1,68 @@
+"""The plain-torch FP8 weight: cast/scale, transpose cache, and the GEMMs that read them."""
+
+import pytest
+import torch
+
+from nemo_fp8_align.fp8.reference import FP8_E4M3_MAX, ReferenceBackend, ReferenceFP8Weight
+from nemo_fp8_align.fp8.reference_linear import ReferenceFP8Linear
+
+
+def test_quantize_and_transpose_bytes():
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(7, 5))
+    w = ReferenceFP8Weight(p, name="w")
+    backend = ReferenceBackend()
+    assert backend.build_transposes([w]) == 1
+    assert torch.equal(w.transpose.view(torch.uint8), w.data.view(torch.uint8).t())
+    assert w.data.float().abs().max().item() == pytest.approx(FP8_E4M3_MAX)
+    # dequantised weight close to the source (e4m3 has a 3-bit mantissa)
+    assert torch.allclose(w.dequantized(), p.detach(), rtol=0.07, atol=1e-3)
+    assert backend.build_transposes([w]) == 0  # still valid: no second transpose
+    assert w.transposes_built == 1
+
+
+def test_invalidate_then_rebuild_sees_new_values():
+    p = torch.nn.Parameter(torch.ones(4, 3))
+    w = ReferenceFP8Weight(p)
+    backend = ReferenceBackend()
+    backend.build_transposes([w])
+    with torch.no_grad():
+        p.mul_(-2)
+    w.invalidate()
+    assert not backend.has_valid_transpose(w)
+    backend.build_transposes([w])
+    assert torch.all(w.dequantized_transpose() == -2)
+    assert w.transposes_built == 2
+
+
+def test_linear_forward_builds_lazily_and_backward_uses_transpose():
+    torch.manual_seed(0)
+    lin = ReferenceFP8Linear(6, 4, backend=ReferenceBackend(), name="lin")
+    x = torch.randn(3, 6, requires_grad=True)
+    y = lin(x)
+    assert lin.fp8_weight.transposes_built == 1
+    w = lin.fp8_weight.dequantized()
+    assert torch.allclose(y, x @ w.t())
+    y.sum().backward()
+    assert torch.allclose(x.grad, torch.ones(3, 4) @ w)
+    assert torch.allclose(lin.weight.grad, torch.ones(3, 4).t() @ x.detach())
+
+
+def test_no_transpose_without_grad():
+    lin = ReferenceFP8Linear(6, 4, backend=ReferenceBackend())
+    with torch.no_grad():
+        lin(torch.randn(2, 6))
+    assert lin.fp8_weight.transposes_built == 0 and lin.fp8_weight.data_valid
+
+
+def test_stale_transpose_in_backward_is_an_error():
+    lin = ReferenceFP8Linear(6, 4, backend=ReferenceBackend(), name="lin")
+    y = lin(torch.randn(2, 6, requires_grad=True))
+    lin.fp8_weight.invalidate()  # something reset the cache between forward and backward
+    with pytest.raises(RuntimeError, match="invariant 4"):
+        y.sum().backward()
+
+
+def test_non_2d_source_rejected():
+    with pytest.raises(ValueError, match="must be 2-D"):
+        ReferenceFP8Weight(torch.nn.Parameter(torch.ones(3)), name="b")
