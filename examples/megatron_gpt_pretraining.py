@@ -33,6 +33,9 @@ if _on_cpu():
 
     enable_nemo_cpu_compat()
 
+import json  # noqa: E402
+
+from lightning.pytorch import Callback  # noqa: E402
 from nemo.collections.nlp.models.language_modeling.megatron_gpt_model import MegatronGPTModel  # noqa: E402
 from nemo.collections.nlp.parts.megatron_trainer_builder import MegatronTrainerBuilder  # noqa: E402
 from nemo.core.config import hydra_runner  # noqa: E402
@@ -65,11 +68,28 @@ class MegatronGPTFP8AlignReferenceModel(MegatronGPTFP8AlignModel):
     fp8_align_weights = FP8Weights.REFERENCE
 
 
+class LossReport(Callback):
+    """Writes each step's ``reduced_train_loss`` (rank 0 holds it) to ``<report_dir>/loss.jsonl``,
+    for the smoke run's plugin-on / plugin-off comparison. Enabled by ``report_dir=<dir>``."""
+
+    def __init__(self, report_dir: str) -> None:
+        self.path = os.path.join(report_dir, "loss.jsonl")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = trainer.callback_metrics.get("reduced_train_loss")
+        if trainer.global_rank != 0 or loss is None:
+            return
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"step": trainer.global_step, "loss": float(loss)}) + "\n")
+
+
 @hydra_runner(config_path="../conf", config_name="megatron_gpt_fp8_align")
 def main(cfg) -> None:
     logging.info("\n\n************** Experiment configuration ***********")
     logging.info(f"\n{OmegaConf.to_yaml(cfg)}")
-    trainer = MegatronTrainerBuilder(cfg).create_trainer()
+    report_dir = cfg.get("report_dir")
+    callbacks = [LossReport(report_dir)] if report_dir else None
+    trainer = MegatronTrainerBuilder(cfg).create_trainer(callbacks=callbacks)
     exp_manager(trainer, cfg.exp_manager)
     on_cpu = cfg.trainer.get("accelerator") == "cpu"
     model_cls = MegatronGPTFP8AlignReferenceModel if on_cpu else MegatronGPTFP8AlignModel
