@@ -7,7 +7,7 @@ VENV16 ?= .venv-mcore016
 PIP_FLAGS ?= -q --disable-pip-version-check
 DEMO_ARGS ?= --pp 2 --vp 2 --dp 2 --microbatches 4 --steps 3 --policy aligned --telemetry telemetry.jsonl
 
-.PHONY: install install-mcore016 demo test
+.PHONY: install install-mcore016 demo test smoke
 
 $(VENV)/.installed: requirements/cpu.txt requirements/nodeps.txt requirements/constraints.txt pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -32,3 +32,6 @@ demo: install
 test: install install-mcore016
 	$(VENV)/bin/python -m pytest -q
 	$(VENV16)/bin/python -m pytest -q -m "not nemo" tests/test_schedule.py tests/test_engine_mcore.py
+
+smoke: install
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH bash scripts/smoke_nemo.sh
