@@ -118,25 +118,18 @@ def _train(opts: DemoOptions, telemetry_path: Optional[str]) -> Dict[str, Any]:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from nemo_fp8_align.engine.aligner import TransposeAligner
-    from nemo_fp8_align.engine.mcore_sync import McoreParamSync
-    from nemo_fp8_align.engine.schedule import InterleavedSchedule
-    from nemo_fp8_align.engine.telemetry import TelemetryWriter
+    from nemo_fp8_align.engine.api import align_fp8_transposes
 
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     dp_rank = parallel_state.get_data_parallel_rank()
     config, chunks, backend = _build(opts, pp_rank)
     optimizer = _optimizer(chunks)
     weights = [chunk.module.fp8_weights() for chunk in chunks]
-    align = AlignConfig(policy=opts.policy)
-    aligner = None
-    if align.active:
-        schedule = InterleavedSchedule(opts.pp, opts.vp, opts.microbatches, opts.group_size)
-        aligner = TransposeAligner(
-            chunks, schedule=schedule, pp_rank=pp_rank, dp_rank=dp_rank,
-            param_sync=McoreParamSync(chunks), weights=weights, backend=backend, config=align,
-            telemetry=TelemetryWriter(telemetry_path) if telemetry_path else None)
-        aligner.attach(config)
+    # Policy off still builds the aligner (unattached), so every policy runs the same code.
+    aligner = align_fp8_transposes(
+        chunks, num_microbatches=opts.microbatches, backend=backend,
+        weights_of=lambda chunk: chunk.module.fp8_weights(), config=config,
+        align_config=AlignConfig(policy=opts.policy, telemetry_path=telemetry_path))
 
     fwd_bwd = get_forward_backward_func()
     common = dict(forward_step_func=_forward_step, model=chunks, num_microbatches=opts.microbatches,
@@ -161,15 +154,14 @@ def _train(opts: DemoOptions, telemetry_path: Optional[str]) -> Dict[str, Any]:
         if out:
             result["losses"].append(float(torch.stack([o["lm loss"] for o in out]).mean()))
         if opts.eval_after_each_step:
-            records_before, built_before = len(aligner.records) if aligner else 0, sum(
-                w.transposes_built for w in flat)
+            records_before = len(aligner.records)
+            built_before = sum(w.transposes_built for w in flat)
             with torch.no_grad():
                 fwd_bwd(data_iterator=[iter(data) for _ in chunks], forward_only=True, **common)
             result["eval_builds"] += sum(w.transposes_built for w in flat) - built_before
-            result["eval_builds"] += (len(aligner.records) if aligner else 0) - records_before
-    if aligner is not None:
-        result["records"] = [asdict(r) for r in aligner.records]
-        aligner.detach()
+            result["eval_builds"] += len(aligner.records) - records_before
+    result["records"] = [asdict(r) for r in aligner.records]
+    aligner.detach()
     return result
 
 

@@ -1,0 +1,65 @@
+"""One entry point for megatron-core training loops (Megatron-LM style, Megatron-Bridge, NeMo 2).
+
+Call it after the DDP-wrapped model chunks exist and ``config.param_sync_func`` has been set to
+``[chunk.start_param_sync for chunk in model]`` (which megatron-core's training loops do when
+``overlap_param_gather`` and ``align_param_gather`` are on)::
+
+    aligner = align_fp8_transposes(model, num_microbatches=M, backend=TEBackend())
+    ...  # train: forward_backward_func(...) as usual
+    aligner.detach()
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional, Sequence
+
+import torch
+
+from nemo_fp8_align.config import AlignConfig
+from nemo_fp8_align.engine.aligner import TransposeAligner
+from nemo_fp8_align.engine.mcore_sync import McoreParamSync
+from nemo_fp8_align.engine.schedule import InterleavedSchedule
+from nemo_fp8_align.engine.telemetry import TelemetryWriter
+from nemo_fp8_align.fp8.protocol import FP8TransposeBackend
+
+__all__ = ["align_fp8_transposes"]
+
+
+def align_fp8_transposes(
+    model: Sequence[torch.nn.Module], *, num_microbatches: int, backend: FP8TransposeBackend,
+    weights_of: Callable[[torch.nn.Module], List[Any]], config: Any = None,
+    align_config: AlignConfig = AlignConfig(), pp_rank: Optional[int] = None,
+    dp_rank: Optional[int] = None,
+) -> TransposeAligner:
+    """Attach the aligned FP8-transpose engine to megatron-core DDP model chunks.
+
+    Args:
+        model: this rank's DDP-wrapped model chunks, in schedule order.
+        num_microbatches: microbatches per training step (M); must be the value the schedule
+            gets, or the aligner stops with an error at the first mismatching forward.
+        backend: the FP8 backend owning the chunks' FP8 weights.
+        weights_of: returns the FP8 weights of one chunk (e.g. its Float8Tensor parameters).
+        config: the ``TransformerConfig`` the schedule reads; defaults to ``model[0].config``.
+        align_config: policy and telemetry settings.
+        pp_rank, dp_rank: default to megatron-core's ``parallel_state``.
+    """
+    from megatron.core import parallel_state  # optional dependency: imported on use
+
+    config = config if config is not None else model[0].config
+    if pp_rank is None:
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    if dp_rank is None:
+        dp_rank = parallel_state.get_data_parallel_rank()
+    schedule = InterleavedSchedule(
+        parallel_state.get_pipeline_model_parallel_world_size(), len(model), num_microbatches,
+        getattr(config, "microbatch_group_size_per_vp_stage", None))
+    telemetry = None
+    if align_config.telemetry_path:
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        telemetry = TelemetryWriter(align_config.telemetry_path.replace("{rank}", str(rank)))
+    aligner = TransposeAligner(
+        model, schedule=schedule, pp_rank=pp_rank, dp_rank=dp_rank,
+        param_sync=McoreParamSync(model), weights=[weights_of(chunk) for chunk in model],
+        backend=backend, config=align_config, telemetry=telemetry)
+    aligner.attach(config)
+    return aligner
