@@ -1,0 +1,1 @@
+"""Stand-ins for libraries that cannot be installed here (Apex)."""
