@@ -1,0 +1,459 @@
+"""TEBackend against stand-ins of Transformer Engine's Float8Tensor, one per API generation.
+
+TE does not import on CPU machines, so each stand-in follows the attribute protocol of one TE
+generation as read in TE's public source (tags v1.6, v1.8, v2.0, v2.10 and main):
+
+* 1.6-1.7: ``_fp8_attrs`` dict behind ``_transpose`` / ``_transpose_invalid`` properties,
+  ``transpose_2d(*, cache=False, noop_flag=None)``, ``_reset_caches()``;
+* 1.8-1.13: the same storage, ``transpose_2d(*, force_compute=False, fill_cache=False, ...)``;
+* 2.0-2.9: instance attributes, ``_create_transpose()``;
+* >= 2.10: as 2.0 plus ``tensor.utils.post_all_gather_processing(weights)`` (which rebuilds every
+  Float8Tensor it is given unless non-TN GEMMs are supported).
+
+The stand-ins are injected through ``TEBackend(te_module=..., version=...)``.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from nemo_fp8_align.config import AlignConfig
+from nemo_fp8_align.fp8.protocol import FP8TransposeBackend
+from nemo_fp8_align.fp8.te_backend import (
+    GEN_1_6,
+    GEN_1_8,
+    GEN_2_0,
+    GEN_2_10,
+    TEBackend,
+    api_generation,
+    load_te_api,
+    parse_te_version,
+)
+
+SHAPES = [(48, 80), (33, 7), (1, 1), (16, 1)]
+
+
+def _bytes(shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
+
+
+# ----------------------------------------------------------------------------- stand-ins
+
+
+class _Calls:
+    def __init__(self):
+        self.log = []
+
+
+class TE16Float8Tensor:
+    """TE 1.6-1.7: attributes in ``_fp8_attrs``; ``transpose_2d(cache=...)``."""
+
+    calls = _Calls()
+
+    def __init__(self, data):
+        self._data = data
+        self._fp8_attrs = {"transpose": None, "transpose_invalid": True, "dtype": "E4M3"}
+
+    _transpose = property(lambda s: s._fp8_attrs["transpose"],
+                          lambda s, v: s._fp8_attrs.__setitem__("transpose", v))
+    _transpose_invalid = property(lambda s: s._fp8_attrs["transpose_invalid"],
+                                  lambda s, v: s._fp8_attrs.__setitem__("transpose_invalid", v))
+
+    def _reset_caches(self):
+        type(self).calls.log.append(("reset", id(self)))
+        self._transpose_invalid = True
+
+    def transpose_2d(self, *, cache=False, noop_flag=None):
+        type(self).calls.log.append(("transpose_2d", id(self), dict(cache=cache)))
+        if not cache:
+            return self._data.t().contiguous()
+        if not self._transpose_invalid and noop_flag is None:
+            return self._transpose
+        if self._transpose is None:
+            self._transpose = torch.empty((self._data.shape[1], self._data.shape[0]), dtype=torch.uint8)
+        self._transpose.copy_(self._data.t())
+        self._transpose_invalid = False
+        return self._transpose
+
+
+class TE18Float8Tensor(TE16Float8Tensor):
+    """TE 1.8-1.13: ``transpose_2d(force_compute=..., fill_cache=...)``."""
+
+    calls = _Calls()
+
+    def transpose_2d(self, *, force_compute=False, fill_cache=False, noop_flag=None, cache=None):
+        type(self).calls.log.append(("transpose_2d", id(self),
+                                     dict(force_compute=force_compute, fill_cache=fill_cache)))
+        need = force_compute or self._transpose is None or self._transpose_invalid
+        if not need:
+            return self._transpose
+        out = self._transpose
+        if out is None:
+            out = torch.empty((self._data.shape[1], self._data.shape[0]), dtype=torch.uint8)
+        out.copy_(self._data.t())
+        if fill_cache:
+            self._transpose = out
+            self._transpose_invalid = False
+        return out
+
+
+class TE20Float8Tensor:
+    """TE 2.x: instance attributes; ``_create_transpose()``."""
+
+    calls = _Calls()
+
+    def __init__(self, data, transpose=None):
+        self._data = data
+        self._transpose = transpose
+        self._transpose_invalid = transpose is None
+
+    def _reset_caches(self):
+        self._transpose_invalid = True
+
+    def _create_transpose(self):
+        type(self).calls.log.append(("create_transpose", id(self)))
+        out = self._transpose
+        if out is None:
+            out = torch.empty((self._data.shape[1], self._data.shape[0]), dtype=torch.uint8)
+        out.copy_(self._data.t())
+        self._transpose = out
+        self._transpose_invalid = False
+
+
+class TE210Float8Tensor(TE20Float8Tensor):
+    calls = _Calls()
+
+
+class _BlockScaled:
+    def __init__(self, data):
+        self._rowwise_data = data
+        self._columnwise_data = None
+
+
+class MXFP8Tensor(_BlockScaled):
+    pass
+
+
+class Float8BlockwiseQTensor(_BlockScaled):
+    pass
+
+
+class NVFP4Tensor(_BlockScaled):
+    pass
+
+
+def _te_module(cls, version, *, non_tn=False, query_name="is_non_tn_fp8_gemm_supported"):
+    ns = types.SimpleNamespace(__version__=version, Float8Tensor=cls, MXFP8Tensor=MXFP8Tensor,
+                               Float8BlockwiseQTensor=Float8BlockwiseQTensor, NVFP4Tensor=NVFP4Tensor,
+                               post_all_gather_processing=None)
+    if parse_te_version(version) >= (2, 0):
+        setattr(ns, query_name, lambda: non_tn)
+    if parse_te_version(version) >= (2, 10):
+        ns.pag_calls = []
+
+        def post_all_gather_processing(weights):
+            # TE >= 2.10: Float8Tensor -> _create_transpose() unless non-TN GEMMs are supported;
+            # MXFP8 -> nothing. It rebuilds even a valid transpose.
+            if not isinstance(weights, list):
+                weights = [weights]
+            ns.pag_calls.append([id(w) for w in weights])
+            for w in weights:
+                if isinstance(w, cls) and not non_tn:
+                    w._create_transpose()
+
+        ns.post_all_gather_processing = post_all_gather_processing
+    return ns
+
+
+GENERATIONS = {
+    GEN_1_6: (TE16Float8Tensor, "1.7.0+cu12"),
+    GEN_1_8: (TE18Float8Tensor, "1.13.0"),
+    GEN_2_0: (TE20Float8Tensor, "2.9.0"),
+    GEN_2_10: (TE210Float8Tensor, "2.20.2"),
+}
+
+
+def _setup(gen, **backend_kwargs):
+    cls, version = GENERATIONS[gen]
+    cls.calls.log.clear()
+    te = _te_module(cls, version)
+    weights = [cls(_bytes(s, i)) for i, s in enumerate(SHAPES)]
+    backend = TEBackend(te_module=te, version=version, **backend_kwargs)
+    return cls, te, weights, backend
+
+
+def _assert_transposes_exact(backend, weights):
+    for i, w in enumerate(weights):
+        assert backend.has_valid_transpose(w), f"weight {i}"
+        assert torch.equal(w._transpose, w._data.t()), f"weight {i}: transpose bytes differ"
+
+
+# ----------------------------------------------------------------------------- versions
+
+
+def test_without_te_construction_raises_importerror_with_hint():
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:
+        pass
+    else:  # pragma: no cover - CPU machines have no TE
+        pytest.skip("Transformer Engine is importable here")
+    with pytest.raises(ImportError, match="pip install"):
+        TEBackend()
+    with pytest.raises(ImportError, match="Transformer Engine"):
+        load_te_api()
+
+
+@pytest.mark.parametrize("text,expect", [("2.20.2", (2, 20)), ("2.10.0.dev0+abc", (2, 10)),
+                                         ("1.13.0+cu12", (1, 13)), (" 1.6", (1, 6))])
+def test_parse_version(text, expect):
+    assert parse_te_version(text) == expect
+
+
+def test_parse_version_rejects_garbage():
+    with pytest.raises(ValueError):
+        parse_te_version("dev")
+
+
+@pytest.mark.parametrize("version,gen", [((1, 6), GEN_1_6), ((1, 7), GEN_1_6), ((1, 8), GEN_1_8),
+                                         ((1, 13), GEN_1_8), ((2, 0), GEN_2_0), ((2, 9), GEN_2_0),
+                                         ((2, 10), GEN_2_10), ((2, 20), GEN_2_10), ((3, 0), GEN_2_10)])
+def test_api_generation(version, gen):
+    assert api_generation(version) == gen
+
+
+def test_too_old_te_is_refused():
+    with pytest.raises(ValueError, match="older than 1.6"):
+        TEBackend(te_module=_te_module(TE16Float8Tensor, "1.5.0"), version="1.5.0")
+
+
+def test_version_without_its_api_is_refused():
+    te = _te_module(TE20Float8Tensor, "2.10.0")
+    te.post_all_gather_processing = None
+    with pytest.raises(ValueError, match="post_all_gather_processing"):
+        TEBackend(te_module=te)
+    with pytest.raises(ValueError, match="transpose_2d"):
+        TEBackend(te_module=_te_module(TE20Float8Tensor, "1.8.0"))
+
+
+def test_version_read_from_module_and_name():
+    backend = TEBackend(te_module=_te_module(TE210Float8Tensor, "2.20.2"))
+    assert backend.name == "te-2.20" and backend.generation == GEN_2_10
+    assert isinstance(backend, FP8TransposeBackend)
+
+
+def test_from_config():
+    te = _te_module(TE210Float8Tensor, "2.20.2")
+    b = TEBackend.from_config(AlignConfig(use_triton_kernel=False, te_kernel_writes_transpose=True),
+                              te_module=te)
+    assert b.kernel_writes_transpose and not b.use_triton_kernel
+    assert not TEBackend.from_config(AlignConfig(), te_module=te).kernel_writes_transpose
+
+
+# ----------------------------------------------------------------------------- building
+
+
+@pytest.mark.parametrize("gen", list(GENERATIONS))
+def test_build_then_nothing_to_rebuild(gen):
+    cls, te, weights, backend = _setup(gen)
+    assert not any(backend.has_valid_transpose(w) for w in weights)
+    assert backend.build_transposes(weights) == len(weights)
+    _assert_transposes_exact(backend, weights)
+    assert backend.build_transposes(weights) == 0  # no second transpose
+    assert backend.transposes_built == len(weights)
+    # Invalidate (the optimizer wrote new bytes), rebuild.
+    for i, w in enumerate(weights):
+        w._data.copy_(_bytes(tuple(w._data.shape), 100 + i))
+        w._reset_caches()
+    assert not any(backend.has_valid_transpose(w) for w in weights)
+    assert backend.build_transposes(weights) == len(weights)
+    _assert_transposes_exact(backend, weights)
+
+
+@pytest.mark.parametrize("gen", list(GENERATIONS))
+def test_uses_the_versions_api(gen):
+    cls, te, weights, backend = _setup(gen)
+    weights[1]._reset_caches()
+    backend.build_transposes(weights)
+    log = cls.calls.log
+    ids = [id(w) for w in weights]
+    if gen == GEN_1_6:
+        assert [e for e in log if e[0] == "transpose_2d"] == [("transpose_2d", i, {"cache": True}) for i in ids]
+        # each build is preceded by a reset of that weight
+        for i in ids:
+            k = log.index(("transpose_2d", i, {"cache": True}))
+            assert log[k - 1] == ("reset", i)
+    elif gen == GEN_1_8:
+        assert [e for e in log if e[0] == "transpose_2d"] == [
+            ("transpose_2d", i, {"force_compute": True, "fill_cache": True}) for i in ids]
+    elif gen == GEN_2_0:
+        assert log == [("create_transpose", i) for i in ids]
+    else:
+        assert te.pag_calls == [ids]  # one call for the whole chunk
+        assert log == [("create_transpose", i) for i in ids]
+
+
+@pytest.mark.parametrize("gen", list(GENERATIONS))
+def test_only_stale_weights_are_built_and_counted(gen):
+    cls, te, weights, backend = _setup(gen)
+    assert backend.build_transposes(weights) == len(weights)
+    cls.calls.log.clear()
+    weights[2]._reset_caches()
+    cls.calls.log.clear()
+    assert backend.build_transposes(weights) == 1
+    built = {e[1] for e in cls.calls.log if e[0] in ("transpose_2d", "create_transpose")}
+    assert built == {id(weights[2])}
+    if gen == GEN_2_10:
+        assert te.pag_calls[-1] == [id(weights[2])]
+
+
+@pytest.mark.parametrize("gen", list(GENERATIONS))
+def test_after_tes_own_build_backend_builds_nothing(gen):
+    cls, te, weights, backend = _setup(gen)
+    if gen == GEN_2_10:
+        te.post_all_gather_processing(weights)  # what megatron-core 0.16's finish_param_sync runs
+    elif gen == GEN_2_0:
+        for w in weights:
+            w._create_transpose()
+    elif gen == GEN_1_8:
+        for w in weights:
+            w.transpose_2d(force_compute=True, fill_cache=True)
+    else:
+        for w in weights:
+            w.transpose_2d(cache=True)
+    assert backend.build_transposes(weights) == 0
+    assert backend.transposes_built == 0
+
+
+def test_duplicates_are_built_once():
+    cls, te, weights, backend = _setup(GEN_2_10)
+    assert backend.build_transposes(weights + weights[:2]) == len(weights)
+    assert te.pag_calls == [[id(w) for w in weights]]
+
+
+def test_broken_build_is_reported():
+    class Broken(TE20Float8Tensor):
+        def _create_transpose(self):
+            pass  # forgets to build
+
+    backend = TEBackend(te_module=_te_module(Broken, "2.5.0"))
+    with pytest.raises(RuntimeError, match="still invalid"):
+        backend.build_transposes([Broken(_bytes((4, 4), 0))])
+
+
+# ----------------------------------------------------------------------------- no-ops and skips
+
+
+@pytest.mark.parametrize("query_name", ["is_non_tn_fp8_gemm_supported", "non_tn_fp8_gemm_supported"])
+def test_non_tn_gpus_need_no_transpose(query_name):
+    version = "2.20.2" if query_name.startswith("is_") else "2.1.0"
+    cls = TE210Float8Tensor if version == "2.20.2" else TE20Float8Tensor
+    te = _te_module(cls, version, non_tn=True, query_name=query_name)
+    backend = TEBackend(te_module=te)
+    needed, reason = backend.transpose_needed()
+    assert not needed and "non-TN" in reason and "no-op" in reason
+    weights = [cls(_bytes(s, i)) for i, s in enumerate(SHAPES)]
+    assert backend.build_transposes(weights) == 0
+    assert not any(backend.has_valid_transpose(w) for w in weights)
+
+
+@pytest.mark.parametrize("gen", list(GENERATIONS))
+def test_hopper_needs_transpose(gen):
+    _, _, _, backend = _setup(gen)
+    needed, reason = backend.transpose_needed()
+    assert needed and "TN" in reason
+
+
+def test_mxfp8_blockwise_nvfp4_and_plain_tensors_are_skipped_with_reason():
+    cls, te, weights, backend = _setup(GEN_2_10)
+    others = [MXFP8Tensor(_bytes((32, 32), 1)), Float8BlockwiseQTensor(_bytes((32, 32), 2)),
+              NVFP4Tensor(_bytes((32, 32), 3)), torch.zeros(4, 4)]
+    assert backend.build_transposes(others + weights) == len(weights)
+    assert te.pag_calls == [[id(w) for w in weights]]  # skipped tensors never reach TE
+    reasons = list(backend.skipped)
+    assert any("MXFP8" in r for r in reasons)
+    assert any("blockwise" in r for r in reasons)
+    assert any("NVFP4" in r for r in reasons)
+    assert any("Tensor is not a Transformer Engine Float8Tensor" in r for r in reasons)
+    for o in others[:3]:
+        assert o._columnwise_data is None  # untouched
+
+
+def test_columnwise_only_float8_is_skipped():
+    cls, te, _, backend = _setup(GEN_2_10)
+    w = cls(None, transpose=_bytes((8, 4), 0))
+    assert backend.build_transposes([w]) == 0
+    assert any("column-wise only" in r for r in backend.skipped)
+
+
+# ----------------------------------------------------------------------------- no hooks fire
+
+
+@pytest.mark.parametrize("gen", list(GENERATIONS))
+def test_has_valid_transpose_fires_no_attribute_hook(gen):
+    """Apex's distributed Adam patches the parameter class's __getattribute__ so that the first
+    attribute access copies gathered bytes and resets the caches; asking must not trigger it."""
+    base, version = GENERATIONS[gen]
+    fired = []
+
+    class Hooked(base):
+        calls = _Calls()
+
+        def __getattribute__(self, name):
+            if not name.startswith("__"):
+                fired.append(name)
+            return super().__getattribute__(name)
+
+    backend = TEBackend(te_module=_te_module(Hooked, version))
+    w = Hooked(_bytes((8, 12), 0))
+    fired.clear()
+    assert backend.has_valid_transpose(w) is False
+    assert fired == []
+    backend.build_transposes([w])  # building may go through the hook: it calls TE's methods
+    fired.clear()
+    assert backend.has_valid_transpose(w) is True
+    assert fired == []
+
+
+# ----------------------------------------------------------------------------- kernel path
+
+
+@pytest.mark.parametrize("gen", list(GENERATIONS))
+def test_kernel_writes_transpose(gen):
+    cls, te, weights, backend = _setup(gen, kernel_writes_transpose=True, use_triton_kernel=False)
+    # One weight already has a (stale) buffer of the right shape: it must be reused in place.
+    weights[0]._transpose = torch.zeros((SHAPES[0][1], SHAPES[0][0]), dtype=torch.uint8)
+    weights[0]._transpose_invalid = True
+    ptr0 = weights[0]._transpose.data_ptr()
+    assert backend.build_transposes(weights) == len(weights)
+    _assert_transposes_exact(backend, weights)
+    assert weights[0]._transpose.data_ptr() == ptr0
+    assert [e for e in cls.calls.log if e[0] in ("transpose_2d", "create_transpose")] == []
+    if gen == GEN_2_10:
+        assert te.pag_calls == []
+    assert backend.build_transposes(weights) == 0
+    if gen in (GEN_1_6, GEN_1_8):  # TE 1.x keeps the cache in _fp8_attrs
+        assert weights[1]._fp8_attrs["transpose_invalid"] is False
+
+
+def test_kernel_path_matches_te_path_bytes():
+    cls, te, weights, backend = _setup(GEN_2_10)
+    backend.build_transposes(weights)
+    expect = [w._transpose.clone() for w in weights]
+    for w in weights:
+        w._reset_caches()
+    kb = TEBackend(te_module=te, kernel_writes_transpose=True, use_triton_kernel=False)
+    assert kb.build_transposes(weights) == len(weights)
+    for e, w in zip(expect, weights):
+        assert torch.equal(e, w._transpose)
+
+
+def test_describe():
+    _, _, weights, backend = _setup(GEN_2_10)
+    backend.build_transposes(weights)
+    d = backend.describe()
+    assert d["name"] == "te-2.20" and d["transpose_needed"] and d["transposes_built"] == len(weights)
