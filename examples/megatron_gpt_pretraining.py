@@ -43,12 +43,11 @@ from nemo.utils import logging  # noqa: E402
 from nemo.utils.exp_manager import exp_manager  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
+from nemo_fp8_align.nemo.callback import FP8TransposeAlignment  # noqa: E402
 from nemo_fp8_align.nemo.mixin import FP8TransposeAlignMixin, FP8Weights  # noqa: E402
 
 
-class MegatronGPTFP8AlignModel(FP8TransposeAlignMixin, MegatronGPTModel):
-    """MegatronGPTModel whose FP8 transposes are built at the aligned schedule slot."""
-
+class _NullTokenizerMixin:
     def _build_tokenizer(self):
         # Mock data needs only synthetic ids, which NeMo's NullTokenizer provides; NeMo 2.3.3's
         # _build_tokenizer cannot build it (it never passes vocab_size), so build it here from
@@ -58,6 +57,14 @@ class MegatronGPTFP8AlignModel(FP8TransposeAlignMixin, MegatronGPTModel):
         from nemo.collections.common.tokenizers.null_tokenizer import NullTokenizer
 
         self.tokenizer = NullTokenizer(self._cfg.tokenizer.vocab_size)
+
+
+class MegatronGPTFP8AlignModel(FP8TransposeAlignMixin, _NullTokenizerMixin, MegatronGPTModel):
+    """MegatronGPTModel whose FP8 transposes are built at the aligned schedule slot."""
+
+
+class PlainMegatronGPTModel(_NullTokenizerMixin, MegatronGPTModel):
+    """MegatronGPTModel without the mixin, for ``fp8_align_via=callback``."""
 
 
 class MegatronGPTFP8AlignReferenceModel(MegatronGPTFP8AlignModel):
@@ -87,12 +94,21 @@ class LossReport(Callback):
 def main(cfg) -> None:
     logging.info("\n\n************** Experiment configuration ***********")
     logging.info(f"\n{OmegaConf.to_yaml(cfg)}")
-    report_dir = cfg.get("report_dir")
-    callbacks = [LossReport(report_dir)] if report_dir else None
-    trainer = MegatronTrainerBuilder(cfg).create_trainer(callbacks=callbacks)
-    exp_manager(trainer, cfg.exp_manager)
     on_cpu = cfg.trainer.get("accelerator") == "cpu"
-    model_cls = MegatronGPTFP8AlignReferenceModel if on_cpu else MegatronGPTFP8AlignModel
+    weights = FP8Weights.REFERENCE if on_cpu else FP8Weights.TE
+    report_dir = cfg.get("report_dir")
+    callbacks = [LossReport(report_dir)] if report_dir else []
+    via_callback = cfg.get("fp8_align_via", "mixin") == "callback"
+    if via_callback:
+        # The same plugin for models that are not subclassed: settings from the same block.
+        block = OmegaConf.to_container(cfg.model.get("fp8_transpose_align") or {}, resolve=True)
+        block.pop("te_kernel_writes_transpose", None)
+        callbacks.append(FP8TransposeAlignment(weights=weights, **block))
+        model_cls = PlainMegatronGPTModel
+    else:
+        model_cls = MegatronGPTFP8AlignReferenceModel if on_cpu else MegatronGPTFP8AlignModel
+    trainer = MegatronTrainerBuilder(cfg).create_trainer(callbacks=callbacks or None)
+    exp_manager(trainer, cfg.exp_manager)
     model = model_cls(cfg.model, trainer)
     trainer.fit(model)
 

@@ -3,8 +3,10 @@
 # 2 gloo processes, PP=2, VP=2, mcore_distributed_optim, mock data, 3 steps, through
 # examples/megatron_gpt_pretraining.py and conf/megatron_gpt_cpu_smoke.yaml.
 #
-#   1. plugin on  (policy=aligned): prints the alignment report and checks it;
-#   2. plugin off (enabled=false):  same data, same seed; its losses must equal run 1's bit for bit.
+#   1. plugin on  (policy=aligned, FP8TransposeAlignMixin): prints the alignment report, checks it;
+#   2. plugin on through the FP8TransposeAlignment callback on a plain MegatronGPTModel: the same
+#      checks, and the same slots as run 1;
+#   3. plugin off (enabled=false): same data, same seed; losses must equal runs 1 and 2 bit for bit.
 #
 # Exit status is non-zero when a run fails or a check does not hold. Usage:
 #   scripts/smoke_nemo.sh [extra Hydra overrides...]
@@ -37,6 +39,8 @@ run() {  # run <name> <overrides...>
 
 run aligned "model.fp8_transpose_align.policy=aligned" \
   "model.fp8_transpose_align.telemetry_path=\"$OUT/aligned/telemetry.rank{rank}.jsonl\"" "$@"
+run callback fp8_align_via=callback "model.fp8_transpose_align.policy=aligned" \
+  "model.fp8_transpose_align.telemetry_path=\"$OUT/callback/telemetry.rank{rank}.jsonl\"" "$@"
 run off "model.fp8_transpose_align.enabled=false" \
   "model.fp8_transpose_align.telemetry_path=\"$OUT/off/telemetry.rank{rank}.jsonl\"" "$@"
 
@@ -67,67 +71,84 @@ def records(name):
             rows.extend(json.loads(line) for line in f if line.strip())
     return rows
 
-on, off = losses("aligned"), losses("off")
-rows = records("aligned")
-steps = sorted({r["step"] for r in rows})
-chunks = sorted({r["chunk"] for r in rows})
-ranks = sorted({r["pp_rank"] for r in rows})
+def report(name, rows):
+    steps = sorted({r["step"] for r in rows})
+    chunks = sorted({r["chunk"] for r in rows})
+    ranks = sorted({r["pp_rank"] for r in rows})
+    print("\nAlignment report, run '%s' (policy=aligned, PP=%d, VP=%d, %d steps, backend %s)" % (
+        name, len(ranks), len(chunks), len(steps), rows[0]["backend"] if rows else "?"))
+    print("%-6s %-12s %-28s %-22s %s" % ("chunk", "aligned slot", "slot per pp rank (all steps)",
+                                         "transposes per step", "after all-gather"))
+    for c in chunks:
+        mine = [r for r in rows if r["chunk"] == c]
+        slots = {p: sorted({r["slot"] for r in mine if r["pp_rank"] == p}) for p in ranks}
+        per_step = defaultdict(int)
+        for r in mine:
+            per_step[r["step"]] += r["transposed"]
+        aligned = sorted({r["aligned_slot"] for r in mine})
+        print("%-6d %-12s %-28s %-22s %s" % (
+            c, aligned, " ".join(f"r{p}:{s}" for p, s in slots.items()),
+            " ".join(str(per_step[s]) for s in steps), all(r["after_all_gather"] for r in mine)))
+    check(name, rows, steps, chunks, ranks)
 
-print("\nAlignment report (policy=aligned, PP=%d, VP=%d, %d steps, backend %s)" % (
-    len(ranks), len(chunks), len(steps), rows[0]["backend"] if rows else "?"))
-print("%-6s %-12s %-28s %-22s %s" % ("chunk", "aligned slot", "slot per pp rank (all steps)",
-                                     "transposes per step", "after all-gather"))
-for c in chunks:
-    mine = [r for r in rows if r["chunk"] == c]
-    slots = {p: sorted({r["slot"] for r in mine if r["pp_rank"] == p}) for p in ranks}
-    per_step = defaultdict(int)
-    for r in mine:
-        per_step[r["step"]] += r["transposed"]
-    aligned = sorted({r["aligned_slot"] for r in mine})
-    print("%-6d %-12s %-28s %-22s %s" % (
-        c, aligned, " ".join(f"r{p}:{s}" for p, s in slots.items()),
-        " ".join(str(per_step[s]) for s in steps), all(r["after_all_gather"] for r in mine)))
-print("losses  aligned: %s" % [r["loss"] for r in on])
-print("losses  off:     %s" % [r["loss"] for r in off])
 
-# --- checks
-if len(steps) < 3:
-    errors.append(f"telemetry covers {len(steps)} steps, expected >= 3")
-if len(ranks) != 2 or len(chunks) != 2:
-    errors.append(f"telemetry has pp ranks {ranks} and chunks {chunks}, expected 2 and 2")
-seen = defaultdict(int)
-for r in rows:
-    key = (r["step"], r["chunk"], r["pp_rank"], r["dp_rank"])
-    seen[key] += 1
-    if r["slot"] != r["aligned_slot"]:
-        errors.append(f"step {key[0]} chunk {key[1]} pp rank {key[2]}: transposes at slot "
-                      f"{r['slot']}, aligned slot is {r['aligned_slot']}")
-    if not r["after_all_gather"]:
-        errors.append(f"step {key[0]} chunk {key[1]} pp rank {key[2]}: transposes built before "
-                      "the chunk's all-gather finished")
-    if r["weights"] < 1 or r["transposed"] != r["weights"]:
-        errors.append(f"step {key[0]} chunk {key[1]} pp rank {key[2]}: {r['transposed']} of "
-                      f"{r['weights']} transposes built (expected all, exactly once)")
-for key, n in seen.items():
-    if n != 1:
-        errors.append(f"step/chunk/pp/dp {key}: {n} records, expected exactly 1")
-expected = {(s, c, p) for s in steps for c in chunks for p in ranks}
-missing = expected - {k[:3] for k in seen}
-if missing:
-    errors.append(f"no transposes recorded for (step, chunk, pp rank) {sorted(missing)}")
+def check(name, rows, steps, chunks, ranks):
+    if len(steps) < 3:
+        errors.append(f"{name}: telemetry covers {len(steps)} steps, expected >= 3")
+    if len(ranks) != 2 or len(chunks) != 2:
+        errors.append(f"{name}: telemetry has pp ranks {ranks} and chunks {chunks}, expected "
+                      "2 and 2")
+    seen = defaultdict(int)
+    for r in rows:
+        key = (r["step"], r["chunk"], r["pp_rank"], r["dp_rank"])
+        seen[key] += 1
+        where = f"{name}: step {key[0]} chunk {key[1]} pp rank {key[2]}"
+        if r["slot"] != r["aligned_slot"]:
+            errors.append(f"{where}: transposes at slot {r['slot']}, aligned slot is "
+                          f"{r['aligned_slot']}")
+        if not r["after_all_gather"]:
+            errors.append(f"{where}: transposes built before the chunk's all-gather finished")
+        if r["weights"] < 1 or r["transposed"] != r["weights"]:
+            errors.append(f"{where}: {r['transposed']} of {r['weights']} transposes built "
+                          "(expected all, exactly once)")
+    for key, n in seen.items():
+        if n != 1:
+            errors.append(f"{name}: step/chunk/pp/dp {key}: {n} records, expected exactly 1")
+    expected = {(s, c, p) for s in steps for c in chunks for p in ranks}
+    missing = expected - {k[:3] for k in seen}
+    if missing:
+        errors.append(f"{name}: no transposes recorded for (step, chunk, pp rank) "
+                      f"{sorted(missing)}")
+
+
+def placement(rows):
+    return sorted((r["step"], r["chunk"], r["pp_rank"], r["vmid"], r["slot"], r["transposed"])
+                  for r in rows)
+
+
+mixin_rows, callback_rows = records("aligned"), records("callback")
+report("aligned", mixin_rows)
+report("callback", callback_rows)
+if placement(mixin_rows) != placement(callback_rows):
+    errors.append("the callback run placed transposes differently from the mixin run")
 if records("off"):
     errors.append("plugin disabled but telemetry was written")
-if len(on) < 3 or len(on) != len(off):
-    errors.append(f"loss reports: {len(on)} steps with the plugin, {len(off)} without")
-for a, b in zip(on, off):
-    if not math.isfinite(a["loss"]) or a != b:
-        errors.append(f"step {a['step']}: loss {a['loss']!r} with the plugin, {b!r} without")
+
+runs = {name: losses(name) for name in ("aligned", "callback", "off")}
+for name, rows in runs.items():
+    print("losses  %-9s %s" % (name + ":", [r["loss"] for r in rows]))
+    if len(rows) < 3 or not all(math.isfinite(r["loss"]) for r in rows):
+        errors.append(f"{name}: {len(rows)} finite step losses reported, expected >= 3")
+for name in ("aligned", "callback"):
+    if runs[name] != runs["off"]:
+        errors.append(f"losses differ between run '{name}' and the plugin-off run")
 
 if errors:
     print("\nsmoke_nemo: FAILED")
     for e in errors:
         print("  - " + e)
     sys.exit(1)
-print("\nsmoke_nemo: OK (every chunk's transposes at its aligned slot on every pipeline rank, "
-      "once per step, after its all-gather; losses identical with the plugin off)")
+print("\nsmoke_nemo: OK (mixin and callback: every chunk's transposes at its aligned slot on "
+      "every pipeline rank, once per step, after its all-gather; losses identical with the "
+      "plugin off)")
 EOF

@@ -42,14 +42,16 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 from nemo_fp8_align.config import AlignConfig
 
-__all__ = ["FP8TransposeAlignMixin", "FP8Weights", "SharedEmbeddingBucketError",
-           "shared_embedding_bucket_workaround", "startup_check"]
+__all__ = ["FP8TransposeAlignMixin", "FP8Weights", "SharedEmbeddingBucketError", "build_aligner",
+           "check_buckets", "first_param_index", "hide_shared_embedding_flags", "model_chunks",
+           "restore_shared_embedding_flags", "shared_embedding_bucket_workaround",
+           "startup_check"]
 
 logger = logging.getLogger(__name__)
 
@@ -121,18 +123,29 @@ def shared_embedding_bucket_workaround(chunks: Sequence[torch.nn.Module], *,
     the buffers are built, and restored afterwards; with DP > 1 the buffers are checked after
     construction and a :class:`SharedEmbeddingBucketError` names the cause and the fixes.
     """
-    flagged = [p for chunk in chunks for p in chunk.parameters()
-               if getattr(p, "shared_embedding", False)]
-    hide = data_parallel_size == 1 and bool(flagged)
-    if hide:
-        for p in flagged:
-            p.shared_embedding = False
+    hidden = hide_shared_embedding_flags(chunks, data_parallel_size=data_parallel_size)
     try:
         yield
     finally:
-        if hide:
-            for p in flagged:
-                p.shared_embedding = True
+        restore_shared_embedding_flags(hidden)
+
+
+def hide_shared_embedding_flags(chunks: Sequence[torch.nn.Module], *,
+                                data_parallel_size: int) -> List[torch.nn.Parameter]:
+    """With DP == 1, clear ``shared_embedding`` on ``chunks``' parameters and return them
+    (see :func:`shared_embedding_bucket_workaround`); with DP > 1, change nothing."""
+    if data_parallel_size != 1:
+        return []
+    flagged = [p for chunk in chunks for p in chunk.parameters()
+               if getattr(p, "shared_embedding", False)]
+    for p in flagged:
+        p.shared_embedding = False
+    return flagged
+
+
+def restore_shared_embedding_flags(params: Sequence[torch.nn.Parameter]) -> None:
+    for p in params:
+        p.shared_embedding = True
 
 
 def check_buckets(ddp_chunks: Sequence[Any]) -> None:
@@ -154,6 +167,96 @@ def check_buckets(ddp_chunks: Sequence[Any]) -> None:
                         "be in param_gbuf_map'). Use hidden_size / ffn_hidden_size that are "
                         "multiples of 128, a data-parallel size that is a multiple of 128 or "
                         "1, or model.share_embeddings_and_output_weights=False.")
+
+
+def model_chunks(model: Any) -> List[torch.nn.Module]:
+    """The modules NeMo's schedule calls: ``model.model`` as a list (one per virtual stage)."""
+    return list(model.model) if isinstance(model.model, list) else [model.model]
+
+
+def first_param_index(chunks: Sequence[torch.nn.Module]) -> Dict[int, int]:
+    """``id`` of each chunk's first parameter -> chunk index: how a ``param_sync_func`` call
+    (which receives ``model[c].parameters()``) is mapped back to its chunk."""
+    return {id(next(iter(chunk.parameters()))): c for c, chunk in enumerate(chunks)}
+
+
+def build_aligner(model: Any, config: AlignConfig, *,
+                  weights: FP8Weights = FP8Weights.TE) -> Tuple[Any, List[Any]]:
+    """The rank's :class:`TransposeAligner` for a set-up NeMo GPT model (not attached yet).
+
+    Call after the optimizer exists and before the first optimizer step (Apex's pre-forward
+    hooks are still disarmed then, so collecting parameters touches none). Returns the aligner
+    and the reference FP8 weights the caller must invalidate at each step start (empty for TE).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+    from megatron.core.utils import get_model_config
+
+    from nemo_fp8_align.engine.aligner import TransposeAligner
+    from nemo_fp8_align.engine.schedule import InterleavedSchedule
+    from nemo_fp8_align.engine.telemetry import TelemetryWriter
+
+    chunks = model_chunks(model)
+    model_config = get_model_config(chunks[0])
+    schedule = InterleavedSchedule(
+        pp=parallel_state.get_pipeline_model_parallel_world_size(), vp=len(chunks),
+        microbatches=get_num_microbatches(),
+        group_size=getattr(model_config, "microbatch_group_size_per_vp_stage", None))
+    fp8_weights, backend = _weights_and_backend(chunks, config, weights)
+    telemetry = None
+    if config.telemetry_path:
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        telemetry = TelemetryWriter(config.telemetry_path.replace("{rank}", str(rank)))
+    aligner = TransposeAligner(
+        chunks, schedule=schedule, pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        dp_rank=parallel_state.get_data_parallel_rank(with_context_parallel=True),
+        param_sync=_param_sync(model, chunks), weights=fp8_weights, backend=backend,
+        config=config, telemetry=telemetry)
+    reference = [w for ws in fp8_weights for w in ws] if weights is FP8Weights.REFERENCE else []
+    return aligner, reference
+
+
+def _param_sync(model: Any, chunks: Sequence[torch.nn.Module]) -> Any:
+    if getattr(model, "use_mcore_dist_optim", False):
+        from nemo_fp8_align.engine.mcore_sync import McoreParamSync
+
+        return McoreParamSync(chunks)
+    from nemo_fp8_align.nemo.apex_sync import ApexParamSync
+
+    return ApexParamSync(model._optimizer, [list(c.parameters()) for c in chunks])
+
+
+def _weights_and_backend(chunks: Sequence[torch.nn.Module], config: AlignConfig,
+                         weights: FP8Weights) -> Tuple[List[List[Any]], Any]:
+    if weights is FP8Weights.REFERENCE:
+        from nemo_fp8_align.fp8.reference import ReferenceBackend, ReferenceFP8Weight
+
+        return [[ReferenceFP8Weight(p, name=f"chunk{c}.{n}")
+                 for n, p in chunk.named_parameters() if p.dim() == 2 and "embedding" not in n]
+                for c, chunk in enumerate(chunks)], ReferenceBackend(
+                    use_triton_kernel=config.use_triton_kernel)
+    backend = _te_backend(config)
+    # type() only: an isinstance() on a parameter could fire an armed Apex hook.
+    return [[p for p in chunk.parameters() if _is_te_float8(p)] for chunk in chunks], backend
+
+
+def _is_te_float8(param: Any) -> bool:
+    return any(cls.__name__ == "Float8Tensor" for cls in type(param).__mro__)
+
+
+def _te_backend(config: AlignConfig) -> Any:
+    """The Transformer Engine backend (``nemo_fp8_align.fp8.te_backend``)."""
+    try:
+        from nemo_fp8_align.fp8 import te_backend
+    except ImportError as err:
+        raise RuntimeError(
+            "model.fp8_params=True: the plugin transposes Transformer Engine FP8 weights and "
+            f"needs nemo_fp8_align.fp8.te_backend, which failed to import ({err}). Install "
+            "Transformer Engine, or turn the plugin off with "
+            "model.fp8_transpose_align.enabled=False.") from err
+    if hasattr(te_backend, "make_backend"):
+        return te_backend.make_backend(config)
+    return te_backend.TEBackend(use_triton_kernel=config.use_triton_kernel)
 
 
 class FP8TransposeAlignMixin:
@@ -231,66 +334,11 @@ class FP8TransposeAlignMixin:
             self._fp8_aligner = None
         self._fp8_align_in_training_step = False
 
-    def _fp8_align_chunks(self) -> List[torch.nn.Module]:
-        return list(self.model) if isinstance(self.model, list) else [self.model]
-
     def _fp8_align_build(self) -> Any:
-        from megatron.core import parallel_state
-        from megatron.core.num_microbatches_calculator import get_num_microbatches
-        from megatron.core.utils import get_model_config
-
-        from nemo_fp8_align.engine.aligner import TransposeAligner
-        from nemo_fp8_align.engine.schedule import InterleavedSchedule
-        from nemo_fp8_align.engine.telemetry import TelemetryWriter
-
-        chunks = self._fp8_align_chunks()
-        model_config = get_model_config(chunks[0])
-        schedule = InterleavedSchedule(
-            pp=parallel_state.get_pipeline_model_parallel_world_size(), vp=len(chunks),
-            microbatches=get_num_microbatches(),
-            group_size=getattr(model_config, "microbatch_group_size_per_vp_stage", None))
-        # Collected before the first optimizer step, while Apex's pre-forward hooks are still
-        # disarmed: iterating parameters and reading their types touches no hooked attribute.
-        weights, backend = self._fp8_align_weights(chunks)
-        self._fp8_align_chunk_of_first_param = {
-            id(next(iter(chunk.parameters()))): c for c, chunk in enumerate(chunks)}
-        path = self._fp8_align_config.telemetry_path
-        telemetry = None
-        if path:
-            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-            telemetry = TelemetryWriter(path.replace("{rank}", str(rank)))
-        return TransposeAligner(
-            chunks, schedule=schedule,
-            pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
-            dp_rank=parallel_state.get_data_parallel_rank(with_context_parallel=True),
-            param_sync=self._fp8_align_param_sync(chunks), weights=weights, backend=backend,
-            config=self._fp8_align_config, telemetry=telemetry)
-
-    def _fp8_align_param_sync(self, chunks: Sequence[torch.nn.Module]) -> Any:
-        if getattr(self, "use_mcore_dist_optim", False):
-            from nemo_fp8_align.engine.mcore_sync import McoreParamSync
-
-            return McoreParamSync(chunks)
-        from nemo_fp8_align.nemo.apex_sync import ApexParamSync
-
-        return ApexParamSync(self._optimizer, [list(c.parameters()) for c in chunks])
-
-    def _fp8_align_weights(self, chunks: Sequence[torch.nn.Module]) -> Any:
-        if FP8Weights(self.fp8_align_weights) is FP8Weights.REFERENCE:
-            from nemo_fp8_align.fp8.reference import ReferenceBackend, ReferenceFP8Weight
-
-            weights = [[ReferenceFP8Weight(p, name=f"chunk{c}.{n}")
-                        for n, p in chunk.named_parameters()
-                        if p.dim() == 2 and "embedding" not in n]
-                       for c, chunk in enumerate(chunks)]
-            self._fp8_align_reference = [w for ws in weights for w in ws]
-            return weights, ReferenceBackend(
-                use_triton_kernel=self._fp8_align_config.use_triton_kernel)
-        from nemo_fp8_align.fp8 import te_backend
-
-        backend = te_backend.make_backend(self._fp8_align_config)
-        return [[p for p in chunk.parameters() if backend.is_fp8_weight(p)]
-                for chunk in chunks], backend
+        aligner, self._fp8_align_reference = build_aligner(
+            self, self._fp8_align_config, weights=FP8Weights(self.fp8_align_weights))
+        self._fp8_align_chunk_of_first_param = first_param_index(model_chunks(self))
+        return aligner
 
     # ------------------------------------------------------------------ per step
     def fwd_bwd_step(self, dataloader_iter: Any, forward_only: bool,
@@ -311,7 +359,7 @@ class FP8TransposeAlignMixin:
         try:
             if getattr(self, "use_mcore_dist_optim", False):
                 # NeMo builds param_sync_func from these attributes inside fwd_bwd_step.
-                for c, chunk in enumerate(self._fp8_align_chunks()):
+                for c, chunk in enumerate(model_chunks(self)):
                     chunk.start_param_sync = aligner.param_sync_wrapper(c, chunk.start_param_sync)
                     shadowed.append(chunk)
             yield
