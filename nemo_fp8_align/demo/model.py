@@ -98,7 +98,7 @@ class GPTChunk(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.pre_process:
-            positions = torch.arange(tokens.shape[1])
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
             x = (self.embedding(tokens) + self.position(positions)).transpose(0, 1).contiguous()
         else:
             x = self.input_tensor

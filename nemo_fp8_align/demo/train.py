@@ -10,8 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from functools import partial
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
@@ -36,6 +36,7 @@ class DemoOptions:
     policy: Policy = Policy.ALIGNED
     micro_batch_size: int = 2
     eval_after_each_step: bool = True
+    device: str = "cpu"
     model: DemoModelConfig = field(default_factory=DemoModelConfig)
 
     @property
@@ -67,7 +68,7 @@ def _forward_step(data_iterator: Iterator[Dict[str, torch.Tensor]], model: torch
 def _digest(tensors: List[torch.Tensor]) -> str:
     h = hashlib.sha256()
     for t in tensors:
-        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -114,65 +115,104 @@ def _optimizer(chunks):
     return get_megatron_optimizer(cfg, chunks)
 
 
-def _train(opts: DemoOptions, telemetry_path: Optional[str]) -> Dict[str, Any]:
-    from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+class PipelineRun:
+    """One rank's model chunks, optimizer and aligner, built once; trains and evaluates steps.
 
-    from nemo_fp8_align.engine.api import align_fp8_transposes
+    Shared by the demo (which digests gradients and counts builds) and the GPU step-time
+    benchmark (which times steps), so both run exactly the same training code.
+    """
 
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    dp_rank = parallel_state.get_data_parallel_rank()
-    config, chunks, backend = _build(opts, pp_rank)
-    optimizer = _optimizer(chunks)
-    weights = [chunk.module.fp8_weights() for chunk in chunks]
-    # Policy off still builds the aligner (unattached), so every policy runs the same code.
-    aligner = align_fp8_transposes(
-        chunks, num_microbatches=opts.microbatches, backend=backend,
-        weights_of=lambda chunk: chunk.module.fp8_weights(), config=config,
-        align_config=AlignConfig(policy=opts.policy, telemetry_path=telemetry_path))
+    def __init__(self, opts: DemoOptions, telemetry_path: Optional[str]) -> None:
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    fwd_bwd = get_forward_backward_func()
-    common = dict(forward_step_func=_forward_step, model=chunks, num_microbatches=opts.microbatches,
-                  seq_length=opts.model.seq_length, micro_batch_size=opts.micro_batch_size)
-    flat = [w for ws in weights for w in ws]
-    result: Dict[str, Any] = {"pp_rank": pp_rank, "dp_rank": dp_rank, "losses": [], "grads": [],
-                              "params": [], "builds_per_step": [], "eval_builds": 0,
-                              "weights_per_chunk": [len(w) for w in weights]}
-    for step in range(opts.steps):
-        for chunk in chunks:
+        from nemo_fp8_align.engine.api import align_fp8_transposes
+
+        self.opts = opts
+        self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        with torch.device(opts.device):
+            self.config, self.chunks, self.backend = _build(opts, self.pp_rank)
+        self.optimizer = _optimizer(self.chunks)
+        self.weights = [w for chunk in self.chunks for w in chunk.module.fp8_weights()]
+        # Policy off still builds the aligner (unattached), so every policy runs the same code.
+        self.aligner = align_fp8_transposes(
+            self.chunks, num_microbatches=opts.microbatches, backend=self.backend,
+            weights_of=lambda chunk: chunk.module.fp8_weights(), config=self.config,
+            align_config=AlignConfig(policy=opts.policy, telemetry_path=telemetry_path))
+        self._fwd_bwd = get_forward_backward_func()
+
+    def _run(self, step: int, forward_only: bool) -> List[Dict[str, torch.Tensor]]:
+        data = [{k: v.to(self.opts.device) for k, v in b.items()}
+                for b in _batches(self.opts, step, self.dp_rank)]
+        return self._fwd_bwd(
+            forward_step_func=_forward_step, data_iterator=[iter(data) for _ in self.chunks],
+            model=self.chunks, num_microbatches=self.opts.microbatches,
+            seq_length=self.opts.model.seq_length, micro_batch_size=self.opts.micro_batch_size,
+            forward_only=forward_only)
+
+    def forward_backward(self, step: int) -> Optional[float]:
+        """Forward and backward of one step; returns the mean loss on the last stage."""
+        for chunk in self.chunks:
             chunk.zero_grad_buffer()
-        optimizer.zero_grad()
-        built_before = [w.transposes_built for w in flat]
-        data = _batches(opts, step, dp_rank)
-        out = fwd_bwd(data_iterator=[iter(data) for _ in chunks], forward_only=False, **common)
-        result["builds_per_step"].append([w.transposes_built - b for w, b in zip(flat, built_before)])
-        result["grads"].append(_digest([buf.grad_data for c in chunks for buf in c.buffers]))
-        optimizer.step()
-        for w in flat:  # the next all-gather brings new values: the FP8 copies are stale
+        self.optimizer.zero_grad()
+        out = self._run(step, forward_only=False)
+        return float(torch.stack([o["lm loss"] for o in out]).mean()) if out else None
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+        for w in self.weights:  # the next all-gather brings new values: FP8 copies are stale
             w.invalidate()
-        result["params"].append(_digest([buf.param_data for c in chunks for buf in c.buffers]))
-        if out:
-            result["losses"].append(float(torch.stack([o["lm loss"] for o in out]).mean()))
+
+    def evaluate(self, step: int) -> None:
+        """A forward-only pass, as validation runs it."""
+        with torch.no_grad():
+            self._run(step, forward_only=True)
+
+    def close(self) -> None:
+        self.aligner.detach()
+
+
+def _train(opts: DemoOptions, telemetry_path: Optional[str]) -> Dict[str, Any]:
+    run = PipelineRun(opts, telemetry_path)
+    result: Dict[str, Any] = {"pp_rank": run.pp_rank, "dp_rank": run.dp_rank, "losses": [],
+                              "grads": [], "params": [], "builds_per_step": [], "eval_builds": 0}
+    for step in range(opts.steps):
+        built_before = [w.transposes_built for w in run.weights]
+        loss = run.forward_backward(step)
+        result["builds_per_step"].append(
+            [w.transposes_built - b for w, b in zip(run.weights, built_before)])
+        result["grads"].append(_digest([b.grad_data for c in run.chunks for b in c.buffers]))
+        run.optimizer_step()
+        result["params"].append(_digest([b.param_data for c in run.chunks for b in c.buffers]))
+        if loss is not None:
+            result["losses"].append(loss)
         if opts.eval_after_each_step:
-            records_before = len(aligner.records)
-            built_before = sum(w.transposes_built for w in flat)
-            with torch.no_grad():
-                fwd_bwd(data_iterator=[iter(data) for _ in chunks], forward_only=True, **common)
-            result["eval_builds"] += sum(w.transposes_built for w in flat) - built_before
-            result["eval_builds"] += len(aligner.records) - records_before
-    result["records"] = [asdict(r) for r in aligner.records]
-    aligner.detach()
+            records_before = len(run.aligner.records)
+            built_before = [w.transposes_built for w in run.weights]
+            run.evaluate(step)
+            result["eval_builds"] += sum(w.transposes_built - b
+                                         for w, b in zip(run.weights, built_before))
+            result["eval_builds"] += len(run.aligner.records) - records_before
+    result["records"] = [asdict(r) for r in run.aligner.records]
+    run.close()
     return result
 
 
-def run_rank(rank: int, world_size: int, port: int, opts: DemoOptions, out_dir: str,
-             telemetry: bool) -> None:
-    """Entry point of one spawned rank; writes ``rank{N}.json`` (and telemetry) to out_dir."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+@contextmanager
+def distributed(rank: int, world_size: int, opts: DemoOptions) -> Iterator[None]:
+    """Process group + megatron-core model-parallel state for one rank, torn down on exit.
+
+    CPU runs use gloo and the CPU compat shims (refused on machines with a GPU); CUDA runs use
+    NCCL on GPU ``rank % device_count`` and no shim at all.
+    """
     compat = None
-    if not torch.cuda.is_available():
+    if opts.device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group("nccl", rank=rank, world_size=world_size)
+    else:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
         from nemo_fp8_align.compat.cpu import enable_cpu_compat
         compat = enable_cpu_compat()
     try:
@@ -181,14 +221,22 @@ def run_rank(rank: int, world_size: int, port: int, opts: DemoOptions, out_dir: 
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=1, pipeline_model_parallel_size=opts.pp,
             virtual_pipeline_model_parallel_size=opts.vp)
-        path = os.path.join(out_dir, f"telemetry.rank{rank}.jsonl") if telemetry else None
-        result = _train(opts, path)
-        result["rank"] = rank
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w", encoding="utf-8") as f:
-            json.dump(result, f)
+        yield
         dist.barrier()
         parallel_state.destroy_model_parallel()
     finally:
         if compat is not None:
             compat.undo()
         dist.destroy_process_group()
+
+
+def run_rank(rank: int, world_size: int, port: int, opts: DemoOptions, out_dir: str,
+             telemetry: bool) -> None:
+    """Entry point of one spawned rank; writes ``rank{N}.json`` (and telemetry) to out_dir."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    with distributed(rank, world_size, opts):
+        path = os.path.join(out_dir, f"telemetry.rank{rank}.jsonl") if telemetry else None
+        result = _train(opts, path)
+        result["rank"] = rank
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w", encoding="utf-8") as f:
+            json.dump(result, f)
