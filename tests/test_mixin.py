@@ -1,0 +1,256 @@
+"""FP8TransposeAlignMixin on NeMo 2.3.3's real MegatronGPTModel class.
+
+Real: the class hierarchy (MRO, super() chain), the startup check at construction (before
+MegatronGPTModel.__init__ builds anything), the launch notifications around NeMo's
+fwd_bwd_step / sync_overlap_parameters (NeMo's own methods replaced by recorders), and
+megatron-core 0.12.3's shared-embedding bucket bug with real DDP buffers in a subprocess.
+End-to-end training is tests/test_smoke_nemo.py.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+pytestmark = pytest.mark.nemo
+
+gpt = pytest.importorskip(
+    "nemo.collections.nlp.models.language_modeling.megatron_gpt_model",
+    reason="needs nemo_toolkit 2.3.3 (MegatronGPTModel)")
+MegatronGPTModel = gpt.MegatronGPTModel
+
+from nemo_fp8_align.nemo.check import FP8AlignConfigError  # noqa: E402
+from nemo_fp8_align.nemo.mixin import (FP8TransposeAlignMixin, FP8Weights,  # noqa: E402
+                                       startup_check)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMOKE = os.path.join(ROOT, "conf", "megatron_gpt_cpu_smoke.yaml")
+
+
+class AlignedGPT(FP8TransposeAlignMixin, MegatronGPTModel):
+    pass
+
+
+class ReferenceGPT(AlignedGPT):
+    fp8_align_weights = FP8Weights.REFERENCE
+
+
+def smoke_cfg():
+    return OmegaConf.load(SMOKE)
+
+
+def trainer(world_size=2):
+    return SimpleNamespace(world_size=world_size)
+
+
+def test_mixin_comes_first_and_chains_to_nemo():
+    mro = AlignedGPT.__mro__
+    assert mro.index(FP8TransposeAlignMixin) < mro.index(MegatronGPTModel)
+    for name in ("fwd_bwd_step", "sync_overlap_parameters", "setup_mcore_distributed_parallel",
+                 "on_train_start", "on_train_end", "teardown"):
+        assert getattr(AlignedGPT, name) is getattr(FP8TransposeAlignMixin, name), name
+        assert hasattr(super(FP8TransposeAlignMixin, AlignedGPT), name), name
+
+
+def test_check_raises_before_megatron_gpt_model_builds_anything(monkeypatch):
+    built = []
+    monkeypatch.setattr(MegatronGPTModel, "__init__", lambda self, *a, **k: built.append(1))
+    cfg = smoke_cfg()
+    cfg.model.optim.align_param_gather = False
+    cfg.model.virtual_pipeline_model_parallel_size = 1
+    with pytest.raises(FP8AlignConfigError) as err:
+        AlignedGPT(cfg.model, trainer())
+    assert built == []
+    keys = {v.key for v in err.value.violations}
+    # Every violation at once, TE ones included for TE weights.
+    assert {"model.optim.align_param_gather", "model.virtual_pipeline_model_parallel_size",
+            "model.fp8_params", "model.transformer_engine"} <= keys
+
+
+def test_reference_weights_do_not_require_te_keys_but_everything_else(monkeypatch):
+    built = []
+    monkeypatch.setattr(MegatronGPTModel, "__init__", lambda self, *a, **k: built.append(1))
+    cfg = smoke_cfg()
+    model = ReferenceGPT(cfg.model, trainer())  # the smoke config passes the check
+    assert built == [1]
+    assert model.fp8_align_config.active
+    cfg.model.optim.overlap_param_sync = False
+    with pytest.raises(FP8AlignConfigError) as err:
+        ReferenceGPT(cfg.model, trainer())
+    assert [v.key for v in err.value.violations] == ["model.optim.overlap_param_sync"]
+
+
+def test_microbatch_rule_uses_the_trainer_world_size():
+    cfg = smoke_cfg()
+    startup_check(cfg.model, trainer(2), weights=FP8Weights.REFERENCE)  # DP=1: M=4 fits
+    with pytest.raises(FP8AlignConfigError, match="global_batch_size"):
+        startup_check(cfg.model, trainer(8), weights=FP8Weights.REFERENCE)  # DP=4: M=1 < PP
+
+
+def test_disabled_plugin_checks_nothing(monkeypatch):
+    monkeypatch.setattr(MegatronGPTModel, "__init__", lambda self, *a, **k: None)
+    cfg = smoke_cfg()
+    cfg.model.fp8_transpose_align.enabled = False
+    cfg.model.optim.name = "fused_adam"
+    assert not AlignedGPT(cfg.model, trainer()).fp8_align_config.active
+
+
+# ---------------------------------------------------------------------------------------------
+# launch notifications around NeMo's fwd_bwd_step
+
+
+class FakeAligner:
+    attached = True
+
+    def __init__(self):
+        self.launched = []
+
+    def on_param_sync_launched(self, chunk):
+        self.launched.append(chunk)
+
+    def param_sync_wrapper(self, chunk, fn):
+        def wrapped(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            self.on_param_sync_launched(chunk)
+            return out
+        return wrapped
+
+
+class FakeDDPChunk(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+        self.started = 0
+
+    def start_param_sync(self, *unused, force_sync=False):
+        self.started += 1
+
+
+def bare_model(use_mcore):
+    model = AlignedGPT.__new__(AlignedGPT)
+    torch.nn.Module.__init__(model)
+    model.use_mcore_dist_optim = use_mcore
+    model.model = [FakeDDPChunk(), FakeDDPChunk()]
+    model._fp8_aligner = FakeAligner()
+    model._fp8_align_reference = []
+    model._fp8_align_in_training_step = False
+    model._fp8_align_chunk_of_first_param = {
+        id(next(iter(c.parameters()))): i for i, c in enumerate(model.model)}
+    return model
+
+
+def nemo_like_fwd_bwd_step(self, dataloader_iter, forward_only, first_val_step=None):
+    # What NeMo 2.3.3 does: bind param_sync_func, then the schedule's pre-loop calls.
+    if self.use_mcore_dist_optim:
+        funcs = None if forward_only else [c.start_param_sync for c in self.model]
+    else:
+        funcs = None if forward_only else [self.sync_overlap_parameters] * len(self.model)
+    if funcs is not None:
+        funcs[0](self.model[0].parameters())
+        funcs[1](self.model[1].parameters())
+    return "loss"
+
+
+@pytest.mark.parametrize("use_mcore", [True, False], ids=["mcore", "apex"])
+def test_training_step_launches_reach_the_aligner_and_nothing_is_left_behind(
+        monkeypatch, use_mcore):
+    monkeypatch.setattr(MegatronGPTModel, "fwd_bwd_step", nemo_like_fwd_bwd_step)
+    synced = []
+    monkeypatch.setattr(MegatronGPTModel, "sync_overlap_parameters",
+                        lambda self, params=None: synced.append(list(params)))
+    model = bare_model(use_mcore)
+    assert model.fwd_bwd_step(iter([]), forward_only=False) == "loss"
+    assert model._fp8_aligner.launched == [0, 1]
+    if use_mcore:
+        assert [c.started for c in model.model] == [1, 1]
+        assert all("start_param_sync" not in c.__dict__ for c in model.model)
+    else:
+        assert [len(p) for p in synced] == [2, 2]  # NeMo still got every parameter
+    assert not model._fp8_align_in_training_step
+
+
+@pytest.mark.parametrize("use_mcore", [True, False], ids=["mcore", "apex"])
+def test_forward_only_passes_notify_nothing(monkeypatch, use_mcore):
+    monkeypatch.setattr(MegatronGPTModel, "fwd_bwd_step", nemo_like_fwd_bwd_step)
+    monkeypatch.setattr(MegatronGPTModel, "sync_overlap_parameters", lambda self, params=None: None)
+    model = bare_model(use_mcore)
+    model.fwd_bwd_step(iter([]), forward_only=True)
+    model.sync_overlap_parameters(model.model[0].parameters())  # outside a training step
+    assert model._fp8_aligner.launched == []
+
+
+def test_detach_is_idempotent():
+    model = bare_model(True)
+    detached = []
+    model._fp8_aligner.detach = lambda: detached.append(1)
+    model.fp8_align_detach()
+    model.fp8_align_detach()
+    assert detached == [1] and model.fp8_aligner is None
+
+
+# ---------------------------------------------------------------------------------------------
+# megatron-core 0.12.3 shared-embedding bucket bug (real DDP buffers, own process group)
+
+BUCKET_SCRIPT = textwrap.dedent("""
+    import os, sys, torch
+    from nemo_fp8_align.compat.cpu import enable_cpu_compat
+    enable_cpu_compat()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    from megatron.core import parallel_state
+    parallel_state.initialize_model_parallel()
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+    from nemo_fp8_align.nemo.mixin import (SharedEmbeddingBucketError, check_buckets,
+                                           shared_embedding_bucket_workaround)
+
+    def build(workaround):
+        torch.manual_seed(0)
+        module = torch.nn.Module()
+        module.embedding = torch.nn.Parameter(torch.randn(256, 32))  # first: bucketed last
+        module.embedding.shared_embedding = True
+        module.norm = torch.nn.Parameter(torch.ones(32))  # 32 values: offset 64, not 128
+        config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4)
+        ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True,
+                                                   overlap_param_gather=True)
+        with shared_embedding_bucket_workaround([module], data_parallel_size=1) \\
+                if workaround else open(os.devnull):
+            ddp = DistributedDataParallel(config, ddp_config, module)
+        return ddp
+
+    ddp = build(workaround=False)
+    try:
+        check_buckets([ddp])
+        print("NO-BUG")
+    except SharedEmbeddingBucketError:
+        print("BUG-DETECTED")
+    try:
+        get_megatron_optimizer(OptimizerConfig(lr=1e-3, use_distributed_optimizer=True), [ddp])
+        print("OPTIMIZER-OK")
+    except AssertionError as err:
+        print("OPTIMIZER-ASSERT", "param_gbuf_map" in str(err))
+    ddp = build(workaround=True)
+    check_buckets([ddp])
+    assert ddp.module.embedding.shared_embedding is True  # restored after construction
+    get_megatron_optimizer(OptimizerConfig(lr=1e-3, use_distributed_optimizer=True), [ddp])
+    print("WORKAROUND-OK")
+""")
+
+
+@pytest.mark.slow
+def test_megatron_core_0123_shared_embedding_bucket_bug_and_workaround():
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    port = str(29500 + os.getpid() % 1000)
+    out = subprocess.run([sys.executable, "-c", BUCKET_SCRIPT, port], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    lines = out.stdout.split()
+    assert "BUG-DETECTED" in lines
+    assert "OPTIMIZER-ASSERT" in lines
+    assert "WORKAROUND-OK" in lines
