@@ -171,7 +171,8 @@ def check_buckets(ddp_chunks: Sequence[Any]) -> None:
 
 def model_chunks(model: Any) -> List[torch.nn.Module]:
     """The modules NeMo's schedule calls: ``model.model`` as a list (one per virtual stage)."""
-    return list(model.model) if isinstance(model.model, list) else [model.model]
+    chunks = model.model
+    return list(chunks) if isinstance(chunks, (list, tuple, torch.nn.ModuleList)) else [chunks]
 
 
 def first_param_index(chunks: Sequence[torch.nn.Module]) -> Dict[int, int]:

@@ -1,0 +1,203 @@
+"""FP8TransposeAlignment with a real Lightning Trainer (CPU, one process).
+
+The NeMo model is replaced by a small LightningModule that looks like one to the callback
+(``cfg``, ``model`` chunks with ``start_param_sync``, ``use_mcore_dist_optim``) and whose
+training_step makes the schedule's pre-loop launches; ``build_aligner`` (which needs
+megatron-core's parallel state) is replaced by a recorder. The callback on NeMo's real
+MegatronGPTModel runs in tests/test_smoke_nemo.py.
+"""
+
+import os
+import pickle
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.loggers import Logger
+from omegaconf import OmegaConf
+
+from nemo_fp8_align.config import Policy
+from nemo_fp8_align.engine.telemetry import TransposeRecord
+from nemo_fp8_align.nemo import callback as callback_module
+from nemo_fp8_align.nemo.callback import FP8TransposeAlignment
+from nemo_fp8_align.nemo.check import FP8AlignConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMOKE = os.path.join(ROOT, "conf", "megatron_gpt_cpu_smoke.yaml")
+
+
+def test_constructor_checks_its_arguments():
+    with pytest.raises(ValueError, match="aligned, lazy, off"):
+        FP8TransposeAlignment(policy="sometimes")
+    with pytest.raises(ValueError, match="log_every_n_steps"):
+        FP8TransposeAlignment(log_every_n_steps=0)
+    with pytest.raises(ValueError, match="te, reference"):
+        FP8TransposeAlignment(weights="int8")
+    with pytest.raises(TypeError, match="enabled"):
+        FP8TransposeAlignment(enabled="yes")
+    assert FP8TransposeAlignment(policy="lazy").config.policy is Policy.LAZY
+
+
+def test_picklable_and_state_dict_round_trip():
+    cb = FP8TransposeAlignment(policy="aligned", weights="reference")
+    cb.steps, cb.transposes = 3, 27
+    cb._aligner = object()  # runtime state never travels
+    clone = pickle.loads(pickle.dumps(cb))
+    assert clone._aligner is None and clone.config == cb.config and clone.steps == 3
+    fresh = FP8TransposeAlignment()
+    fresh.load_state_dict(cb.state_dict())
+    assert (fresh.steps, fresh.transposes) == (3, 27)
+    fresh.load_state_dict({})  # missing keys: keep what it has
+    assert (fresh.steps, fresh.transposes) == (3, 27)
+
+
+class Chunk(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.started = []
+
+    def start_param_sync(self, *params, force_sync=False):
+        self.started.append(bool(params))
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+class NemoLikeModule(LightningModule):
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.use_mcore_dist_optim = True
+        self.model = torch.nn.ModuleList([Chunk(), Chunk()])
+        self.ddp_setups = 0
+
+    def setup_mcore_distributed_parallel(self):
+        self.ddp_setups += 1
+
+    def training_step(self, batch, batch_idx):
+        # NeMo binds param_sync_func from the chunks inside the step, then the schedule's
+        # pre-loop calls pass the parameters positionally.
+        funcs = [chunk.start_param_sync for chunk in self.model]
+        funcs[0](self.model[0].parameters())
+        funcs[1](self.model[1].parameters())
+        self.model[0].start_param_sync(force_sync=True)  # a keyword-only caller: not a launch
+        return self.model[1](self.model[0](batch)).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.randn(3, 4), batch_size=1)
+
+
+class FakeAligner:
+    def __init__(self):
+        self.records, self.launched, self.attached_ = [], [], False
+
+    def attach(self):
+        self.attached_ = True
+        return True
+
+    def detach(self):
+        self.attached_ = False
+
+    def on_param_sync_launched(self, chunk):
+        self.launched.append(chunk)
+        if chunk == 1:  # the slot-0 chunk is built after chunk 1's launch
+            step = len(self.records) // 2
+            for c in (0, 1):
+                self.records.append(TransposeRecord(
+                    step=step, pp_rank=0, dp_rank=0, chunk=c, policy="aligned",
+                    backend="fake", vmid=-1 if c == 0 else 2, slot=2 * c, aligned_slot=2 * c,
+                    transposed=4, weights=4, after_all_gather=True, seconds=0.001))
+
+
+class MemoryLogger(Logger):
+    def __init__(self):
+        super().__init__()
+        self.rows = []
+
+    @property
+    def name(self):
+        return "memory"
+
+    @property
+    def version(self):
+        return 0
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+    def log_metrics(self, metrics, step=None):
+        self.rows.append((step, dict(metrics)))
+
+
+def run_fit(monkeypatch, cb, module, logger=None):
+    aligners = []
+
+    def fake_build(model, config, *, weights):
+        aligners.append(FakeAligner())
+        return aligners[-1], []
+
+    monkeypatch.setattr(callback_module, "build_aligner", fake_build)
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=3, logger=logger or False,
+                      callbacks=[cb], enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False)
+    trainer.fit(module)
+    return trainer, aligners
+
+
+def test_real_trainer_attaches_wraps_per_batch_logs_and_detaches(monkeypatch):
+    cfg = OmegaConf.load(SMOKE).model
+    logger = MemoryLogger()
+    cb = FP8TransposeAlignment(weights="reference")
+    module = NemoLikeModule(cfg)
+    trainer, aligners = run_fit(monkeypatch, cb, module, logger)
+    (aligner,) = aligners
+    assert aligner.launched == [0, 1] * 3  # schedule launches only, every step
+    assert module.model[0].started == [True, False] * 3  # NeMo's launches still ran
+    assert not aligner.attached_  # detached at teardown
+    assert all("start_param_sync" not in c.__dict__ for c in module.model)
+    assert "setup_mcore_distributed_parallel" not in module.__dict__
+    assert cb._aligner is None and (cb.steps, cb.transposes) == (3, 24)
+    logged = [row for row in logger.rows if "fp8_align/chunk1/slot" in row[1]]
+    assert len(logged) == 3
+    assert logged[0][1]["fp8_align/chunk1/slot"] == 2.0
+    assert logged[0][1]["fp8_align/chunk0/transposed"] == 4.0
+
+
+def test_setup_runs_the_startup_check_with_the_callbacks_settings(monkeypatch):
+    cfg = OmegaConf.load(SMOKE).model
+    cfg.optim.align_param_gather = False
+    with pytest.raises(FP8AlignConfigError, match="align_param_gather"):
+        run_fit(monkeypatch, FP8TransposeAlignment(weights="reference"), NemoLikeModule(cfg))
+    # The callback's own settings win over the YAML block: disabled means no check at all.
+    cfg.fp8_transpose_align.enabled = True
+    _, aligners = run_fit(monkeypatch, FP8TransposeAlignment(enabled=False),
+                          NemoLikeModule(cfg))
+    assert aligners == []
+
+
+def test_te_weights_require_the_te_keys(monkeypatch):
+    cfg = OmegaConf.load(SMOKE).model  # fp8_params=False: fine for reference weights only
+    with pytest.raises(FP8AlignConfigError, match="fp8_params"):
+        run_fit(monkeypatch, FP8TransposeAlignment(weights="te"), NemoLikeModule(cfg))
+
+
+def test_refuses_a_model_that_already_has_the_mixin(monkeypatch):
+    from nemo_fp8_align.nemo.mixin import FP8TransposeAlignMixin
+
+    class Both(FP8TransposeAlignMixin, NemoLikeModule):
+        def __init__(self, cfg):
+            NemoLikeModule.__init__(self, cfg)
+
+    with pytest.raises(RuntimeError, match="already has FP8TransposeAlignMixin"):
+        run_fit(monkeypatch, FP8TransposeAlignment(weights="reference"),
+                Both(OmegaConf.load(SMOKE).model))
+
+
+def test_not_a_nemo_model(monkeypatch):
+    module = NemoLikeModule(None)
+    with pytest.raises(TypeError, match="NeMo Megatron GPT model"):
+        run_fit(monkeypatch, FP8TransposeAlignment(), module)
