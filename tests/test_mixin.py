@@ -25,8 +25,7 @@ gpt = pytest.importorskip(
 MegatronGPTModel = gpt.MegatronGPTModel
 
 from nemo_fp8_align.nemo.check import FP8AlignConfigError  # noqa: E402
-from nemo_fp8_align.nemo.mixin import (FP8TransposeAlignMixin, FP8Weights,  # noqa: E402
-                                       startup_check)
+from nemo_fp8_align.nemo.mixin import FP8TransposeAlignMixin, FP8Weights, startup_check  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE = os.path.join(ROOT, "conf", "megatron_gpt_cpu_smoke.yaml")

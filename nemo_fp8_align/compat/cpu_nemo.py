@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 

@@ -24,10 +24,17 @@ from lightning.pytorch import Callback
 from typing_extensions import override
 
 from nemo_fp8_align.config import AlignConfig, Policy
-from nemo_fp8_align.nemo.mixin import (FP8TransposeAlignMixin, FP8Weights, build_aligner,
-                                       check_buckets, first_param_index,
-                                       hide_shared_embedding_flags, model_chunks,
-                                       restore_shared_embedding_flags, startup_check)
+from nemo_fp8_align.nemo.mixin import (
+    FP8TransposeAlignMixin,
+    FP8Weights,
+    build_aligner,
+    check_buckets,
+    first_param_index,
+    hide_shared_embedding_flags,
+    model_chunks,
+    restore_shared_embedding_flags,
+    startup_check,
+)
 
 __all__ = ["FP8TransposeAlignment"]
 

@@ -81,8 +81,7 @@ def startup_check(cfg: Any, trainer: Any = None, *,
     Raises :class:`~nemo_fp8_align.nemo.check.FP8AlignConfigError` listing every violation.
     ``trainer`` (when given) supplies the data-parallel size for the microbatch rules.
     """
-    from nemo_fp8_align.nemo.check import (FP8AlignConfigError, align_config_from,
-                                           find_violations)
+    from nemo_fp8_align.nemo.check import FP8AlignConfigError, align_config_from, find_violations
 
     violations = find_violations(cfg, data_parallel_size=_data_parallel_size(cfg, trainer))
     if weights is FP8Weights.REFERENCE:
