@@ -77,7 +77,7 @@ class KernelConfig(Tuple[int, int, int, int, int]):
     ``0`` bytes, ``1`` (or ``True``) 32-bit words with one layout change per output word column,
     ``2`` 32-bit words with a single layout change per tile; ``split`` cuts the tile into that
     many row slices processed one after another (less register pressure for big tiles).
-    Unaligned tensors always take the byte path, in sub-tiles of at most 64 x 64.
+    Unaligned tensors always take the byte path.
     """
 
     def __new__(cls, block_m: int = 64, block_n: int = 64, num_warps: int = 4, packed: int = 1,
@@ -101,7 +101,7 @@ class KernelConfig(Tuple[int, int, int, int, int]):
 
 
 #: Chosen from the H200 sweep recorded in benchmarks/results/transpose_h200.md.
-DEFAULT_CONFIG = KernelConfig(256, 256, 8, 1)
+DEFAULT_CONFIG = KernelConfig(256, 256, 8, 1, 1)
 
 # ---------------------------------------------------------------------------------------------
 # Host-side tables, cached.
@@ -260,13 +260,7 @@ if triton is not None:
             m = tl.load(meta_ptr + 6 * t)
             n = tl.load(meta_ptr + 6 * t + 1)
             s_row = tl.load(addr_ptr + 3 * t + 2)
-            BYTE_M: tl.constexpr = BLOCK_M if BLOCK_M < 64 else 64
-            BYTE_N: tl.constexpr = BLOCK_N if BLOCK_N < 64 else 64
-            for a in tl.static_range(BLOCK_M // BYTE_M):
-                for b in tl.static_range(BLOCK_N // BYTE_N):
-                    _bytes_tile(base_ptr + src_off, base_ptr + dst_off, m, n, s_row,
-                                tm * (BLOCK_M // BYTE_M) + a, tn * (BLOCK_N // BYTE_N) + b,
-                                BYTE_M, BYTE_N)
+            _bytes_tile(base_ptr + src_off, base_ptr + dst_off, m, n, s_row, tm, tn, BLOCK_M, BLOCK_N)
 
 
 def _aligned(src: torch.Tensor, out: torch.Tensor) -> bool:
