@@ -9,42 +9,35 @@ Everything is driven by Hydra overrides on a config under ``conf/``::
         --config-name megatron_gpt_cpu_smoke model.fp8_transpose_align.policy=aligned
 
 With ``trainer.accelerator=cpu`` the NeMo-on-CPU patches of
-:mod:`nemo_fp8_align.compat.cpu_nemo` are switched on first (tests and the CPU smoke run only).
+:mod:`nemo_fp8_align.compat.cpu_nemo` are switched on first (tests and the CPU smoke run only):
+no Transformer Engine there, so the model class uses reference FP8 shadow weights
+(:class:`MegatronGPTFP8AlignReferenceModel`). ``fp8_align_via=callback`` attaches the plugin
+as the :class:`~nemo_fp8_align.nemo.callback.FP8TransposeAlignment` callback instead.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+
+from lightning.pytorch import Callback
+from nemo.collections.nlp.models.language_modeling.megatron_gpt_model import MegatronGPTModel
+from nemo.collections.nlp.parts.megatron_trainer_builder import MegatronTrainerBuilder
+from nemo.core.config import hydra_runner
+from nemo.utils import logging
+from nemo.utils.exp_manager import exp_manager
+from omegaconf import OmegaConf
 
 # Run as a script from a checkout: make the package importable without installing it.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
-
-def _on_cpu() -> bool:
-    """Whether the command line asks for the CPU accelerator (read before NeMo is imported,
-    because some patches must be in place before NeMo's modules bind their names)."""
-    return any(arg.replace(" ", "") == "trainer.accelerator=cpu" for arg in sys.argv[1:]) or (
-        os.environ.get("NEMO_FP8_ALIGN_CPU") == "1")
-
-
-if _on_cpu():
-    from nemo_fp8_align.compat.cpu_nemo import enable_nemo_cpu_compat
-
-    enable_nemo_cpu_compat()
-
-import json  # noqa: E402
-
-from lightning.pytorch import Callback  # noqa: E402
-from nemo.collections.nlp.models.language_modeling.megatron_gpt_model import MegatronGPTModel  # noqa: E402
-from nemo.collections.nlp.parts.megatron_trainer_builder import MegatronTrainerBuilder  # noqa: E402
-from nemo.core.config import hydra_runner  # noqa: E402
-from nemo.utils import logging  # noqa: E402
-from nemo.utils.exp_manager import exp_manager  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
-
 from nemo_fp8_align.nemo.callback import FP8TransposeAlignment  # noqa: E402
 from nemo_fp8_align.nemo.mixin import FP8TransposeAlignMixin, FP8Weights  # noqa: E402
+from nemo_fp8_align.nemo.structured import register_configs  # noqa: E402
+
+# The model.fp8_transpose_align block is a structured config: register it before Hydra composes.
+register_configs()
 
 
 class _NullTokenizerMixin:
@@ -95,6 +88,10 @@ def main(cfg) -> None:
     logging.info("\n\n************** Experiment configuration ***********")
     logging.info(f"\n{OmegaConf.to_yaml(cfg)}")
     on_cpu = cfg.trainer.get("accelerator") == "cpu"
+    if on_cpu:
+        from nemo_fp8_align.compat.cpu_nemo import enable_nemo_cpu_compat
+
+        enable_nemo_cpu_compat()
     weights = FP8Weights.REFERENCE if on_cpu else FP8Weights.TE
     report_dir = cfg.get("report_dir")
     callbacks = [LossReport(report_dir)] if report_dir else []

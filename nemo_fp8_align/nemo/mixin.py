@@ -231,8 +231,10 @@ def _weights_and_backend(chunks: Sequence[torch.nn.Module], config: AlignConfig,
     if weights is FP8Weights.REFERENCE:
         from nemo_fp8_align.fp8.reference import ReferenceBackend, ReferenceFP8Weight
 
+        # The transformer layers' 2-D GEMM weights: what TE keeps in FP8 (not embeddings or
+        # the output layer).
         return [[ReferenceFP8Weight(p, name=f"chunk{c}.{n}")
-                 for n, p in chunk.named_parameters() if p.dim() == 2 and "embedding" not in n]
+                 for n, p in chunk.named_parameters() if p.dim() == 2 and ".layers." in n]
                 for c, chunk in enumerate(chunks)], ReferenceBackend(
                     use_triton_kernel=config.use_triton_kernel)
     backend = _te_backend(config)
