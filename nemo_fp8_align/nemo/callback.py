@@ -33,6 +33,7 @@ from nemo_fp8_align.nemo.mixin import (
     hide_shared_embedding_flags,
     model_chunks,
     restore_shared_embedding_flags,
+    schedule_launch,
     startup_check,
 )
 
@@ -208,7 +209,7 @@ class FP8TransposeAlignment(Callback):
         aligner = self._aligner
         if getattr(pl_module, "use_mcore_dist_optim", False):
             for c, chunk in enumerate(model_chunks(pl_module)):
-                chunk.start_param_sync = _schedule_launch(aligner, c, chunk.start_param_sync)
+                chunk.start_param_sync = schedule_launch(aligner, c, chunk.start_param_sync)
                 self._wrapped.append((chunk, "start_param_sync"))
         else:
             original = pl_module.sync_overlap_parameters
@@ -242,15 +243,3 @@ class FP8TransposeAlignment(Callback):
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         self.steps = int(state_dict.get("steps", self.steps))
         self.transposes = int(state_dict.get("transposes", self.transposes))
-
-
-def _schedule_launch(aligner: Any, chunk: int, launch: Any) -> Any:
-    """``launch`` (a DDP chunk's ``start_param_sync``) that notifies the aligner when the
-    schedule calls it: the schedule passes the chunk's parameters positionally; megatron-core's
-    other callers (optimizer step, disabling pre-hooks) pass keywords only."""
-    def start_param_sync(*args: Any, **kwargs: Any) -> Any:
-        out = launch(*args, **kwargs)
-        if args:
-            aligner.on_param_sync_launched(chunk)
-        return out
-    return start_param_sync

@@ -50,8 +50,8 @@ from nemo_fp8_align.config import AlignConfig
 
 __all__ = ["FP8TransposeAlignMixin", "FP8Weights", "SharedEmbeddingBucketError", "build_aligner",
            "check_buckets", "first_param_index", "hide_shared_embedding_flags", "model_chunks",
-           "restore_shared_embedding_flags", "shared_embedding_bucket_workaround",
-           "startup_check"]
+           "restore_shared_embedding_flags", "schedule_launch",
+           "shared_embedding_bucket_workaround", "startup_check"]
 
 logger = logging.getLogger(__name__)
 
@@ -178,6 +178,20 @@ def first_param_index(chunks: Sequence[torch.nn.Module]) -> Dict[int, int]:
     """``id`` of each chunk's first parameter -> chunk index: how a ``param_sync_func`` call
     (which receives ``model[c].parameters()``) is mapped back to its chunk."""
     return {id(next(iter(chunk.parameters()))): c for c, chunk in enumerate(chunks)}
+
+
+def schedule_launch(aligner: Any, chunk: int, launch: Any) -> Any:
+    """``launch`` (a megatron-core DDP chunk's ``start_param_sync``) that tells the aligner when
+    the *schedule* calls it: the schedule passes the chunk's parameters positionally
+    (``param_sync_func[c](model[c].parameters())``); megatron-core's other callers (the optimizer
+    step with ``overlap_param_gather_with_optimizer_step``, ``disable_forward_pre_hook``) pass
+    keywords only and are not a step's launches."""
+    def start_param_sync(*args: Any, **kwargs: Any) -> Any:
+        out = launch(*args, **kwargs)
+        if args:
+            aligner.on_param_sync_launched(chunk)
+        return out
+    return start_param_sync
 
 
 def build_aligner(model: Any, config: AlignConfig, *,
@@ -362,7 +376,7 @@ class FP8TransposeAlignMixin:
             if getattr(self, "use_mcore_dist_optim", False):
                 # NeMo builds param_sync_func from these attributes inside fwd_bwd_step.
                 for c, chunk in enumerate(model_chunks(self)):
-                    chunk.start_param_sync = aligner.param_sync_wrapper(c, chunk.start_param_sync)
+                    chunk.start_param_sync = schedule_launch(aligner, c, chunk.start_param_sync)
                     shadowed.append(chunk)
             yield
         finally:
