@@ -3,6 +3,7 @@
 # 2 gloo processes, PP=2, VP=2, mcore_distributed_optim, mock data, 3 steps, through
 # examples/megatron_gpt_pretraining.py and conf/megatron_gpt_cpu_smoke.yaml.
 #
+#   (each run: 3 training steps and one validation pass at step 2, which must trigger nothing)
 #   1. plugin on  (policy=aligned, FP8TransposeAlignMixin): prints the alignment report, checks it;
 #   2. plugin on through the FP8TransposeAlignment callback on a plain MegatronGPTModel: the same
 #      checks, and the same slots as run 1;
