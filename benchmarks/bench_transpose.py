@@ -38,9 +38,9 @@ GPT3_175B_TP8 = [(4608, 12288), (12288, 1536), (6144, 12288), (12288, 6144)]
 LLAMA70B_TP8 = [(1280, 8192), (8192, 1024), (3584, 8192), (8192, 3584)]
 
 SWEEP = [
-    (256, 256, 8, 1, 1), (256, 256, 8, 1, 2), (512, 256, 8, 1, 2), (256, 512, 8, 1, 2),
-    (512, 512, 16, 1, 2), (128, 256, 4, 1, 1), (256, 256, 8, 2, 1), (64, 128, 4, 0, 1),
-    (64, 64, 4, 0, 1),
+    (256, 256, 8, 1, 1, 0), (256, 256, 8, 1, 1, 1), (256, 256, 8, 1, 1, 2), (256, 256, 4, 1, 1, 0),
+    (128, 256, 8, 1, 1, 0), (256, 128, 8, 1, 1, 0), (128, 128, 4, 1, 1, 0), (128, 128, 4, 1, 1, 4),
+    (128, 256, 4, 1, 1, 2), (256, 256, 8, 2, 1, 0), (64, 128, 4, 0, 1, 0), (64, 128, 4, 0, 1, 4),
 ]
 
 
@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--sweep", action="store_true", help="pick the fastest tile config first")
     ap.add_argument("--config", default=None,
-                    help="block_m,block_n,num_warps,packed[,split] (e.g. 256,256,8,1,2)")
+                    help="block_m,block_n,num_warps,packed[,split[,persistent]] (e.g. 256,256,8,1,1,0)")
     ap.add_argument("--layers", default="1,2,4")
     ap.add_argument("--out", default=None, help="markdown report path")
     args = ap.parse_args(argv)
@@ -137,8 +137,8 @@ def main(argv=None) -> int:
         out()
         out(f"copy ceiling on these bytes: {copy['tbps']:.2f} TB/s")
         out()
-        out("| block_m | block_n | warps | packed | split | median us | TB/s | % copy |")
-        out("|---:|---:|---:|---:|---:|---:|---:|---:|")
+        out("| block_m | block_n | warps | packed | split | persistent | median us | TB/s | % copy |")
+        out("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         best = None
         for c in SWEEP:
             kc = tt.KernelConfig(*c)
@@ -149,10 +149,10 @@ def main(argv=None) -> int:
                 _check(srcs, outs, f"sweep {c}")
                 st = _stats(_time(lambda: tt.multi_transpose(srcs, outs, kc), args.reps), nbytes)
             except Exception as exc:  # a config that does not compile is reported, not fatal
-                out(f"| {kc[0]} | {kc[1]} | {kc[2]} | {kc[3]} | {kc[4]} | failed: {type(exc).__name__}: "
+                out(f"| {kc[0]} | {kc[1]} | {kc[2]} | {kc[3]} | {kc[4]} | {kc[5]} | failed: {type(exc).__name__}: "
                     f"{str(exc).splitlines()[0][:80]} | | |")
                 continue
-            out(f"| {kc[0]} | {kc[1]} | {kc[2]} | {kc[3]} | {kc[4]} | {st['med'] * 1e3:.1f} | {st['tbps']:.2f} | "
+            out(f"| {kc[0]} | {kc[1]} | {kc[2]} | {kc[3]} | {kc[4]} | {kc[5]} | {st['med'] * 1e3:.1f} | {st['tbps']:.2f} | "
                 f"{100 * st['tbps'] / copy['tbps']:.1f} |")
             if best is None or st["med"] < best[1]:
                 best = (kc, st["med"])
@@ -163,7 +163,7 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
 
     out(f"Kernel config used below: block_m={cfg.block_m}, block_n={cfg.block_n}, "
-        f"num_warps={cfg.num_warps}, packed={cfg.packed}, split={cfg.split}")
+        f"num_warps={cfg.num_warps}, packed={cfg.packed}, split={cfg.split}, persistent={cfg.persistent}")
     out()
     out("| weight set | tensors | MB (FP8) | method | min us | median us | max us | TB/s | % copy | x torch |")
     out("|:--|---:|---:|:--|---:|---:|---:|---:|---:|---:|")

@@ -13,7 +13,7 @@ import torch
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
 from nemo_fp8_align.kernels import triton_transpose as tt  # noqa: E402
 
-cfgs = [tt.KernelConfig(*c) for c in ((256, 256, 8, 1, 1), (256, 256, 8, 1, 4), (512, 256, 8, 1, 4))]
+cfgs = [tt.KernelConfig(*c) for c in ((256, 256, 8, 1, 1, 0), (256, 256, 8, 1, 1, 2), (128, 128, 4, 1, 1, 0))]
 s = [torch.zeros(256, 512, dtype=torch.uint8, device="cuda")]
 o = [torch.zeros(512, 256, dtype=torch.uint8, device="cuda")]
 for cfg in cfgs:

@@ -99,7 +99,8 @@ def test_triton_module_reports_unavailable_cleanly():
 def test_kernel_config_validates():
     assert tt.DEFAULT_CONFIG.block_m >= 16
     cfg = tt.KernelConfig(128, 64, 8, False)
-    assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.packed, cfg.split) == (128, 64, 8, 0, 1)
+    assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.packed, cfg.split, cfg.persistent) == (
+        128, 64, 8, 0, 1, 0)
     assert tt.KernelConfig(64, 64, 4, True).packed == 1
     with pytest.raises(ValueError, match="power of two"):
         tt.KernelConfig(48, 64)
@@ -107,6 +108,8 @@ def test_kernel_config_validates():
         tt.KernelConfig(64, 64, 4, 3)
     with pytest.raises(ValueError, match="split"):
         tt.KernelConfig(32, 64, 4, 1, 4)
+    with pytest.raises(ValueError, match="persistent"):
+        tt.KernelConfig(64, 64, 4, 1, 1, -1)
 
 
 # ------------------------------------------------------------------------------------ GPU path
@@ -121,7 +124,8 @@ needs_triton_gpu = pytest.mark.skipif(_GPU_SKIP is not None, reason=_GPU_SKIP or
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("config", [None, (64, 64, 4, 0), (128, 64, 8, 1), (64, 128, 8, 2),
                                     (32, 16, 4, 1), (256, 256, 8, 2), (16, 32, 1, 2), (256, 256, 8, 1, 4),
-                                    (128, 128, 4, 0, 2)], ids=str)
+                                    (128, 128, 4, 0, 2), (64, 64, 4, 1, 1, 1),
+                                    (256, 256, 8, 1, 1, 2)], ids=str)
 def test_triton_multi_bit_exact(dtype, config):
     g = torch.Generator().manual_seed(2)
     sources = [_random_bytes(s, dtype, "cuda", g) for s in SHAPES]
@@ -174,6 +178,20 @@ def test_triton_strided_and_unaligned_views():
 
 @gpu
 @needs_triton_gpu
+@pytest.mark.parametrize("config", [None, (256, 256, 8, 1, 1, 2), (64, 128, 4, 0, 1, 1)], ids=str)
+def test_triton_all_aligned_list(config):
+    """Only aligned tensors: the kernel is compiled without its byte branch."""
+    g = torch.Generator().manual_seed(7)
+    shapes = [(1280, 1024), (1024, 3584), (16, 16), (48, 4096), (4096, 32)]
+    sources = [_random_bytes(s, torch.float8_e4m3fn, "cuda", g) for s in shapes]
+    outputs = _outputs_for(sources)
+    tt.multi_transpose(sources, outputs, tt.KernelConfig(*config) if config else None)
+    torch.cuda.synchronize()
+    _assert_bit_exact(sources, outputs)
+
+
+@gpu
+@needs_triton_gpu
 def test_triton_gpt3_shapes_one_launch():
     g = torch.Generator().manual_seed(5)
     shapes = [(4608, 12288), (12288, 1536), (6144, 12288), (12288, 6144)]
@@ -188,7 +206,7 @@ def test_triton_gpt3_shapes_one_launch():
 @gpu
 @needs_triton_gpu
 @pytest.mark.parametrize("config", [None, (64, 64, 4, 0), (128, 32, 4, 1), (64, 64, 4, 2),
-                                    (256, 256, 8, 1, 2)], ids=str)
+                                    (256, 256, 8, 1, 2), (128, 128, 4, 1, 1, 3)], ids=str)
 def test_triton_writes_nothing_outside_its_outputs(config):
     """Outputs carved from one buffer with canary bytes between them: no stray writes."""
     g = torch.Generator().manual_seed(6)

@@ -22,11 +22,14 @@ How one launch covers many tensors:
   shapes) move 32-bit words ("packed" mode): a program loads four source rows ``4i+r`` as words,
   regroups each 4x4 byte block in registers with shifts and masks, and stores whole words of four
   output rows through ``tl.trans``, so only words cross threads. Other tensors (odd shapes, 1xN,
-  Nx1, unaligned or row-strided views) take a byte path in the same launch. Either way the result
-  is bit-exact: bytes are only moved, never converted.
-* Measured on one H200 (benchmarks/results/transpose_h200.md): 86.5-86.7% of the device copy
-  bandwidth on GPT-3-175B TP=8 layer sets, 87-93% on Llama-70B TP=8 sets, 10-11x torch's generic
-  transpose; Transformer Engine 2.20's own per-tensor transpose reached about 83% there.
+  Nx1, unaligned or row-strided views) take a byte path in the same launch; that branch is
+  compiled only into launches that have such a tensor (with it, the packed path lost about 5
+  points of bandwidth to registers and shared memory). Either way the result is bit-exact: bytes are
+  only moved, never converted.
+* Measured on one H200 (benchmarks/results/transpose_h200.md): 92.4-92.6% of the device copy
+  bandwidth on GPT-3-175B TP=8 layer sets (1, 2, 4 layers), 93-99% on Llama-70B TP=8 sets,
+  11-12x torch's generic transpose; Transformer Engine 2.20's own per-tensor transpose reached
+  about 83% there.
 
 Import-guarded: :func:`available` is ``False`` when Triton or CUDA is missing, and nothing here
 touches Triton until a kernel is needed.
@@ -76,19 +79,20 @@ def available() -> bool:
     return unavailable_reason() is None
 
 
-class KernelConfig(Tuple[int, int, int, int, int]):
-    """``(block_m, block_n, num_warps, packed, split)``.
+class KernelConfig(Tuple[int, int, int, int, int, int]):
+    """``(block_m, block_n, num_warps, packed, split, persistent)``.
 
     ``block_m x block_n`` is the tile of the source one program owns; ``num_warps`` the warps per
     program; ``packed`` how aligned tensors (M, N multiples of 16, 16-byte aligned) are moved:
     ``0`` bytes, ``1`` (or ``True``) 32-bit words with one layout change per output word column,
     ``2`` 32-bit words with a single layout change per tile; ``split`` cuts the tile into that
-    many row slices processed one after another (less register pressure for big tiles).
-    Unaligned tensors always take the byte path.
+    many row slices processed one after another (less register pressure for big tiles);
+    ``persistent`` > 0 launches that many programs per multiprocessor, each looping over tiles
+    (0: one program per tile). Unaligned tensors always take the byte path.
     """
 
     def __new__(cls, block_m: int = 64, block_n: int = 64, num_warps: int = 4, packed: int = 1,
-                split: int = 1):
+                split: int = 1, persistent: int = 0):
         for v, name in ((block_m, "block_m"), (block_n, "block_n"), (split, "split")):
             if v < 1 or v & (v - 1):
                 raise ValueError(f"{name}={v}: must be a power of two")
@@ -98,17 +102,21 @@ class KernelConfig(Tuple[int, int, int, int, int]):
             raise ValueError(f"split={split}: block_m/split must stay >= 16")
         if int(packed) not in (0, 1, 2):
             raise ValueError(f"packed={packed!r}: must be 0, 1 or 2")
-        return super().__new__(cls, (int(block_m), int(block_n), int(num_warps), int(packed), int(split)))
+        if persistent < 0:
+            raise ValueError(f"persistent={persistent}: must be >= 0")
+        return super().__new__(cls, (int(block_m), int(block_n), int(num_warps), int(packed),
+                                     int(split), int(persistent)))
 
     block_m = property(lambda self: self[0])
     block_n = property(lambda self: self[1])
     num_warps = property(lambda self: self[2])
     packed = property(lambda self: self[3])
     split = property(lambda self: self[4])
+    persistent = property(lambda self: self[5])
 
 
 #: Chosen from the H200 sweep recorded in benchmarks/results/transpose_h200.md.
-DEFAULT_CONFIG = KernelConfig(256, 256, 8, 1, 1)
+DEFAULT_CONFIG = KernelConfig(256, 128, 8, 1, 1, 0)
 
 # ---------------------------------------------------------------------------------------------
 # Host-side tables, cached.
@@ -234,40 +242,62 @@ if triton is not None:
             tl.store(out0 + 3 * m4, tl.trans(o3), mask=st_mask)
 
     @triton.jit
-    def _multi_transpose_kernel(table_ptr, meta_ptr, addr_ptr, base_ptr,
-                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PACKED: tl.constexpr,
-                                SPLIT: tl.constexpr):
-        # table[pid] = (tensor t, tile inside t); meta[t] = (m, n, tiles_n, mode, m/16, n/16);
-        # addr[t] = (source offset, output offset, source row stride) relative to base_ptr, a
-        # 16-byte aligned kernel argument: in units of 16 bytes for aligned tensors (mode 1), so
-        # that the compiler can prove 16-byte alignment and vectorise, else in bytes.
-        pid = tl.program_id(0)
-        t = tl.load(table_ptr + 2 * pid)
-        tile = tl.load(table_ptr + 2 * pid + 1)
+    def _aligned_tile(meta_ptr, base_ptr, t, src_off, dst_off, tm, tn, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, PACKED: tl.constexpr, SPLIT: tl.constexpr):
+        # Multiplying by 16 is what carries the alignment facts (a hint on a shared value would
+        # leak into the byte branch).
+        m = tl.load(meta_ptr + 6 * t + 4) * 16
+        n = tl.load(meta_ptr + 6 * t + 5) * 16
+        src = base_ptr + src_off * 16
+        dst = base_ptr + dst_off * 16
+        SUB_M: tl.constexpr = BLOCK_M // SPLIT
+        for a in tl.static_range(SPLIT):
+            if PACKED > 0:
+                _packed_tile(src, dst, m, n, tm * SPLIT + a, tn, SUB_M, BLOCK_N, PACKED == 2)
+            else:
+                _bytes_tile(src, dst, m, n, n, tm * SPLIT + a, tn, SUB_M, BLOCK_N)
+
+    @triton.jit
+    def _one_tile(p, table_ptr, meta_ptr, addr_ptr, base_ptr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, PACKED: tl.constexpr, SPLIT: tl.constexpr,
+                  HAS_BYTES: tl.constexpr):
+        t = tl.load(table_ptr + 2 * p)
+        tile = tl.load(table_ptr + 2 * p + 1)
         tiles_n = tl.load(meta_ptr + 6 * t + 2)
-        mode = tl.load(meta_ptr + 6 * t + 3)
         tm = tile // tiles_n
         tn = tile % tiles_n
         src_off = tl.load(addr_ptr + 3 * t)
         dst_off = tl.load(addr_ptr + 3 * t + 1)
-        if mode == 1:
-            # Multiplying by 16 is what carries the alignment facts (a hint on a shared value
-            # would leak into the other branch).
-            m = tl.load(meta_ptr + 6 * t + 4) * 16
-            n = tl.load(meta_ptr + 6 * t + 5) * 16
-            src = base_ptr + src_off * 16
-            dst = base_ptr + dst_off * 16
-            SUB_M: tl.constexpr = BLOCK_M // SPLIT
-            for a in tl.static_range(SPLIT):
-                if PACKED > 0:
-                    _packed_tile(src, dst, m, n, tm * SPLIT + a, tn, SUB_M, BLOCK_N, PACKED == 2)
-                else:
-                    _bytes_tile(src, dst, m, n, n, tm * SPLIT + a, tn, SUB_M, BLOCK_N)
+        if HAS_BYTES:
+            mode = tl.load(meta_ptr + 6 * t + 3)
+            if mode == 1:
+                _aligned_tile(meta_ptr, base_ptr, t, src_off, dst_off, tm, tn,
+                              BLOCK_M, BLOCK_N, PACKED, SPLIT)
+            else:
+                m = tl.load(meta_ptr + 6 * t)
+                n = tl.load(meta_ptr + 6 * t + 1)
+                s_row = tl.load(addr_ptr + 3 * t + 2)
+                _bytes_tile(base_ptr + src_off, base_ptr + dst_off, m, n, s_row, tm, tn,
+                            BLOCK_M, BLOCK_N)
+        else:  # every tensor of this launch is aligned: the byte branch is not even compiled
+            _aligned_tile(meta_ptr, base_ptr, t, src_off, dst_off, tm, tn,
+                          BLOCK_M, BLOCK_N, PACKED, SPLIT)
+
+    @triton.jit
+    def _multi_transpose_kernel(table_ptr, meta_ptr, addr_ptr, base_ptr, n_tiles,
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PACKED: tl.constexpr,
+                                SPLIT: tl.constexpr, HAS_BYTES: tl.constexpr, PERSISTENT: tl.constexpr):
+        # table[p] = (tensor t, tile inside t); meta[t] = (m, n, tiles_n, mode, m/16, n/16);
+        # addr[t] = (source offset, output offset, source row stride) relative to base_ptr, a
+        # 16-byte aligned kernel argument: in units of 16 bytes for aligned tensors (mode 1), so
+        # that the compiler can prove 16-byte alignment and vectorise, else in bytes.
+        if PERSISTENT:
+            for p in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+                _one_tile(p, table_ptr, meta_ptr, addr_ptr, base_ptr,
+                          BLOCK_M, BLOCK_N, PACKED, SPLIT, HAS_BYTES)
         else:
-            m = tl.load(meta_ptr + 6 * t)
-            n = tl.load(meta_ptr + 6 * t + 1)
-            s_row = tl.load(addr_ptr + 3 * t + 2)
-            _bytes_tile(base_ptr + src_off, base_ptr + dst_off, m, n, s_row, tm, tn, BLOCK_M, BLOCK_N)
+            _one_tile(tl.program_id(0), table_ptr, meta_ptr, addr_ptr, base_ptr,
+                      BLOCK_M, BLOCK_N, PACKED, SPLIT, HAS_BYTES)
 
 
 def _aligned(src: torch.Tensor, out: torch.Tensor) -> bool:
@@ -308,7 +338,8 @@ def _prepare(sources: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], c
             so, oo = so // 16, oo // 16  # exact: both addresses are 16-byte aligned
         addr += [so, oo, int(s.stride(0))]
     addr_t = torch.tensor(addr, dtype=torch.int64).to(device)
-    return (table, meta, addr_t, base, n_tiles, device, srcs if copied else None)
+    has_bytes = any(mode == _MODE_BYTES for _, _, mode in modes)
+    return (table, meta, addr_t, base, n_tiles, device, srcs if copied else None, has_bytes)
 
 
 def _launch_key(sources, outputs, cfg):
@@ -339,7 +370,7 @@ def multi_transpose(sources: Sequence[torch.Tensor], outputs: Sequence[torch.Ten
         prep = _prepare(sources, outputs, cfg)
         if prep[6] is None:  # launches that needed a temporary contiguous copy are not cached
             _lru_put(_addr_cache, key, prep)
-    table, meta, addr_t, base, n_tiles, device, _keep = prep
+    table, meta, addr_t, base, n_tiles, device, _keep, has_bytes = prep
     if n_tiles == 0:
         return
     if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
@@ -347,21 +378,32 @@ def multi_transpose(sources: Sequence[torch.Tensor], outputs: Sequence[torch.Ten
     else:
         ctx = contextlib.nullcontext()
     with ctx:
-        _multi_transpose_kernel[(n_tiles,)](
-            table, meta, addr_t, base,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PACKED=cfg.packed, SPLIT=cfg.split,
-            num_warps=cfg.num_warps,
-        )
+        _run(table, meta, addr_t, base, n_tiles, has_bytes, cfg, _sm_count(device))
 
 
 def _launch(sources, outputs, cfg: KernelConfig) -> None:
     """Launch without the availability check (the CPU interpreter tests use it)."""
-    table, meta, addr_t, base, n_tiles, device, _keep = _prepare(sources, outputs, cfg)
+    table, meta, addr_t, base, n_tiles, device, _keep, has_bytes = _prepare(sources, outputs, cfg)
     if n_tiles:
-        _multi_transpose_kernel[(n_tiles,)](
-            table, meta, addr_t, base,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PACKED=cfg.packed, SPLIT=cfg.split,
-            num_warps=cfg.num_warps)
+        _run(table, meta, addr_t, base, n_tiles, has_bytes, cfg, 4)
+
+
+_SM_COUNT = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def _run(table, meta, addr_t, base, n_tiles, has_bytes, cfg: "KernelConfig", sms: int) -> None:
+    grid = n_tiles if cfg.persistent == 0 else min(n_tiles, cfg.persistent * sms)
+    _multi_transpose_kernel[(grid,)](
+        table, meta, addr_t, base, n_tiles,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PACKED=cfg.packed, SPLIT=cfg.split,
+        HAS_BYTES=has_bytes, PERSISTENT=cfg.persistent > 0, num_warps=cfg.num_warps)
 
 
 def transpose_one(source: torch.Tensor, output: torch.Tensor, config: Optional[KernelConfig] = None) -> None:
