@@ -255,3 +255,12 @@ def test_megatron_core_0123_shared_embedding_bucket_bug_and_workaround():
     assert "BUG-DETECTED" in lines
     assert "OPTIMIZER-ASSERT" in lines
     assert "WORKAROUND-OK" in lines
+
+
+def test_nemo_cpu_patches_refuse_on_a_gpu_machine(monkeypatch):
+    from nemo_fp8_align.compat import cpu_nemo
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cpu_nemo, "_ACTIVE", None)
+    with pytest.raises(RuntimeError, match="refuses to run on a machine with a GPU"):
+        cpu_nemo.enable_nemo_cpu_compat()

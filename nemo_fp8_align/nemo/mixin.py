@@ -26,9 +26,10 @@ Forward-only passes (validation) never launch through the wrappers, so they trig
 
 FP8 weights: ``model.fp8_params=True`` means Transformer Engine ``Float8Tensor`` parameters
 (:attr:`FP8Weights.TE`, backend ``nemo_fp8_align.fp8.te_backend``). Where TE is absent (the CPU
-smoke run), a model class may set ``fp8_align_weights = FP8Weights.REFERENCE``: each chunk's
-2-D linear weights then get a plain-torch :class:`~nemo_fp8_align.fp8.reference.ReferenceFP8Weight`
-shadow, rebuilt (cast, scale, transpose) from the all-gathered parameter at the chunk's slot.
+smoke run), a model class may set ``fp8_align_weights = FP8Weights.REFERENCE``: the 2-D GEMM
+weights of each chunk's transformer layers then get a plain-torch
+:class:`~nemo_fp8_align.fp8.reference.ReferenceFP8Weight` shadow, rebuilt (cast, scale,
+transpose) from the all-gathered parameter at the chunk's slot.
 The GPT's GEMMs do not read those shadows: they exercise where and when the transposes are
 built, not FP8 numerics; the TE-only config keys are then not required by the startup check.
 
@@ -341,6 +342,18 @@ class FP8TransposeAlignMixin:
         if aligner is None or not aligner.attach():
             return False
         self._fp8_aligner = aligner
+        counts = [len(w) for w in aligner.weights]
+        if not any(counts):
+            logger.warning(
+                "nemo_fp8_align: no FP8 weights found in the model chunks (model.fp8_params=%s): "
+                "nothing to transpose. With Transformer Engine, model.fp8=True and "
+                "model.fp8_params=True build Float8Tensor parameters.", self.cfg.get("fp8_params"))
+        logger.info(
+            "nemo_fp8_align: %s FP8 transposes on pipeline rank %d: %d chunks, FP8 weights per "
+            "chunk %s (%s), optimizer %s (overlap_param_sync=%s)",
+            self._fp8_align_config.policy.value, aligner.pp_rank, len(counts), counts,
+            aligner.backend.name, self.cfg.optim.get("name"),
+            self.cfg.optim.get("overlap_param_sync"))
         return True
 
     def fp8_align_detach(self) -> None:
