@@ -29,6 +29,7 @@ from nemo_fp8_align.fp8.te_backend import (
     GEN_2_10,
     TEBackend,
     api_generation,
+    make_backend,
     load_te_api,
     parse_te_version,
 )
@@ -246,6 +247,12 @@ def test_version_read_from_module_and_name():
     assert isinstance(backend, FP8TransposeBackend)
 
 
+def test_make_backend_honours_the_config():
+    te = _te_module(TE210Float8Tensor, "2.20.2")
+    b = make_backend(AlignConfig(te_kernel_writes_transpose=True, use_triton_kernel=False), te_module=te)
+    assert isinstance(b, TEBackend) and b.kernel_writes_transpose and not b.use_triton_kernel
+
+
 def test_from_config():
     te = _te_module(TE210Float8Tensor, "2.20.2")
     b = TEBackend.from_config(AlignConfig(use_triton_kernel=False, te_kernel_writes_transpose=True),
@@ -416,6 +423,22 @@ def test_has_valid_transpose_fires_no_attribute_hook(gen):
     backend.build_transposes([w])  # building may go through the hook: it calls TE's methods
     fired.clear()
     assert backend.has_valid_transpose(w) is True
+    assert fired == []
+
+
+def test_classifying_other_tensors_fires_no_attribute_hook():
+    """isinstance() would read __class__ through a patched __getattribute__ on a mismatch."""
+    fired = []
+
+    class HookedMX(MXFP8Tensor):
+        def __getattribute__(self, name):
+            fired.append(name)
+            return super().__getattribute__(name)
+
+    _, _, weights, backend = _setup(GEN_2_10)
+    mx = HookedMX(_bytes((16, 16), 0))
+    fired.clear()
+    assert backend.build_transposes([mx] + weights) == len(weights)
     assert fired == []
 
 

@@ -55,6 +55,7 @@ from nemo_fp8_align.kernels import multi_transpose_
 
 __all__ = [
     "TEBackend",
+    "make_backend",
     "load_te_api",
     "parse_te_version",
     "api_generation",
@@ -162,6 +163,12 @@ def load_te_api() -> types.SimpleNamespace:
 _MISSING = object()
 
 
+def make_backend(config: Any, **kwargs: Any) -> "TEBackend":
+    """The backend an :class:`~nemo_fp8_align.config.AlignConfig` asks for (``use_triton_kernel``,
+    ``te_kernel_writes_transpose``); ``kwargs`` go to :class:`TEBackend` (e.g. ``te_module``)."""
+    return TEBackend.from_config(config, **kwargs)
+
+
 class TEBackend:
     """:class:`~nemo_fp8_align.fp8.protocol.FP8TransposeBackend` for TE ``Float8Tensor`` weights.
 
@@ -246,17 +253,22 @@ class TEBackend:
             return default
 
     def _classify(self, w: Any) -> Optional[str]:
-        """``None`` when this backend builds ``w``'s transpose, else why it is skipped."""
-        if isinstance(w, self.float8_cls):
+        """``None`` when this backend builds ``w``'s transpose, else why it is skipped.
+
+        Uses ``type(w)`` only: ``isinstance`` falls back to reading ``w.__class__`` through the
+        class's ``__getattribute__`` when the type does not match, which fires an armed Apex hook.
+        """
+        wtype = type(w)
+        if issubclass(wtype, self.float8_cls):
             if self._peek(w, "_data", None) is None:
                 return "Float8Tensor without row-wise data (column-wise only): nothing to transpose"
             return None
         for attr, (needle, why) in zip(("MXFP8Tensor", "Float8BlockwiseQTensor", "NVFP4Tensor"),
                                        _NEVER_TRANSPOSE):
             cls = getattr(self.api, attr, None)
-            if (cls is not None and isinstance(w, cls)) or needle.lower() in type(w).__name__.lower():
+            if (cls is not None and issubclass(wtype, cls)) or needle.lower() in wtype.__name__.lower():
                 return why
-        return f"{type(w).__name__} is not a Transformer Engine Float8Tensor"
+        return f"{wtype.__name__} is not a Transformer Engine Float8Tensor"
 
     # ------------------------------------------------------------------ protocol
 
@@ -289,6 +301,13 @@ class TEBackend:
         return not bool(self._peek(weight, "_transpose_invalid", True))
 
     def build_transposes(self, weights: Sequence[Any]) -> int:
+        """Build the transposes that are missing or invalid; return how many were built.
+
+        Expects the chunk's bytes in place (all-gather finished; with Apex's distributed Adam the
+        pre-forward copy done and its hook disarmed, which ``ApexParamSync`` does): validity is
+        read without firing attribute hooks, while the build itself calls TE's methods (or, on the
+        kernel path, reads ``_data`` / ``_transpose``) through ordinary attribute access.
+        """
         needed, _reason = self.transpose_needed()
         if not needed:
             return 0
@@ -343,14 +362,14 @@ class TEBackend:
         sources: List[torch.Tensor] = []
         outputs: List[torch.Tensor] = []
         for w in stale:
-            data = self._peek(w, "_data")
+            data = w._data
             if data.dim() != 2:
                 data = data.reshape(-1, data.shape[-1])
             if not data.is_contiguous():
                 data = data.contiguous()
             data = data.view(torch.uint8) if data.dtype != torch.uint8 else data
             rows, cols = data.shape
-            out = self._peek(w, "_transpose", None)
+            out = w._transpose
             if (out is None or tuple(out.shape) != (cols, rows) or out.dtype != torch.uint8
                     or out.device != data.device or not out.is_contiguous()):
                 out = torch.empty((cols, rows), dtype=torch.uint8, device=data.device)
