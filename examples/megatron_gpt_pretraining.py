@@ -62,8 +62,9 @@ class PlainMegatronGPTModel(_NullTokenizerMixin, MegatronGPTModel):
 
 class MegatronGPTFP8AlignReferenceModel(MegatronGPTFP8AlignModel):
     """CPU runs, where Transformer Engine is absent: the aligner transposes plain-torch
-    reference FP8 shadows of each chunk's 2-D linear weights (built from the all-gathered
-    parameters at the chunk's slot). The GPT's GEMMs stay high precision and do not read them."""
+    reference FP8 shadows of the 2-D GEMM weights of each chunk's transformer layers (built from
+    the all-gathered parameters at the chunk's slot). The GPT's GEMMs stay high precision and do
+    not read them."""
 
     fp8_align_weights = FP8Weights.REFERENCE
 
@@ -99,7 +100,6 @@ def main(cfg) -> None:
     if via_callback:
         # The same plugin for models that are not subclassed: settings from the same block.
         block = OmegaConf.to_container(cfg.model.get("fp8_transpose_align") or {}, resolve=True)
-        block.pop("te_kernel_writes_transpose", None)
         callbacks.append(FP8TransposeAlignment(weights=weights, **block))
         model_cls = PlainMegatronGPTModel
     else:

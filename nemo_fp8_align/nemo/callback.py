@@ -50,6 +50,7 @@ class FP8TransposeAlignment(Callback):
         policy: ``"aligned"`` (the fix), ``"lazy"`` (observe only), ``"off"``.
         telemetry_path: JSON-lines file per rank (``{rank}`` is replaced), or None.
         use_triton_kernel: on CUDA, one batched transpose kernel per chunk.
+        te_kernel_writes_transpose: let that kernel write TE's transpose buffers directly.
         weights: ``"te"`` (Transformer Engine FP8 parameters, ``model.fp8_params=True``) or
             ``"reference"`` (plain-torch FP8 shadows; for CPU runs without TE).
         log_every_n_steps: log telemetry to ``trainer.logger`` every this many steps.
@@ -57,6 +58,7 @@ class FP8TransposeAlignment(Callback):
 
     def __init__(self, *, enabled: bool = True, policy: Union[str, Policy] = Policy.ALIGNED,
                  telemetry_path: Optional[str] = None, use_triton_kernel: bool = True,
+                 te_kernel_writes_transpose: bool = False,
                  weights: Union[str, FP8Weights] = FP8Weights.TE,
                  log_every_n_steps: int = 1) -> None:
         super().__init__()
@@ -73,7 +75,8 @@ class FP8TransposeAlignment(Callback):
                 + ", ".join(w.value for w in FP8Weights)) from None
         # AlignConfig validates the policy and names the choices.
         self.config = AlignConfig(enabled=enabled, policy=policy, telemetry_path=telemetry_path,
-                                  use_triton_kernel=use_triton_kernel)
+                                  use_triton_kernel=use_triton_kernel,
+                                  te_kernel_writes_transpose=te_kernel_writes_transpose)
         self.log_every_n_steps = log_every_n_steps
         #: Steps whose telemetry was logged, and transposes built, over the callback's life.
         self.steps = 0
