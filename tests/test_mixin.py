@@ -264,3 +264,41 @@ def test_nemo_cpu_patches_refuse_on_a_gpu_machine(monkeypatch):
     monkeypatch.setattr(cpu_nemo, "_ACTIVE", None)
     with pytest.raises(RuntimeError, match="refuses to run on a machine with a GPU"):
         cpu_nemo.enable_nemo_cpu_compat()
+
+
+def fake_te_api(float8_cls):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(__version__="2.20.2", Float8Tensor=float8_cls,
+                           is_non_tn_fp8_gemm_supported=lambda: False,
+                           post_all_gather_processing=lambda weights: None, MXFP8Tensor=None,
+                           Float8BlockwiseQTensor=None, NVFP4Tensor=None)
+
+
+def test_te_weights_are_the_float8_parameters_of_each_chunk(monkeypatch):
+    from nemo_fp8_align.config import AlignConfig
+    from nemo_fp8_align.fp8 import te_backend
+    from nemo_fp8_align.nemo import mixin
+
+    class Float8Tensor(torch.nn.Parameter):  # stands in for TE's class
+        pass
+
+    monkeypatch.setattr(te_backend, "load_te_api", lambda: fake_te_api(Float8Tensor))
+    chunks = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
+    chunks[1].weight = Float8Tensor(torch.zeros(2, 2))
+    weights, backend = mixin._weights_and_backend(chunks, AlignConfig(), FP8Weights.TE)
+    assert backend.name == "te-2.20"
+    assert weights == [[], [chunks[1].weight]]
+
+
+def test_te_weights_without_te_say_how_to_fix(monkeypatch):
+    from nemo_fp8_align.config import AlignConfig
+    from nemo_fp8_align.fp8 import te_backend
+    from nemo_fp8_align.nemo import mixin
+
+    def no_te():
+        raise ImportError("Transformer Engine is not importable here.")
+
+    monkeypatch.setattr(te_backend, "load_te_api", no_te)
+    with pytest.raises(RuntimeError, match="fp8_transpose_align.enabled=False"):
+        mixin._weights_and_backend([torch.nn.Linear(2, 2)], AlignConfig(), FP8Weights.TE)

@@ -253,27 +253,21 @@ def _weights_and_backend(chunks: Sequence[torch.nn.Module], config: AlignConfig,
                 for c, chunk in enumerate(chunks)], ReferenceBackend(
                     use_triton_kernel=config.use_triton_kernel)
     backend = _te_backend(config)
-    # type() only: an isinstance() on a parameter could fire an armed Apex hook.
-    return [[p for p in chunk.parameters() if _is_te_float8(p)] for chunk in chunks], backend
-
-
-def _is_te_float8(param: Any) -> bool:
-    return any(cls.__name__ == "Float8Tensor" for cls in type(param).__mro__)
+    # type() only: isinstance() on a parameter could fire an armed Apex hook (see te_backend).
+    return [[p for p in chunk.parameters() if issubclass(type(p), backend.float8_cls)]
+            for chunk in chunks], backend
 
 
 def _te_backend(config: AlignConfig) -> Any:
-    """The Transformer Engine backend (``nemo_fp8_align.fp8.te_backend``)."""
+    """The Transformer Engine backend (:mod:`nemo_fp8_align.fp8.te_backend`)."""
+    from nemo_fp8_align.fp8 import te_backend
+
     try:
-        from nemo_fp8_align.fp8 import te_backend
+        return te_backend.make_backend(config)
     except ImportError as err:
         raise RuntimeError(
-            "model.fp8_params=True: the plugin transposes Transformer Engine FP8 weights and "
-            f"needs nemo_fp8_align.fp8.te_backend, which failed to import ({err}). Install "
-            "Transformer Engine, or turn the plugin off with "
-            "model.fp8_transpose_align.enabled=False.") from err
-    if hasattr(te_backend, "make_backend"):
-        return te_backend.make_backend(config)
-    return te_backend.TEBackend(use_triton_kernel=config.use_triton_kernel)
+            "model.fp8_params=True: the plugin transposes Transformer Engine FP8 weights, but "
+            f"{err} Or turn the plugin off with model.fp8_transpose_align.enabled=False.") from err
 
 
 class FP8TransposeAlignMixin:
