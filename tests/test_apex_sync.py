@@ -229,3 +229,42 @@ def test_aligner_with_apex_adapter_through_a_simulated_nemo_schedule(rank):
         assert sync.blocking_all_gathers == [0] * vp
         assert not any(e[0] == "blocking_all_gather" for e in opt.events)
     aligner.detach()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_with_the_real_te_backend_on_te_like_parameters(rank):
+    # TEBackend (TE 2.x code path: _create_transpose) over stand-in Float8Tensor parameters
+    # whose bytes come from the stand-in optimizer; Transformer Engine itself is not involved.
+    from types import SimpleNamespace
+
+    from standins.apex_dfa import FakeTEFloat8Param
+
+    from nemo_fp8_align.fp8.te_backend import TEBackend
+
+    api = SimpleNamespace(__version__="2.5.0", Float8Tensor=FakeTEFloat8Param,
+                          is_non_tn_fp8_gemm_supported=lambda: False,
+                          post_all_gather_processing=None, MXFP8Tensor=None,
+                          Float8BlockwiseQTensor=None, NVFP4Tensor=None)
+    backend = TEBackend(te_module=api)
+    pp, vp, m = 2, 3, 4
+    schedule = InterleavedSchedule(pp=pp, vp=vp, microbatches=m)
+    chunks = [[FakeTEFloat8Param((3, 4), f"c{c}.w{i}") for i in range(2)] for c in range(vp)]
+    modules = [ChunkModule(ps) for ps in chunks]
+    opt = StandInDistributedFusedAdam(nemo_buckets(chunks))
+    sync = ApexParamSync(opt, chunks)
+    aligner = TransposeAligner(modules, schedule=schedule, pp_rank=rank, dp_rank=0,
+                               param_sync=sync, weights=chunks, backend=backend,
+                               config=AlignConfig())
+    assert aligner.attach()
+    for step in range(2):
+        values = new_values(chunks, step)
+        opt.step(values)
+        run_interleaved_step(aligner, opt, chunks, modules, schedule, rank)
+        mine = [r for r in aligner.records if r.step == step]
+        assert sorted(r.chunk for r in mine) == list(range(vp))
+        assert all(r.slot == r.aligned_slot and r.transposed == 2 for r in mine)
+        for p in (p for ps in chunks for p in ps):
+            assert backend.has_valid_transpose(p)  # not reset by a later copy
+            assert torch.equal(raw(p, "_transpose"), values[id(p)].t())
+    assert backend.transposes_built == 2 * vp * 2
+    aligner.detach()

@@ -196,3 +196,24 @@ class StandInDistributedFusedAdam:
             if self.overlap_param_sync:
                 self._try_start_bucket_param_sync()
         return pre_forward_hook
+
+
+class FakeTEFloat8Param(FakeFP8Param):
+    """A :class:`FakeFP8Param` with Transformer Engine 2.x's ``Float8Tensor`` attribute names
+    (``_data``, ``_transpose``, ``_transpose_invalid``, ``_create_transpose``), so that the real
+    :class:`~nemo_fp8_align.fp8.te_backend.TEBackend` (given a fake TE API) can build its
+    transposes. ``_data`` is the same tensor the optimizer copies into."""
+
+    def __init__(self, shape: Tuple[int, int], name: str) -> None:
+        super().__init__(shape, name)
+        object.__setattr__(self, "_data", object.__getattribute__(self, "data"))
+        object.__setattr__(self, "_transpose", None)
+        object.__setattr__(self, "_transpose_invalid", True)
+
+    def _create_transpose(self) -> None:
+        self._transpose = self._data.t().contiguous()  # attribute reads: an armed hook fires
+        self._transpose_invalid = False
+
+    def _reset_caches(self) -> None:
+        self._transpose_invalid = True
+        super()._reset_caches()
