@@ -228,3 +228,13 @@ def test_triton_writes_nothing_outside_its_outputs(config):
         pos += sz + guard
     stray = (buf[mask] != 0xAB).nonzero().flatten()
     assert stray.numel() == 0, f"{stray.numel()} canary bytes overwritten"
+
+
+def test_mixed_devices_rejected_before_any_work():
+    from nemo_fp8_align.kernels.transpose import check_transpose_pairs
+
+    a = torch.zeros(2, 3, dtype=torch.uint8)
+    b = torch.zeros(2, 3, dtype=torch.uint8, device="meta")
+    with pytest.raises(ValueError, match="source 1 is on meta"):
+        check_transpose_pairs([a, b], [torch.zeros(3, 2, dtype=torch.uint8),
+                                       torch.zeros(3, 2, dtype=torch.uint8, device="meta")])
