@@ -480,3 +480,11 @@ def test_describe():
     backend.build_transposes(weights)
     d = backend.describe()
     assert d["name"] == "te-2.20" and d["transpose_needed"] and d["transposes_built"] == len(weights)
+
+
+def test_weights_of_picks_float8_parameters_only():
+    cls, _, weights, backend = _setup(GEN_2_10)
+    mx = MXFP8Tensor.__new__(MXFP8Tensor)
+    chunk = types.SimpleNamespace(parameters=lambda: iter([weights[0], torch.zeros(2), mx,
+                                                           weights[1]]))
+    assert backend.weights_of(chunk) == [weights[0], weights[1]]

@@ -270,6 +270,13 @@ class TEBackend:
                 return why
         return f"{wtype.__name__} is not a Transformer Engine Float8Tensor"
 
+    def weights_of(self, module: Any) -> List[Any]:
+        """The ``Float8Tensor`` parameters of ``module`` (e.g. one model chunk), in order.
+
+        By ``type()`` only, for the same reason as :meth:`_classify`.
+        """
+        return [p for p in module.parameters() if issubclass(type(p), self.float8_cls)]
+
     # ------------------------------------------------------------------ protocol
 
     def transpose_needed(self) -> Tuple[bool, str]:
