@@ -253,9 +253,8 @@ def _weights_and_backend(chunks: Sequence[torch.nn.Module], config: AlignConfig,
                 for c, chunk in enumerate(chunks)], ReferenceBackend(
                     use_triton_kernel=config.use_triton_kernel)
     backend = _te_backend(config)
-    # type() only: isinstance() on a parameter could fire an armed Apex hook (see te_backend).
-    return [[p for p in chunk.parameters() if issubclass(type(p), backend.float8_cls)]
-            for chunk in chunks], backend
+    # By type() only: isinstance() on a parameter could fire an armed Apex hook.
+    return [backend.weights_of(chunk) for chunk in chunks], backend
 
 
 def _te_backend(config: AlignConfig) -> Any:
