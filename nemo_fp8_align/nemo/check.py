@@ -41,14 +41,15 @@ from __future__ import annotations
 
 import difflib
 import typing
-from dataclasses import dataclass
 from typing import Any, Iterable, List, Mapping, Optional, Tuple, Union
 
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+from omegaconf.errors import ConfigKeyError, ValidationError
 
 from nemo_fp8_align.config import AlignConfig, Policy
 from nemo_fp8_align.engine.schedule import InterleavedSchedule, ScheduleError
+from nemo_fp8_align.nemo.config_reader import (ABSENT, UNRESOLVED, Reader, Violation, hydra_value,
+                                               show_value, split_config)
 from nemo_fp8_align.nemo.structured import BLOCK_KEY, block_fields, block_schema
 
 __all__ = ["FP8AlignConfigError", "Violation", "align_config_from", "check_config",
@@ -59,26 +60,6 @@ PER_TENSOR_RECIPES = ("delayed", "tensorwise")
 #: optim.name values the plugin supports (DESIGN.md §3a, §3b).
 SUPPORTED_OPTIMIZERS = ("distributed_fused_adam", "mcore_distributed_optim")
 _APEX_OPTIM, _MCORE_OPTIM = SUPPORTED_OPTIMIZERS
-
-
-@dataclass(frozen=True)
-class Violation:
-    """One setting that stops the plugin from working.
-
-    Attributes:
-        key: full dotted key, e.g. ``model.fp8_params``.
-        found: the value found, as text (``<missing>`` when the key is absent).
-        expected: what the key must hold, and why.
-        fix: the Hydra override that fixes it (``+key=value`` when the key is absent).
-    """
-
-    key: str
-    found: str
-    expected: str
-    fix: str
-
-    def __str__(self) -> str:
-        return f"{self.key}: found {self.found}; expected {self.expected} | fix: {self.fix}"
 
 
 class FP8AlignConfigError(ValueError):
@@ -121,8 +102,8 @@ def find_violations(cfg: Union[DictConfig, Mapping], *,
     Empty when the config is valid, and when the plugin block says ``enabled: false`` or
     ``policy: off`` (plugin inactive; errors inside the block itself are still listed).
     """
-    model, trainer = _split(cfg)
-    reader = _Reader(model, "model.")
+    model, trainer = split_config(cfg)
+    reader = Reader(model, "model.")
     block_violations, align = _read_block(reader)
     if not align.active:
         return block_violations + reader.violations
@@ -133,7 +114,7 @@ def find_violations(cfg: Union[DictConfig, Mapping], *,
     _check_layers_per_chunk(reader, pp, vp)
     _check_fp8(reader)
     _check_optimizer(reader)
-    trainer_reader = _Reader(trainer if trainer is not None else OmegaConf.create({}),
+    trainer_reader = Reader(trainer if trainer is not None else OmegaConf.create({}),
                              "trainer.")
     if pp is not None and vp is not None:
         dp = data_parallel_size
@@ -147,15 +128,15 @@ def find_violations(cfg: Union[DictConfig, Mapping], *,
 def data_parallel_size_of(cfg: Union[DictConfig, Mapping]) -> Optional[int]:
     """DP = trainer.devices * trainer.num_nodes / (TP * PP * CP), or None when not derivable
     (no ``trainer:`` block, ``devices: auto``, a size that does not divide, ...)."""
-    model, trainer = _split(cfg)
+    model, trainer = split_config(cfg)
     if trainer is None:
         return None
-    reader = _Reader(model, "model.")
+    reader = Reader(model, "model.")
     pp = reader.get("pipeline_model_parallel_size")
     pp = 1 if pp is ABSENT else pp
     if type(pp) is not int or pp < 1:
         return None
-    return _data_parallel_size(reader, _Reader(trainer, "trainer."), pp)
+    return _data_parallel_size(reader, Reader(trainer, "trainer."), pp)
 
 
 def align_config_from(cfg: Union[DictConfig, Mapping]) -> AlignConfig:
@@ -163,8 +144,8 @@ def align_config_from(cfg: Union[DictConfig, Mapping]) -> AlignConfig:
 
     Raises :class:`FP8AlignConfigError` when the block has unknown keys or invalid values.
     """
-    model, _ = _split(cfg)
-    reader = _Reader(model, "model.")
+    model, _ = split_config(cfg)
+    reader = Reader(model, "model.")
     violations, align = _read_block(reader)
     violations += reader.violations  # an unresolvable block
     if violations:
@@ -173,143 +154,19 @@ def align_config_from(cfg: Union[DictConfig, Mapping]) -> AlignConfig:
 
 
 # ---------------------------------------------------------------------------------------------
-# Reading values
-
-
-class _Absent:
-    def __repr__(self) -> str:
-        return "<missing>"
-
-
-ABSENT: Any = _Absent()
-
-
-class _Unresolved:
-    """A value whose interpolation failed to resolve: reported once, where it was read."""
-
-    def __repr__(self) -> str:
-        return "<unresolvable interpolation>"
-
-
-UNRESOLVED: Any = _Unresolved()
-
-
-def _split(cfg: Union[DictConfig, Mapping]) -> Tuple[DictConfig, Optional[DictConfig]]:
-    """(model node, trainer node or None) of a full training config or of a model node."""
-    if not isinstance(cfg, DictConfig):
-        cfg = OmegaConf.create(dict(cfg))
-    model = cfg.get("model") if "model" in cfg else None
-    if isinstance(model, DictConfig):
-        trainer = cfg.get("trainer") if "trainer" in cfg else None
-        return model, trainer if isinstance(trainer, DictConfig) else None
-    return cfg, None
-
-
-def _show(value: Any) -> str:
-    if value is ABSENT:
-        return "<missing>"
-    if value is None:
-        return "null"
-    if isinstance(value, str):
-        return repr(value) + " (a string)"
-    return repr(value)
-
-
-def _hydra_value(value: Any) -> str:
-    if value is None:
-        return "null"
-    return str(value)
-
-
-class _Reader:
-    """Reads keys of one node, recording violations with full keys and Hydra fixes."""
-
-    def __init__(self, node: DictConfig, prefix: str) -> None:
-        self.node = node
-        self.prefix = prefix
-        self.violations: List[Violation] = []
-
-    def get(self, key: str) -> Any:
-        """The resolved value at dotted ``key``; ABSENT when missing (or ``???``).
-
-        An interpolation that does not resolve is reported here and read as UNRESOLVED, which
-        later rules do not report again.
-        """
-        try:
-            return OmegaConf.select(self.node, key, default=ABSENT,
-                                    throw_on_resolution_failure=True)
-        except OmegaConfBaseException as err:
-            self.violations.append(Violation(
-                self.prefix + key, "an interpolation that does not resolve",
-                f"a value that resolves ({type(err).__name__}: {str(err).splitlines()[0]})",
-                f"{self.prefix}{key}=<a literal value>"))
-            return UNRESOLVED
-
-    def override(self, key: str, value: Any, present: bool) -> str:
-        """The Hydra override setting ``key`` to ``value`` (``+`` when the key is absent)."""
-        return f"{'' if present else '+'}{self.prefix}{key}={_hydra_value(value)}"
-
-    def add(self, key: str, found: Any, expected: str, value: Any = None, *,
-            fix: Optional[str] = None) -> None:
-        """Record a violation; the fix sets ``key`` to ``value`` unless ``fix`` is given."""
-        if found is UNRESOLVED:
-            return  # already reported by get()
-        if fix is None:
-            fix = self.override(key, value, present=found is not ABSENT)
-        self.violations.append(Violation(self.prefix + key, _show(found), expected, fix))
-
-    def require_true(self, key: str, why: str) -> bool:
-        value = self.get(key)
-        if value is True:
-            return True
-        self.add(key, value, f"True ({why})", True)
-        return False
-
-    def bool_or_default(self, key: str, default: bool, why: str) -> Optional[bool]:
-        """A bool that may be absent (then ``default``); None after a type violation."""
-        value = self.get(key)
-        if value is ABSENT:
-            return default
-        if isinstance(value, bool):
-            return value
-        self.add(key, value, f"a bool ({why})", default)
-        return None
-
-    def int_at_least(self, key: str, minimum: int, why: str) -> Optional[int]:
-        value = self.get(key)
-        if type(value) is int and value >= minimum:
-            return value
-        suggestion = minimum
-        if isinstance(value, str) and value.strip().isdigit() and int(value) >= minimum:
-            suggestion = int(value)  # right number, wrong type ("2")
-        self.add(key, value, f"an int >= {minimum} ({why})", suggestion)
-        return None
-
-    def optional_int(self, key: str, minimum: int, why: str) -> Tuple[bool, Optional[int]]:
-        """(ok, value) of an int key that may be absent or null."""
-        value = self.get(key)
-        if value is ABSENT or value is None:
-            return True, None
-        if type(value) is int and value >= minimum:
-            return True, value
-        self.add(key, value, f"null or an int >= {minimum} ({why})", "null")
-        return False, None
-
-
-# ---------------------------------------------------------------------------------------------
 # The plugin's own block
 
 
-def _read_block(reader: _Reader) -> Tuple[List[Violation], AlignConfig]:
+def _read_block(reader: Reader) -> Tuple[List[Violation], AlignConfig]:
     """(violations, AlignConfig) of ``model.fp8_transpose_align``; invalid values -> defaults."""
-    sub = _Reader(OmegaConf.create({}), f"{reader.prefix}{BLOCK_KEY}.")
+    sub = Reader(OmegaConf.create({}), f"{reader.prefix}{BLOCK_KEY}.")
     block = reader.get(BLOCK_KEY)
     if block is ABSENT or block is None or block is UNRESOLVED:
         return sub.violations, AlignConfig()
     fields = block_fields()
     if not isinstance(block, DictConfig):
         sub.violations.append(Violation(
-            reader.prefix + BLOCK_KEY, _show(block), "a mapping with keys " + ", ".join(fields),
+            reader.prefix + BLOCK_KEY, show_value(block), "a mapping with keys " + ", ".join(fields),
             f"~{reader.prefix}{BLOCK_KEY}"))
         return sub.violations, AlignConfig()
     sub.node = block
@@ -331,15 +188,15 @@ def _read_block(reader: _Reader) -> Tuple[List[Violation], AlignConfig]:
     return sub.violations, AlignConfig(**values)
 
 
-def _unknown_block_key(sub: _Reader, key: str, value: Any, fields: Mapping[str, Any]) -> None:
+def _unknown_block_key(sub: Reader, key: str, value: Any, fields: Mapping[str, Any]) -> None:
     close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.6)
     hint = f"did you mean '{close[0]}'?" if close else "known keys: " + ", ".join(fields)
-    fix = (f"~{sub.prefix}{key} {sub.prefix}{close[0]}={_hydra_value(value)}" if close
+    fix = (f"~{sub.prefix}{key} {sub.prefix}{close[0]}={hydra_value(value)}" if close
            else f"~{sub.prefix}{key}")
     sub.add(key, value, f"no such key in the plugin block; {hint}", fix=fix)
 
 
-def _block_value_ok(sub: _Reader, key: str, value: Any, tp: Any, default: Any) -> bool:
+def _block_value_ok(sub: Reader, key: str, value: Any, tp: Any, default: Any) -> bool:
     if key == "policy":
         choices = [p.value for p in Policy]
         if isinstance(value, str) and value in choices:
@@ -359,7 +216,7 @@ def _block_value_ok(sub: _Reader, key: str, value: Any, tp: Any, default: Any) -
 # NeMo model settings
 
 
-def _check_layers_per_chunk(reader: _Reader, pp: Optional[int], vp: Optional[int]) -> None:
+def _check_layers_per_chunk(reader: Reader, pp: Optional[int], vp: Optional[int]) -> None:
     layers = reader.get("num_layers")
     if pp is None or vp is None or type(layers) is not int:
         return
@@ -380,7 +237,7 @@ def _check_layers_per_chunk(reader: _Reader, pp: Optional[int], vp: Optional[int
                    "pipeline rank holds one layer per model chunk", pp * vp)
 
 
-def _check_fp8(reader: _Reader) -> None:
+def _check_fp8(reader: Reader) -> None:
     reader.require_true("transformer_engine", "FP8 weights are Transformer Engine tensors")
     reader.require_true("fp8", "FP8 GEMMs are what need the transposed weights")
     reader.require_true("fp8_params", "FP8 weights are what the plugin transposes")
@@ -400,7 +257,7 @@ def _check_fp8(reader: _Reader) -> None:
                        "is left to align)", False)
 
 
-def _check_recipe(reader: _Reader, key: str) -> None:
+def _check_recipe(reader: Reader, key: str) -> None:
     recipe = reader.get(key)
     if recipe is ABSENT or recipe in PER_TENSOR_RECIPES:
         return  # absent: megatron-core's default, "delayed"
@@ -408,7 +265,7 @@ def _check_recipe(reader: _Reader, key: str) -> None:
                + " (MXFP8 / blockwise FP8 cannot be byte-transposed)", PER_TENSOR_RECIPES[0])
 
 
-def _check_optimizer(reader: _Reader) -> None:
+def _check_optimizer(reader: Reader) -> None:
     name = reader.get("optim.name")
     if name not in SUPPORTED_OPTIMIZERS:
         reader.add("optim.name", name, f"{_APEX_OPTIM}, or {_MCORE_OPTIM} with "
@@ -426,7 +283,7 @@ def _check_optimizer(reader: _Reader) -> None:
 # Microbatches
 
 
-def _data_parallel_size(model: _Reader, trainer: _Reader, pp: int) -> Optional[int]:
+def _data_parallel_size(model: Reader, trainer: Reader, pp: int) -> Optional[int]:
     """DP = devices * num_nodes / (TP * PP * CP); None when the trainer does not say."""
     devices, nodes = trainer.get("devices"), trainer.get("num_nodes")
     nodes = 1 if nodes is ABSENT else nodes
@@ -449,7 +306,7 @@ def _data_parallel_size(model: _Reader, trainer: _Reader, pp: int) -> Optional[i
     return world // model_parallel
 
 
-def _check_microbatches(reader: _Reader, pp: int, vp: int, dp: int) -> None:
+def _check_microbatches(reader: Reader, pp: int, vp: int, dp: int) -> None:
     mbs = reader.int_at_least("micro_batch_size", 1, "samples per microbatch")
     gbs = reader.int_at_least("global_batch_size", 1, "samples per optimizer step")
     n_ok, n = reader.optional_int("microbatch_group_size_per_vp_stage", pp,
