@@ -201,3 +201,33 @@ def test_not_a_nemo_model(monkeypatch):
     module = NemoLikeModule(None)
     with pytest.raises(TypeError, match="NeMo Megatron GPT model"):
         run_fit(monkeypatch, FP8TransposeAlignment(), module)
+
+
+class ApexLikeModule(NemoLikeModule):
+    """The Apex path: NeMo binds ``self.sync_overlap_parameters`` as param_sync_func."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.use_mcore_dist_optim = False
+        self.synced = []
+
+    def sync_overlap_parameters(self, params=None):
+        self.synced.append(None if params is None else len(list(params)))
+
+    def training_step(self, batch, batch_idx):
+        func = self.sync_overlap_parameters  # what NeMo's fwd_bwd_step binds
+        func(self.model[0].parameters())
+        func(self.model[1].parameters())
+        func()  # not a schedule launch (no parameters)
+        return self.model[1](self.model[0](batch)).sum()
+
+
+def test_real_trainer_apex_path_wraps_sync_overlap_parameters(monkeypatch):
+    cfg = OmegaConf.load(SMOKE).model
+    cfg.optim.name = "distributed_fused_adam"
+    module = ApexLikeModule(cfg)
+    _, aligners = run_fit(monkeypatch, FP8TransposeAlignment(weights="reference"), module)
+    (aligner,) = aligners
+    assert aligner.launched == [0, 1] * 3
+    assert module.synced == [2, 2, None] * 3  # NeMo's method still got every parameter
+    assert "sync_overlap_parameters" not in module.__dict__
