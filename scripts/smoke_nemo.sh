@@ -28,6 +28,7 @@ CHECK_ONLY="${SMOKE_NEMO_CHECK_ONLY:-0}"
 if [ "$CHECK_ONLY" != "1" ]; then
   rm -rf "$OUT"/{aligned,callback,off,dp2,dp2_off}  # a reused SMOKE_DIR must not feed old runs
 fi
+echo "smoke_nemo: runs, logs and telemetry in $OUT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # 2 processes on 2 cores
 
