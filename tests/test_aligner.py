@@ -229,9 +229,11 @@ def test_telemetry_lines(tmp_path):
     json.dumps(rows)
 
 
-def test_unfinished_all_gather_is_reported():
+def test_unfinished_all_gather_builds_nothing_early():
     r = make_rank()
     r.sync.report_finished = False
     r.aligner.attach(r.config)
     run_training_step(r)
-    assert not any(rec.after_all_gather for rec in r.aligner.records)
+    assert r.aligner.records and not any(rec.after_all_gather for rec in r.aligner.records)
+    assert all(rec.transposed == 0 for rec in r.aligner.records)  # no transpose of stale bytes
+    assert all(w.builds == 1 for ws in r.weights for w in ws)  # built later, at first use

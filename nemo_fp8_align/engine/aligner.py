@@ -223,7 +223,14 @@ class TransposeAligner:
             return
         start = self._clock()
         after_all_gather = self.param_sync.finish(chunk)
-        built = self.backend.build_transposes(self.weights[chunk])
+        built = 0
+        if after_all_gather:
+            built = self.backend.build_transposes(self.weights[chunk])
+        else:
+            # A transpose of bytes the all-gather has not delivered is a wrong gradient: leave
+            # the build to first use (after DDP's own wait) and let the telemetry show it.
+            logger.warning("nemo_fp8_align: step %d chunk %d: all-gather not complete at the "
+                           "aligned slot; transposes left to first use", self._step, chunk)
         self._record(chunk, vmid, built, after_all_gather, self._clock() - start)
 
     def _record(self, chunk: int, vmid: int, built: int, after_all_gather: bool,
