@@ -38,11 +38,17 @@ touches Triton until a kernel is needed.
 from __future__ import annotations
 
 import contextlib
-import threading
-from collections import OrderedDict
 from typing import List, Optional, Sequence, Tuple
 
 import torch
+
+from nemo_fp8_align.kernels.tile_plan import MODE_ALIGNED as _MODE_ALIGNED
+from nemo_fp8_align.kernels.tile_plan import MODE_BYTES as _MODE_BYTES
+from nemo_fp8_align.kernels.tile_plan import addr_cache as _addr_cache
+from nemo_fp8_align.kernels.tile_plan import clear_cache
+from nemo_fp8_align.kernels.tile_plan import lru_get as _lru_get
+from nemo_fp8_align.kernels.tile_plan import lru_put as _lru_put
+from nemo_fp8_align.kernels.tile_plan import plan as _plan
 
 __all__ = [
     "available",
@@ -117,72 +123,6 @@ class KernelConfig(Tuple[int, int, int, int, int, int]):
 
 #: Chosen from the H200 sweep recorded in benchmarks/results/transpose_h200.md.
 DEFAULT_CONFIG = KernelConfig(256, 128, 8, 1, 1, 0)
-
-# ---------------------------------------------------------------------------------------------
-# Host-side tables, cached.
-# ---------------------------------------------------------------------------------------------
-
-_MODE_BYTES = 0  # any shape / alignment / row stride
-_MODE_ALIGNED = 1  # M, N multiples of 16, dense, both buffers 16-byte aligned
-_CACHE_MAX = 64
-_lock = threading.Lock()
-_plan_cache: "OrderedDict[tuple, Tuple[torch.Tensor, torch.Tensor, int]]" = OrderedDict()
-_addr_cache: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
-
-
-def clear_cache() -> None:
-    """Drop the cached tile tables and address tensors (tests; freeing device memory)."""
-    with _lock:
-        _plan_cache.clear()
-        _addr_cache.clear()
-
-
-def _lru_get(cache: OrderedDict, key):
-    with _lock:
-        hit = cache.get(key)
-        if hit is not None:
-            cache.move_to_end(key)
-        return hit
-
-
-def _lru_put(cache: OrderedDict, key, value) -> None:
-    with _lock:
-        cache[key] = value
-        cache.move_to_end(key)
-        while len(cache) > _CACHE_MAX:
-            cache.popitem(last=False)
-
-
-def _plan(shapes_modes: Tuple[Tuple[int, int, int], ...], block_m: int, block_n: int,
-          device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, int]:
-    """(tile table int32 [tiles, 2], meta int64 [tensors, 4], number of tiles) for one shape list."""
-    key = (shapes_modes, block_m, block_n, device)
-    hit = _lru_get(_plan_cache, key)
-    if hit is not None:
-        return hit
-    meta: List[List[int]] = []
-    tile_tensor: List[torch.Tensor] = []
-    tile_local: List[torch.Tensor] = []
-    for t, (m, n, mode) in enumerate(shapes_modes):
-        tiles_m = -(-m // block_m)
-        tiles_n = -(-n // block_n)
-        count = tiles_m * tiles_n
-        meta.append([m, n, tiles_n, mode, m // 16, n // 16])
-        if count == 0:
-            continue
-        tile_tensor.append(torch.full((count,), t, dtype=torch.int32))
-        tile_local.append(torch.arange(count, dtype=torch.int32))
-    if tile_tensor:
-        table = torch.stack([torch.cat(tile_tensor), torch.cat(tile_local)], dim=1).contiguous()
-    else:
-        table = torch.zeros((0, 2), dtype=torch.int32)
-    n_tiles = int(table.shape[0])
-    if n_tiles >= 2**31:
-        raise ValueError(f"multi_transpose: {n_tiles} tiles exceed one launch's grid")
-    value = (table.to(device), torch.tensor(meta, dtype=torch.int64).to(device), n_tiles)
-    _lru_put(_plan_cache, key, value)
-    return value
-
 
 # ---------------------------------------------------------------------------------------------
 # The kernel.
