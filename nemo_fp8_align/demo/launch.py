@@ -98,5 +98,5 @@ def format_report(result: DemoResult) -> str:
         slots = " ".join(f"r{r['pp_rank']}:{r['slot']}" for r in rows)
         built = sum(r["transposed"] for r in rows)
         lines.append(f"  chunk {chunk}: aligned slot {rows[0]['aligned_slot'] if rows else '-'}; "
-                     f"built at slots {slots}; {built} transposes")
+                     f"built at slots {slots}; {built} transposes (all pp ranks, dp rank 0)")
     return "\n".join(lines)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Iterator, List, Optional
@@ -199,6 +200,15 @@ def _train(opts: DemoOptions, telemetry_path: Optional[str]) -> Dict[str, Any]:
     return result
 
 
+def _quiet_cpu_warnings() -> None:
+    """Silence, in this CPU rank only, the warnings every rank would print for things that are
+    expected here: megatron-core's fallbacks without apex / TE, torch's renamed collectives, and
+    the schedule reading ``.grad`` of received activations (attributed to the compat mode)."""
+    for message in (r".*(Apex|Transformer Engine).* not installed", r".*is deprecated. Please use",
+                    r"The \.grad attribute of a Tensor that is not a leaf"):
+        warnings.filterwarnings("ignore", message=message)
+
+
 @contextmanager
 def distributed(rank: int, world_size: int, opts: DemoOptions) -> Iterator[None]:
     """Process group + megatron-core model-parallel state for one rank, torn down on exit.
@@ -212,6 +222,7 @@ def distributed(rank: int, world_size: int, opts: DemoOptions) -> Iterator[None]
         dist.init_process_group("nccl", rank=rank, world_size=world_size)
     else:
         torch.set_num_threads(1)
+        _quiet_cpu_warnings()
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         from nemo_fp8_align.compat.cpu import enable_cpu_compat
         compat = enable_cpu_compat()
