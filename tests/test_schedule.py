@@ -160,3 +160,17 @@ def test_validation_agrees_with_megatron_core_itself(monkeypatch, pp):
         except ScheduleError:
             ours = False
         assert ours == _megatron_accepts(monkeypatch, pp, m, n), (pp, m, n)
+
+
+def test_schedule_for_picks_the_order_of_the_installed_config():
+    from types import SimpleNamespace
+
+    from nemo_fp8_align.engine.api import schedule_for
+
+    new = schedule_for(SimpleNamespace(microbatch_group_size_per_vp_stage=3), pp=2, vp=2,
+                       num_microbatches=6)
+    assert new.n == 3 and not new.legacy_order
+    old = schedule_for(SimpleNamespace(), pp=2, vp=2, num_microbatches=6)  # core < 0.10
+    assert old.legacy_order
+    with pytest.raises(ScheduleError, match="not a multiple"):
+        schedule_for(SimpleNamespace(), pp=2, vp=2, num_microbatches=5)

@@ -22,7 +22,27 @@ from nemo_fp8_align.engine.schedule import InterleavedSchedule
 from nemo_fp8_align.engine.telemetry import TelemetryWriter
 from nemo_fp8_align.fp8.protocol import FP8TransposeBackend
 
-__all__ = ["align_fp8_transposes"]
+__all__ = ["align_fp8_transposes", "schedule_for", "telemetry_writer"]
+
+
+def schedule_for(config: Any, *, pp: int, vp: int, num_microbatches: int) -> InterleavedSchedule:
+    """The schedule megatron-core runs for this ``TransformerConfig``.
+
+    megatron-core >= 0.10 orders forwards in groups of ``microbatch_group_size_per_vp_stage``
+    (None: PP); older versions have no such field and use the pre-0.10 order.
+    """
+    legacy = not hasattr(config, "microbatch_group_size_per_vp_stage")
+    return InterleavedSchedule(pp, vp, num_microbatches,
+                               getattr(config, "microbatch_group_size_per_vp_stage", None),
+                               legacy_order=legacy)
+
+
+def telemetry_writer(path: Optional[str]) -> Optional[TelemetryWriter]:
+    """A writer for ``path`` with ``{rank}`` replaced by the global rank; None without a path."""
+    if not path:
+        return None
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    return TelemetryWriter(path.replace("{rank}", str(rank)))
 
 
 def align_fp8_transposes(
@@ -50,16 +70,12 @@ def align_fp8_transposes(
         pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     if dp_rank is None:
         dp_rank = parallel_state.get_data_parallel_rank()
-    schedule = InterleavedSchedule(
-        parallel_state.get_pipeline_model_parallel_world_size(), len(model), num_microbatches,
-        getattr(config, "microbatch_group_size_per_vp_stage", None))
-    telemetry = None
-    if align_config.telemetry_path:
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        telemetry = TelemetryWriter(align_config.telemetry_path.replace("{rank}", str(rank)))
+    schedule = schedule_for(config, pp=parallel_state.get_pipeline_model_parallel_world_size(),
+                            vp=len(model), num_microbatches=num_microbatches)
     aligner = TransposeAligner(
         model, schedule=schedule, pp_rank=pp_rank, dp_rank=dp_rank,
         param_sync=McoreParamSync(model), weights=[weights_of(chunk) for chunk in model],
-        backend=backend, config=align_config, telemetry=telemetry)
+        backend=backend, config=align_config,
+        telemetry=telemetry_writer(align_config.telemetry_path))
     aligner.attach(config)
     return aligner

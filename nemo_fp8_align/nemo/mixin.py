@@ -143,25 +143,18 @@ def build_aligner(model: Any, config: AlignConfig, *,
     from megatron.core.utils import get_model_config
 
     from nemo_fp8_align.engine.aligner import TransposeAligner
-    from nemo_fp8_align.engine.schedule import InterleavedSchedule
-    from nemo_fp8_align.engine.telemetry import TelemetryWriter
+    from nemo_fp8_align.engine.api import schedule_for, telemetry_writer
 
     chunks = model_chunks(model)
-    model_config = get_model_config(chunks[0])
-    schedule = InterleavedSchedule(
-        pp=parallel_state.get_pipeline_model_parallel_world_size(), vp=len(chunks),
-        microbatches=get_num_microbatches(),
-        group_size=getattr(model_config, "microbatch_group_size_per_vp_stage", None))
+    schedule = schedule_for(get_model_config(chunks[0]),
+                            pp=parallel_state.get_pipeline_model_parallel_world_size(),
+                            vp=len(chunks), num_microbatches=get_num_microbatches())
     fp8_weights, backend = _weights_and_backend(chunks, config, weights)
-    telemetry = None
-    if config.telemetry_path:
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        telemetry = TelemetryWriter(config.telemetry_path.replace("{rank}", str(rank)))
     aligner = TransposeAligner(
         chunks, schedule=schedule, pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
         dp_rank=parallel_state.get_data_parallel_rank(with_context_parallel=True),
         param_sync=_param_sync(model, chunks), weights=fp8_weights, backend=backend,
-        config=config, telemetry=telemetry)
+        config=config, telemetry=telemetry_writer(config.telemetry_path))
     reference = [w for ws in fp8_weights for w in ws] if weights is FP8Weights.REFERENCE else []
     return aligner, reference
 
