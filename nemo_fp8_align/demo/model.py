@@ -15,7 +15,6 @@ from typing import Any, List, Optional
 
 import torch
 import torch.nn.functional as F
-from megatron.core.enums import ModelType
 
 from nemo_fp8_align.fp8.reference import ReferenceBackend, ReferenceFP8Weight
 from nemo_fp8_align.fp8.reference_linear import ReferenceFP8Linear
@@ -67,7 +66,12 @@ class GPTChunk(torch.nn.Module):
     """
 
     share_embeddings_and_output_weights = False
-    model_type = ModelType.encoder_or_decoder
+
+    @property
+    def model_type(self) -> Any:
+        from megatron.core.enums import ModelType  # only the schedule asks; keeps torch-only use
+
+        return ModelType.encoder_or_decoder
 
     def __init__(self, cfg: DemoModelConfig, *, config: Any, stage: int, vp_stage: int,
                  pre_process: bool, post_process: bool, backend: ReferenceBackend) -> None:
