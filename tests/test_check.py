@@ -362,3 +362,9 @@ def test_check_imports_neither_nemo_nor_megatron():
         assert not bad, bad
     """)
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_batch_size_rampup_is_rejected():
+    v = only(find_violations(seed_config(rampup_batch_size=[4, 4, 1000])))
+    assert v.key == "model.rampup_batch_size" and v.fix == "model.rampup_batch_size=null"
+    assert find_violations(seed_config(rampup_batch_size=None)) == []

@@ -114,6 +114,7 @@ def find_violations(cfg: Union[DictConfig, Mapping], *,
     _check_layers_per_chunk(reader, pp, vp)
     _check_fp8(reader)
     _check_optimizer(reader)
+    _check_fixed_microbatches(reader)
     trainer_reader = Reader(trainer if trainer is not None else OmegaConf.create({}),
                              "trainer.")
     if pp is not None and vp is not None:
@@ -304,6 +305,16 @@ def _data_parallel_size(model: Reader, trainer: Reader, pp: int) -> Optional[int
                     f"TP * PP * CP = {model_parallel}", fixed)
         return None
     return world // model_parallel
+
+
+def _check_fixed_microbatches(reader: Reader) -> None:
+    # The aligned slots are computed for one M; a batch-size ramp-up changes M mid-run, and the
+    # aligner would stop at the first forward whose chunk no longer matches its schedule.
+    value = reader.get("rampup_batch_size")
+    if value is not ABSENT and value is not None:
+        reader.add("rampup_batch_size", value,
+                   "null (a batch-size ramp-up changes the microbatch count M during training; "
+                   "the aligned slots assume one M)", None)
 
 
 def _check_microbatches(reader: Reader, pp: int, vp: int, dp: int) -> None:
