@@ -38,6 +38,7 @@ import torch.distributed as dist
 from nemo_fp8_align.config import Policy
 from nemo_fp8_align.demo.model import DemoModelConfig
 from nemo_fp8_align.demo.train import DemoOptions, PipelineRun, distributed
+from nemo_fp8_align.engine.telemetry import record_problems
 
 
 class Stopwatch:
@@ -123,7 +124,8 @@ def _measure(opts: DemoOptions, warmup: int, steps: int) -> Dict[str, Any]:
     run.close()
     return {"pp_rank": run.pp_rank, "dp_rank": run.dp_rank, "step_ms": step_ms,
             "busy_ms": busy_ms, "transpose_ms": trans_ms, "builds_per_weight": builds,
-            "slots": sorted({(r.chunk, r.slot, r.aligned_slot) for r in records})}
+            "slots": sorted({(r.chunk, r.slot, r.aligned_slot) for r in records}),
+            "records": [dataclasses.asdict(r) for r in records]}
 
 
 def _stats(xs: List[float]) -> str:
@@ -136,8 +138,8 @@ def _checks(policy: Policy, ranks: List[Dict[str, Any]]) -> List[str]:
         if any(b != [1] for b in r["builds_per_weight"]):
             problems.append(f"pp {r['pp_rank']} dp {r['dp_rank']}: transposes per weight per "
                             f"step {r['builds_per_weight'][:3]}..., expected exactly 1")
-        if policy is Policy.ALIGNED and any(s != a for _, s, a in r["slots"]):
-            problems.append(f"pp {r['pp_rank']}: slots {r['slots']} not all aligned")
+    problems.extend(record_problems([rec for r in ranks for rec in r["records"]],
+                                    policy=policy.value))
     return problems
 
 

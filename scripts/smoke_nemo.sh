@@ -75,6 +75,8 @@ import os
 import sys
 from collections import defaultdict
 
+from nemo_fp8_align.engine.telemetry import record_problems
+
 out = sys.argv[1]
 errors = []
 
@@ -120,25 +122,11 @@ def check(name, rows, steps, chunks, ranks):
     if len(ranks) != 2 or len(chunks) != 2:
         errors.append(f"{name}: telemetry has pp ranks {ranks} and chunks {chunks}, expected "
                       "2 and 2")
-    seen = defaultdict(int)
-    for r in rows:
-        key = (r["step"], r["chunk"], r["pp_rank"], r["dp_rank"])
-        seen[key] += 1
-        where = f"{name}: step {key[0]} chunk {key[1]} pp rank {key[2]}"
-        if r["slot"] != r["aligned_slot"]:
-            errors.append(f"{where}: transposes at slot {r['slot']}, aligned slot is "
-                          f"{r['aligned_slot']}")
-        if not r["after_all_gather"]:
-            errors.append(f"{where}: transposes built before the chunk's all-gather finished")
-        if r["weights"] < 1 or r["transposed"] != r["weights"]:
-            errors.append(f"{where}: {r['transposed']} of {r['weights']} transposes built "
-                          "(expected all, exactly once)")
-    for key, n in seen.items():
-        if n != 1:
-            errors.append(f"{name}: step/chunk/pp/dp {key}: {n} records, expected exactly 1")
+    errors.extend(f"{name}: {problem}" for problem in record_problems(rows, policy="aligned"))
+    seen = {(r["step"], r["chunk"], r["pp_rank"]) for r in rows}
     # The smoke config's shape (PP=2, VP=2), not what the telemetry happens to contain.
     expected = {(s, c, p) for s in steps for c in range(2) for p in range(2)}
-    missing = expected - {k[:3] for k in seen}
+    missing = expected - seen
     if missing:
         errors.append(f"{name}: no transposes recorded for (step, chunk, pp rank) "
                       f"{sorted(missing)}")

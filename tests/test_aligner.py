@@ -237,3 +237,21 @@ def test_unfinished_all_gather_builds_nothing_early():
     assert r.aligner.records and not any(rec.after_all_gather for rec in r.aligner.records)
     assert all(rec.transposed == 0 for rec in r.aligner.records)  # no transpose of stale bytes
     assert all(w.builds == 1 for ws in r.weights for w in ws)  # built later, at first use
+
+
+def test_record_problems_judges_slots_per_policy_and_duplicates():
+    from dataclasses import asdict
+
+    from nemo_fp8_align.engine.telemetry import record_problems
+
+    r = make_rank(rank=2)
+    r.aligner.attach(r.config)
+    run_training_step(r)
+    rows = [asdict(rec) for rec in r.aligner.records]
+    assert record_problems(rows) == []
+    assert any("lazy slot is" in p for p in record_problems(rows, policy="lazy"))
+    assert any("expected exactly 1" in p for p in record_problems(rows + rows[:1]))
+    bad = [dict(rows[0], after_all_gather=False, transposed=0)] + rows[1:]
+    problems = record_problems(bad)
+    assert any("before the chunk's all-gather" in p for p in problems)
+    assert any("0 of 2 transposes" in p for p in problems)

@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 from nemo_fp8_align.config import Policy
 from nemo_fp8_align.demo.train import DemoOptions, run_rank
 from nemo_fp8_align.engine.schedule import InterleavedSchedule
+from nemo_fp8_align.engine.telemetry import record_problems
 
 __all__ = ["DemoResult", "run_demo", "alignment_problems", "format_report"]
 
@@ -74,15 +75,7 @@ def alignment_problems(result: DemoResult) -> List[str]:
     expected = opts.steps * opts.world_size * opts.vp
     if len(result.records) != expected:
         problems.append(f"{len(result.records)} telemetry records, expected {expected}")
-    for rec in result.records:
-        where = f"step {rec['step']} chunk {rec['chunk']} pp_rank {rec['pp_rank']} dp_rank {rec['dp_rank']}"
-        if not rec["after_all_gather"]:
-            problems.append(f"{where}: transposes built before the all-gather finished")
-        if rec["transposed"] != rec["weights"]:
-            problems.append(f"{where}: {rec['transposed']} of {rec['weights']} weights transposed")
-        want = rec["aligned_slot"] + (rec["pp_rank"] if opts.policy is Policy.LAZY else 0)
-        if rec["slot"] != want:
-            problems.append(f"{where}: slot {rec['slot']}, expected {want} under {opts.policy.value}")
+    problems.extend(record_problems(result.records, policy=opts.policy.value))
     return problems
 
 
