@@ -29,6 +29,8 @@ from nemo_fp8_align.fp8.reference import ReferenceBackend
 
 
 def _time(fn: Callable[[], None], reps: int, warmup: int = 3) -> List[float]:
+    """Per-call microseconds, synchronising after each call: what one call costs a training loop
+    (host side included), unlike bench_transpose.py's back-to-back kernel timing."""
     for _ in range(warmup):
         fn()
     out = []
