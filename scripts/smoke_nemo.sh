@@ -75,7 +75,7 @@ import os
 import sys
 from collections import defaultdict
 
-from nemo_fp8_align.engine.telemetry import record_problems
+from nemo_fp8_align.engine.telemetry import read_records, record_problems
 
 out = sys.argv[1]
 errors = []
@@ -89,11 +89,7 @@ def losses(name):
         return [json.loads(line) for line in f if line.strip()]
 
 def records(name):
-    rows = []
-    for path in sorted(glob.glob(os.path.join(out, name, "telemetry.rank*.jsonl"))):
-        with open(path, encoding="utf-8") as f:
-            rows.extend(json.loads(line) for line in f if line.strip())
-    return rows
+    return read_records(glob.glob(os.path.join(out, name, "telemetry.rank*.jsonl")))
 
 def report(name, rows):
     steps = sorted({r["step"] for r in rows})

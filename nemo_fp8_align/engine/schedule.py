@@ -131,10 +131,6 @@ class InterleavedSchedule:
         v = self.aligned_slot(chunk) - rank
         return AT_START if chunk == 0 or v < 0 else v
 
-    def lazy_vmid(self, chunk: int) -> int:
-        """Where today's lazy build happens on every rank: the chunk's own first forward."""
-        return self.first_vmid(chunk)
-
     def param_sync_launch_vmid(self, rank: int, chunk: int) -> int:
         """Where megatron-core launches ``chunk``'s all-gather on ``rank``.
 
