@@ -41,6 +41,21 @@ class NemoCpuCompat:
         self._patches.append((owner, name, getattr(owner, name, None)))
         setattr(owner, name, value)
 
+    def _patch_init_with_flag(self, cls: Any, module: Any, flag: str) -> None:
+        """Run ``cls.__init__`` with ``module.<flag>`` set True, restoring it afterwards: an
+        availability check in a constructor, skipped for that constructor only."""
+        original_init = cls.__init__
+
+        def init_with_flag(obj: Any, *args: Any, **kwargs: Any) -> None:
+            saved = getattr(module, flag)
+            setattr(module, flag, True)
+            try:
+                original_init(obj, *args, **kwargs)
+            finally:
+                setattr(module, flag, saved)
+
+        self._patch(cls, "__init__", init_with_flag)
+
     @staticmethod
     def _module(name: str) -> Any:
         return importlib.import_module(name)
@@ -70,21 +85,10 @@ class NemoCpuCompat:
 
     def _patch_apex_checks(self) -> None:
         nlp_overrides = self._module("nemo.collections.nlp.parts.nlp_overrides")
-        strategy_cls = nlp_overrides.NLPDDPStrategy
-        original_init = strategy_cls.__init__
-
         # Why: NLPDDPStrategy.__init__ raises ImportError when apex is missing, although the
         # mcore_distributed_optim path never calls apex. Pretend apex is there for that one
         # check only (HAVE_APEX guards real apex calls elsewhere in the module).
-        def init_without_apex_check(strategy: Any, *args: Any, **kwargs: Any) -> None:
-            saved = nlp_overrides.HAVE_APEX
-            nlp_overrides.HAVE_APEX = True
-            try:
-                original_init(strategy, *args, **kwargs)
-            finally:
-                nlp_overrides.HAVE_APEX = saved
-
-        self._patch(strategy_cls, "__init__", init_without_apex_check)
+        self._patch_init_with_flag(nlp_overrides.NLPDDPStrategy, nlp_overrides, "HAVE_APEX")
 
         # Why: with mcore_gpt=True, MegatronTrainerBuilder always adds DistributedCheckpointIO,
         # whose module imports megatron-core's tensorstore strategy; tensorstore (a checkpoint
@@ -93,17 +97,8 @@ class NemoCpuCompat:
         # distributed checkpoint would still fail (the smoke run saves none).
         dist_ckpt_io = self._module("nemo.utils.callbacks.dist_ckpt_io")
         if not dist_ckpt_io.HAVE_MEGATRON_CORE:
-            io_cls = dist_ckpt_io.DistributedCheckpointIO
-            io_init = io_cls.__init__
-
-            def init_without_tensorstore(io: Any, *args: Any, **kwargs: Any) -> None:
-                dist_ckpt_io.HAVE_MEGATRON_CORE = True
-                try:
-                    io_init(io, *args, **kwargs)
-                finally:
-                    dist_ckpt_io.HAVE_MEGATRON_CORE = False
-
-            self._patch(io_cls, "__init__", init_without_tensorstore)
+            self._patch_init_with_flag(dist_ckpt_io.DistributedCheckpointIO, dist_ckpt_io,
+                                       "HAVE_MEGATRON_CORE")
 
         # Why: build_model() tags every parameter with apex's
         # set_defaults_if_not_set_tensor_model_parallel_attributes, imported from apex only;
