@@ -251,7 +251,117 @@ def test_record_problems_judges_slots_per_policy_and_duplicates():
     assert record_problems(rows) == []
     assert any("lazy slot is" in p for p in record_problems(rows, policy="lazy"))
     assert any("expected exactly 1" in p for p in record_problems(rows + rows[:1]))
-    bad = [dict(rows[0], after_all_gather=False, transposed=0)] + rows[1:]
+    bad = [dict(rows[0], after_all_gather=False, transposed=0, valid=0)] + rows[1:]
     problems = record_problems(bad)
     assert any("before the chunk's all-gather" in p for p in problems)
-    assert any("0 of 2 transposes" in p for p in problems)
+    assert any("0 of 2 transposes valid" in p for p in problems)
+    # megatron-core >= 0.16 builds them inside finish_param_sync: valid, none built by us.
+    assert record_problems([dict(rows[0], transposed=0)] + rows[1:]) == []
+    twice = [dict(rows[0], transposed=3)] + rows[1:]
+    assert any("3 built" in p for p in record_problems(twice))
+    late = [dict(rows[0], t_first_use=rows[0]["t_done"] - 1e-3)] + rows[1:]
+    assert any("t_done" in p and "t_first_use" in p for p in record_problems(late))
+    early = [dict(rows[1], t_slot=rows[1]["t_launch"] - 1e-3)] + rows[:1] + rows[2:]
+    assert any("t_launch" in p and "t_slot" in p for p in record_problems(early))
+
+
+def test_timestamps_follow_launch_gather_build_first_use():
+    r = make_rank(rank=1)
+    r.aligner.attach(r.config)
+    run_training_step(r)
+    for rec in r.aligner.records:
+        assert rec.t_launch <= rec.t_slot <= rec.t_gathered <= rec.t_done <= rec.t_first_use
+        assert rec.valid == rec.weights == 2
+
+
+def test_lazy_records_time_and_validity_at_first_use():
+    r = make_rank(rank=2, policy=Policy.LAZY)
+    r.aligner.attach(r.config)
+    run_training_step(r)
+    for rec in r.aligner.records:
+        assert rec.t_launch <= rec.t_slot == rec.t_first_use <= rec.t_done
+        assert rec.valid == 2 and rec.t_gathered is None
+
+
+def drive_forwards(r, count, launch=True):
+    """The first ``count`` forwards of a step (a step with fewer microbatches than planned)."""
+    if launch:
+        r.config.param_sync_func[0]()
+        r.config.param_sync_func[1]()
+    for v in range(count):
+        r.chunks[r.schedule.chunk_of(v)](torch.ones(1))
+
+
+def test_shorter_step_is_an_error_at_the_next_step_and_eval_never_raises():
+    from nemo_fp8_align.engine.aligner import StepMismatchError
+
+    r = make_rank(pp=2, vp=2, m=4)
+    r.aligner.attach(r.config)
+    drive_forwards(r, 4)  # M=2 ran, M=4 planned
+    with torch.no_grad():  # a forward-only pass after it does not trip over the open step
+        drive_forwards(r, 8, launch=False)
+    with pytest.raises(StepMismatchError, match="ended after 4 forwards.*M=4"):
+        r.config.param_sync_func[0]()
+
+
+def test_longer_step_is_an_error_at_the_first_extra_forward():
+    from nemo_fp8_align.engine.aligner import StepMismatchError
+
+    r = make_rank(pp=2, vp=2, m=2)
+    r.aligner.attach(r.config)
+    drive_forwards(r, 4)
+    with pytest.raises(StepMismatchError, match="beyond its 4th"):
+        r.chunks[1](torch.ones(1))
+
+
+def test_step_end_check_runs_before_finalize():
+    from nemo_fp8_align.engine.aligner import StepMismatchError
+
+    r = make_rank(pp=2, vp=2, m=4)
+    calls = []
+    r.config.finalize_model_grads_func = lambda *a, **k: calls.append(a)
+    r.aligner.attach(r.config)
+    drive_forwards(r, 8)
+    r.config.finalize_model_grads_func([])  # complete step: passes through
+    assert len(calls) == 1
+    drive_forwards(r, 6)
+    with pytest.raises(StepMismatchError, match="ran 6 forwards"):
+        r.config.finalize_model_grads_func([])
+    assert len(calls) == 1  # refused before finalize's own collectives
+    r.aligner.detach()
+    assert r.config.finalize_model_grads_func is not None and len(calls) == 1
+
+
+def test_changing_m_is_replanned_per_step():
+    m = {"value": 4}
+    r = make_rank(pp=2, vp=2, m=4, rank=1)
+    r.aligner = TransposeAligner(r.chunks, schedule=r.schedule, pp_rank=1, dp_rank=0,
+                                 param_sync=r.sync, weights=r.weights, backend=FakeBackend(),
+                                 config=AlignConfig(), num_microbatches=lambda: m["value"])
+    r.aligner.attach(r.config)
+    run_training_step(r)
+    m["value"] = 6
+    r.schedule = InterleavedSchedule(2, 2, 6)
+    run_training_step(r)
+    by_step = {(rec.step, rec.chunk): rec for rec in r.aligner.records}
+    assert by_step[(0, 1)].slot == 2 and by_step[(1, 1)].slot == 2  # N = PP = 2 either way
+    assert r.aligner.schedule.microbatches == 6
+    from dataclasses import asdict
+
+    from nemo_fp8_align.engine.telemetry import record_problems
+    assert record_problems([asdict(x) for x in r.aligner.records]) == []
+
+
+def test_inside_cuda_graph_capture_counts_but_refuses_work(monkeypatch):
+    import nemo_fp8_align.engine.aligner as aligner_mod
+
+    r = make_rank(pp=2, vp=2, m=2, rank=0)
+    r.aligner.attach(r.config)
+    r.config.param_sync_func[0]()
+    r.config.param_sync_func[1]()
+    monkeypatch.setattr(aligner_mod, "_capturing_cuda_graph", lambda: True)
+    r.chunks[0](torch.ones(1))  # forward 0: nothing due (chunk 0 was done at the start)
+    r.chunks[0](torch.ones(1))  # forward 1
+    with pytest.raises(RuntimeError, match="inside a CUDA-graph capture"):
+        r.chunks[1](torch.ones(1))  # forward 2: chunk 1's slot
+    assert r.aligner._vmid == 3  # the count stayed consistent with the schedule

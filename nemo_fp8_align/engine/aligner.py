@@ -11,12 +11,18 @@ trigger finishes c's all-gather and builds its transposes:
 * chunk c >= 1 before forward ``v = T_c - r`` on rank r (slot T_c on every rank), which on
   ranks r > 0 falls inside chunk c-1's forwards.
 
+A step ends at megatron-core's ``finalize_model_grads_func`` (wrapped when the model config is
+given) or at the next step's start; a step that ran more or fewer forwards than its schedule is an
+error raised at the same point on every rank. ``num_microbatches`` may be a function, asked at
+each step's start, so a step of another size is re-planned instead of misaligned.
+
 Policy ``lazy`` changes nothing and only observes where each chunk's transposes get built (at
 its first use), for A/B runs. Hooks are kept as handles; attach/detach are idempotent.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from functools import partial
@@ -29,9 +35,13 @@ from nemo_fp8_align.engine.schedule import AT_START, InterleavedSchedule
 from nemo_fp8_align.engine.telemetry import TelemetryWriter, TransposeRecord
 from nemo_fp8_align.fp8.protocol import FP8TransposeBackend
 
-__all__ = ["ChunkParamSync", "TransposeAligner"]
+__all__ = ["ChunkParamSync", "StepMismatchError", "TransposeAligner"]
 
 logger = logging.getLogger(__name__)
+
+
+class StepMismatchError(RuntimeError):
+    """The running step differs from the schedule the aligner planned (raised on every rank)."""
 
 
 class ChunkParamSync(Protocol):
@@ -65,13 +75,18 @@ class TransposeAligner:
         backend: the FP8 backend owning those weights.
         config: policy and telemetry settings.
         telemetry: optional writer; records are also kept in :attr:`records`.
+        clock: timestamps; ``time.monotonic`` is one clock for every process of a host.
+        num_microbatches: optional function returning the coming step's M (e.g. megatron-core's
+            ``get_num_microbatches``); asked at every step's start, the schedule is re-planned
+            when it changed.
     """
 
     def __init__(self, model_chunks: Sequence[torch.nn.Module], *, schedule: InterleavedSchedule,
                  pp_rank: int, dp_rank: int, param_sync: ChunkParamSync,
                  weights: Sequence[Sequence[Any]], backend: FP8TransposeBackend,
                  config: AlignConfig, telemetry: Optional[TelemetryWriter] = None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 num_microbatches: Optional[Callable[[], int]] = None) -> None:
         if len(model_chunks) != schedule.vp or len(weights) != schedule.vp:
             raise ValueError(
                 f"virtual_pipeline_model_parallel_size={schedule.vp} but got "
@@ -80,7 +95,6 @@ class TransposeAligner:
             raise ValueError(f"pp_rank={pp_rank} outside [0, pipeline_model_parallel_size="
                              f"{schedule.pp})")
         self.chunks = list(model_chunks)
-        self.schedule = schedule
         self.pp_rank = pp_rank
         self.dp_rank = dp_rank
         self.param_sync = param_sync
@@ -90,17 +104,23 @@ class TransposeAligner:
         self.telemetry = telemetry
         self.records: List[TransposeRecord] = []
         self._clock = clock
-        self._triggers: Dict[int, List[int]] = {}
-        for chunk in range(schedule.vp):
-            self._triggers.setdefault(schedule.trigger_vmid(pp_rank, chunk), []).append(chunk)
+        self._num_microbatches = num_microbatches
+        self._plan(schedule)
         self._handles: List[Any] = []
         self._model_config: Any = None
-        self._original_sync_funcs: Any = None
+        self._originals: Dict[str, Any] = {}
         self._step = -1
-        self._vmid: Optional[int] = None  # None: not inside a training step's forwards
-        self._current: Optional[tuple] = None  # (chunk, vmid) of the forward in flight
-        self._done: set = set()
-        self._pending_observation: Dict[int, List[bool]] = {}
+        self._vmid: Optional[int] = None  # forwards run in the open training step; None: closed
+        self._done: set = set()  # chunks handled (aligned) or observed (lazy) this step
+        self._pending: Dict[int, Dict[str, Any]] = {}  # aligned records awaiting first use
+        self._observing: Dict[int, tuple] = {}  # lazy: (valid before, t) of a first forward
+        self._launched: Dict[int, float] = {}
+
+    def _plan(self, schedule: InterleavedSchedule) -> None:
+        self.schedule = schedule
+        self._triggers: Dict[int, List[int]] = {}
+        for chunk in range(schedule.vp):
+            self._triggers.setdefault(schedule.trigger_vmid(self.pp_rank, chunk), []).append(chunk)
 
     # ------------------------------------------------------------------ attach / detach
     @property
@@ -111,8 +131,9 @@ class TransposeAligner:
         """Register the hooks (idempotent). Returns whether the engine is active.
 
         With ``model_config`` (megatron-core's ``TransformerConfig`` the schedule reads), its
-        ``param_sync_func`` entries are wrapped; callers that re-bind that function every step
-        (NeMo) call :meth:`on_param_sync_launched` themselves instead.
+        ``param_sync_func`` entries and ``finalize_model_grads_func`` are wrapped; callers that
+        re-bind those every step (NeMo) call :meth:`on_param_sync_launched` and
+        :meth:`on_step_end` themselves instead.
         """
         if self.attached or not self.config.active:
             return self.attached
@@ -129,14 +150,15 @@ class TransposeAligner:
         return True
 
     def detach(self) -> None:
-        """Remove every hook and restore ``param_sync_func`` (idempotent)."""
+        """Remove every hook and restore the wrapped config functions (idempotent)."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
         if self._model_config is not None:
-            self._model_config.param_sync_func = self._original_sync_funcs
-            self._model_config = self._original_sync_funcs = None
-        self._vmid = self._current = None
+            for name, value in self._originals.items():
+                setattr(self._model_config, name, value)
+            self._model_config, self._originals = None, {}
+        self._vmid = None
         if self.telemetry is not None:
             self.telemetry.close()
 
@@ -152,9 +174,13 @@ class TransposeAligner:
         if len(per_chunk) != self.schedule.vp:
             raise ValueError(f"config.param_sync_func has {len(per_chunk)} entries for "
                              f"{self.schedule.vp} model chunks")
-        self._model_config, self._original_sync_funcs = model_config, funcs
+        finalize = getattr(model_config, "finalize_model_grads_func", None)
+        self._model_config = model_config
+        self._originals = {"param_sync_func": funcs, "finalize_model_grads_func": finalize}
         model_config.param_sync_func = [self.param_sync_wrapper(c, f)
                                         for c, f in enumerate(per_chunk)]
+        if finalize is not None:
+            model_config.finalize_model_grads_func = self._end_step_then(finalize)
 
     def param_sync_wrapper(self, chunk: int, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` (a chunk's all-gather launch) followed by :meth:`on_param_sync_launched`."""
@@ -163,6 +189,13 @@ class TransposeAligner:
             self.on_param_sync_launched(chunk)
             return out
         return launch_then_notify
+
+    def _end_step_then(self, finalize: Callable[..., Any]) -> Callable[..., Any]:
+        def check_then_finalize(*args: Any, **kwargs: Any) -> Any:
+            # Checked before finalize's own collectives, at the same point on every rank.
+            self.on_step_end()
+            return finalize(*args, **kwargs)
+        return check_then_finalize
 
     # ------------------------------------------------------------------ schedule events
     def on_param_sync_launched(self, chunk: int) -> None:
@@ -175,27 +208,70 @@ class TransposeAligner:
         if not self.attached:
             return
         if chunk == 0:
-            self._step += 1
-            self._vmid, self._current = 0, None
-            self._done = set()
-            self._pending_observation = {}
-        elif chunk == 1 and self._vmid == 0 and self.config.policy is Policy.ALIGNED:
+            self._open_step()
+        if self._vmid is not None:
+            self._launched[chunk] = self._clock()
+        if chunk == 1 and self._vmid == 0 and self.config.policy is Policy.ALIGNED:
             for c in self._triggers.get(AT_START, []):
                 self._handle(c, AT_START)
 
+    def on_step_end(self) -> None:
+        """The training step's forwards and backwards are over (megatron-core calls
+        ``finalize_model_grads_func`` here). Raises :class:`StepMismatchError` if the step
+        ran another number of forwards than planned, or a chunk never ran."""
+        if self._vmid is None:
+            return
+        ran, self._vmid = self._vmid, None
+        if ran != self.schedule.total or self._pending:
+            self._mismatch(f"ran {ran} forwards" + (
+                f", chunks {sorted(self._pending)} never ran" if self._pending else ""))
+
+    def _open_step(self) -> None:
+        if self._vmid is not None and self._vmid != self.schedule.total:
+            ran, self._vmid = self._vmid, None
+            self._mismatch(f"ended after {ran} forwards")
+        if self._num_microbatches is not None:
+            m = int(self._num_microbatches())
+            if m != self.schedule.microbatches:  # raises ScheduleError for a shape mcore rejects
+                self._plan(dataclasses.replace(self.schedule, microbatches=m))
+        self._step += 1
+        self._vmid = 0
+        self._done, self._pending, self._observing, self._launched = set(), {}, {}, {}
+
+    def _mismatch(self, what: str) -> None:
+        s = self.schedule
+        raise StepMismatchError(
+            f"nemo_fp8_align: training step {self._step} on pipeline rank {self.pp_rank} {what}, "
+            f"but its schedule (PP={s.pp}, VP={s.vp}, M={s.microbatches}, N={s.n}) has "
+            f"{s.total} forwards per rank. num_microbatches changed without the aligner being "
+            "told: pass num_microbatches as a function (e.g. megatron-core's "
+            "get_num_microbatches) to align_fp8_transposes, or keep M fixed.")
+
+    def _training_forward(self) -> bool:
+        if self._vmid is None or not torch.is_grad_enabled():
+            return False
+        # megatron-core sets param_sync_func to None for the length of a forward-only pass.
+        return self._model_config is None or self._model_config.param_sync_func is not None
+
     def _pre_forward(self, chunk: int, module: torch.nn.Module, args: Any) -> None:
-        if self._vmid is None or _capturing_cuda_graph():
+        if not self._training_forward():
             return
         vmid = self._vmid
+        if vmid >= self.schedule.total:
+            self._mismatch(f"ran a forward beyond its {vmid}th (model chunk {chunk})")
         expected = self.schedule.chunk_of(vmid)
         if chunk != expected:
-            raise RuntimeError(
+            s = self.schedule
+            raise StepMismatchError(
                 f"nemo_fp8_align: forward {vmid} of step {self._step} on pipeline rank "
                 f"{self.pp_rank} ran model chunk {chunk}, but the interleaved schedule "
-                f"(PP={self.schedule.pp}, VP={self.schedule.vp}, M={self.schedule.microbatches}, "
-                f"N={self.schedule.n}) runs chunk {expected} there. The aligner's schedule does "
-                "not match the one running: check num_microbatches and "
-                "microbatch_group_size_per_vp_stage.")
+                f"(PP={s.pp}, VP={s.vp}, M={s.microbatches}, N={s.n}) runs chunk {expected} "
+                "there. The aligner's schedule does not match the one running: check "
+                "num_microbatches and microbatch_group_size_per_vp_stage.")
+        self._vmid = vmid + 1
+        if _capturing_cuda_graph():
+            self._refuse_inside_capture(vmid)
+            return
         if self.config.policy is Policy.ALIGNED:
             for c in self._triggers.get(vmid, []):
                 self._handle(c, vmid)
@@ -203,26 +279,40 @@ class TransposeAligner:
                 # Safety net (never taken when the schedule matches): correctness first, the
                 # telemetry will show the misplaced slot.
                 self._handle(chunk, vmid)
+            if chunk in self._pending:
+                self._emit(chunk, t_first_use=self._clock(), **self._pending.pop(chunk))
         elif chunk not in self._done:  # lazy: remember the cache state before first use
-            self._pending_observation[chunk] = [self.backend.has_valid_transpose(w)
-                                                for w in self.weights[chunk]]
-        self._current = (chunk, vmid)
-        self._vmid = vmid + 1 if vmid + 1 < self.schedule.total else None
+            self._done.add(chunk)
+            before = [self.backend.has_valid_transpose(w) for w in self.weights[chunk]]
+            self._observing[chunk] = (vmid, before, self._clock())
+
+    def _refuse_inside_capture(self, vmid: int) -> None:
+        """Never act inside a CUDA-graph capture: a captured transpose would replay on old
+        bytes. The counter still advanced, so later slots stay right; work due here refuses."""
+        due = [c for c in self._triggers.get(vmid, []) if c not in self._done]
+        if self.config.policy is Policy.ALIGNED and due:
+            raise RuntimeError(
+                f"nemo_fp8_align: the aligned transposes of model chunks {due} are due at forward "
+                f"{vmid} of step {self._step}, which runs inside a CUDA-graph capture. Capture "
+                "the graphs outside training steps, or set fp8_transpose_align.policy=lazy.")
 
     def _post_forward(self, chunk: int, module: torch.nn.Module, args: Any, output: Any) -> None:
-        before = self._pending_observation.pop(chunk, None)
-        if before is None or self._current is None or self._current[0] != chunk:
+        if chunk not in self._observing or not self._training_forward():
             return
+        vmid, before, t_slot = self._observing.pop(chunk)
         after = [self.backend.has_valid_transpose(w) for w in self.weights[chunk]]
-        built = sum(1 for b, a in zip(before, after) if a and not b)
-        self._record(chunk, self._current[1], built, self.param_sync.finished(chunk), None)
+        self._emit(chunk, vmid=vmid, transposed=sum(a and not b for b, a in zip(before, after)),
+                   after_all_gather=self.param_sync.finished(chunk), seconds=None,
+                   valid=sum(after), t_slot=t_slot, t_done=self._clock(), t_first_use=t_slot)
 
     # ------------------------------------------------------------------ the work
     def _handle(self, chunk: int, vmid: int) -> None:
         if chunk in self._done:
             return
-        start = self._clock()
+        self._done.add(chunk)
+        t_slot = self._clock()
         after_all_gather = self.param_sync.finish(chunk)
+        t_gathered = self._clock() if after_all_gather else None
         built = 0
         if after_all_gather:
             built = self.backend.build_transposes(self.weights[chunk])
@@ -231,17 +321,19 @@ class TransposeAligner:
             # the build to first use (after DDP's own wait) and let the telemetry show it.
             logger.warning("nemo_fp8_align: step %d chunk %d: all-gather not complete at the "
                            "aligned slot; transposes left to first use", self._step, chunk)
-        self._record(chunk, vmid, built, after_all_gather, self._clock() - start)
+        t_done = self._clock()
+        self._pending[chunk] = dict(
+            vmid=vmid, transposed=built, after_all_gather=after_all_gather,
+            seconds=t_done - t_slot, t_slot=t_slot, t_gathered=t_gathered, t_done=t_done,
+            valid=sum(self.backend.has_valid_transpose(w) for w in self.weights[chunk]))
 
-    def _record(self, chunk: int, vmid: int, built: int, after_all_gather: bool,
-                seconds: Optional[float]) -> None:
-        self._done.add(chunk)
+    def _emit(self, chunk: int, *, vmid: int, **fields: Any) -> None:
         record = TransposeRecord(
             step=self._step, pp_rank=self.pp_rank, dp_rank=self.dp_rank, chunk=chunk,
             policy=self.config.policy.value, backend=self.backend.name, vmid=vmid,
             slot=self.schedule.slot_of(self.pp_rank, vmid),
-            aligned_slot=self.schedule.aligned_slot(chunk), transposed=built,
-            weights=len(self.weights[chunk]), after_all_gather=after_all_gather, seconds=seconds)
+            aligned_slot=self.schedule.aligned_slot(chunk), weights=len(self.weights[chunk]),
+            t_launch=self._launched.get(chunk), **fields)
         self.records.append(record)
         if self.telemetry is not None:
             self.telemetry.write(record)

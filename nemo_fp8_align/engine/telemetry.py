@@ -1,5 +1,6 @@
-"""Per-step, per-chunk telemetry: where a chunk's transposes ran, how many, and whether the
-chunk's all-gather had finished first. One JSON object per (step, pp_rank, dp_rank, chunk)."""
+"""Per-step, per-chunk telemetry: where a chunk's transposes ran, how many, whether the chunk's
+all-gather had finished first, and when (monotonic timestamps). One JSON object per
+(step, pp_rank, dp_rank, chunk)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,20 @@ class TransposeRecord:
     ``vmid`` is this rank's forward virtual-microbatch index before which the transposes ran
     (-1: at the start of the schedule, before any pipeline communication); ``slot`` is the
     schedule slot of that position (``vmid + pp_rank``, 0 for -1). With ``aligned`` every rank
-    reports ``slot == aligned_slot``. ``seconds`` is host wall time of finishing the all-gather
-    plus building the transposes (``None`` under ``lazy``, where the build is only observed).
+    reports ``slot == aligned_slot``. ``transposed`` counts the transposes the plugin's backend
+    built; ``valid`` counts the chunk's weights whose transpose was valid right after the chunk
+    was handled (``aligned``) or after its first use (``lazy``): where megatron-core's own
+    post-all-gather processing builds them inside the ``finish_param_sync`` the plugin calls,
+    ``transposed`` is 0 and ``valid`` is ``weights``. ``seconds`` is host time of finishing the
+    all-gather plus building the transposes (``None`` under ``lazy``, where the build is only
+    observed).
+
+    Timestamps are ``time.monotonic()`` seconds, one clock for every process of a host:
+    ``t_launch`` the chunk's all-gather launch on this rank (``None`` if not seen), ``t_slot``
+    when the plugin reached the chunk's slot (``lazy``: its first forward began), ``t_gathered``
+    when its all-gather was complete (``None`` under ``lazy``), ``t_done`` when its transposes
+    were valid (``lazy``: after the first forward), ``t_first_use`` when the chunk's first
+    forward of the step began computing (after the plugin's pre-hook).
     """
 
     step: int
@@ -35,6 +48,12 @@ class TransposeRecord:
     weights: int
     after_all_gather: bool
     seconds: Optional[float]
+    valid: int = -1
+    t_launch: Optional[float] = None
+    t_slot: Optional[float] = None
+    t_gathered: Optional[float] = None
+    t_done: Optional[float] = None
+    t_first_use: Optional[float] = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -69,13 +88,26 @@ def read_records(paths: Iterable[str]) -> List[dict]:
     return rows
 
 
+def _time_problems(r: Mapping, policy: str) -> List[str]:
+    """The order the timestamps must follow (skipped for records written before they existed)."""
+    order = ["t_launch", "t_slot", "t_gathered", "t_done"] if policy == "aligned" else \
+        ["t_launch", "t_slot", "t_done"]
+    if policy == "aligned":
+        order.append("t_first_use")  # aligned: valid before the rank first computes the chunk
+    times = [(k, r.get(k)) for k in order if r.get(k) is not None]
+    return [f"{a} {ta:.6f} > {b} {tb:.6f}" for (a, ta), (b, tb) in zip(times, times[1:])
+            if ta > tb]
+
+
 def record_problems(records: Iterable[Mapping], *, policy: str = "aligned") -> List[str]:
     """Every invariant the records break, as sentences (empty when all hold).
 
     Per record: the slot is the chunk's aligned slot (``lazy``: plus the pipeline rank), the
-    all-gather had finished, and every weight of the chunk was transposed; and exactly one
-    record per (step, chunk, pp_rank, dp_rank). The demo, the NeMo smoke run and the step-time
-    benchmark all judge their telemetry with this one function.
+    all-gather had finished, every weight of the chunk had a valid transpose and none was built
+    twice, and the timestamps run launch <= slot <= all-gather complete <= transposes valid
+    (<= first use, under ``aligned``); and exactly one record per (step, chunk, pp_rank,
+    dp_rank). The demo, the NeMo smoke run, ``report`` and the step-time benchmarks all judge
+    their telemetry with this one function.
     """
     problems: List[str] = []
     seen: Counter = Counter()
@@ -89,9 +121,12 @@ def record_problems(records: Iterable[Mapping], *, policy: str = "aligned") -> L
                             f"{'lazy' if policy == 'lazy' else 'aligned'} slot is {want}")
         if not r["after_all_gather"]:
             problems.append(f"{where}: transposes built before the chunk's all-gather finished")
-        if r["weights"] < 1 or r["transposed"] != r["weights"]:
-            problems.append(f"{where}: {r['transposed']} of {r['weights']} transposes built "
-                            "(expected all, exactly once)")
+        valid = r.get("valid", -1)
+        valid = r["transposed"] if valid is None or valid < 0 else valid
+        if r["weights"] < 1 or valid != r["weights"] or r["transposed"] > r["weights"]:
+            problems.append(f"{where}: {valid} of {r['weights']} transposes valid, "
+                            f"{r['transposed']} built (expected all valid, each built once)")
+        problems.extend(f"{where}: timestamps out of order: {p}" for p in _time_problems(r, policy))
     problems.extend(f"step/chunk/pp/dp {key}: {n} records, expected exactly 1"
                     for key, n in seen.items() if n != 1)
     return problems
