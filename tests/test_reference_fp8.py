@@ -66,3 +66,30 @@ def test_stale_transpose_in_backward_is_an_error():
 def test_non_2d_source_rejected():
     with pytest.raises(ValueError, match="must be 2-D"):
         ReferenceFP8Weight(torch.nn.Parameter(torch.ones(3)), name="b")
+
+
+def test_transpose_of_bytes_the_all_gather_replaced_is_an_error():
+    """The parameter receives new bytes after the transpose was built (as when the transpose is
+    taken before the all-gather finished): the backward GEMM refuses to read it."""
+    from nemo_fp8_align.fp8.reference import StaleFP8Error
+
+    lin = ReferenceFP8Linear(6, 4, backend=ReferenceBackend(), name="lin")
+    lin.backend.build_transposes([lin.fp8_weight])  # "at the slot", from the old bytes
+    with torch.no_grad():
+        lin.weight.add_(0.5)  # the all-gather delivers this step's values afterwards
+    with pytest.raises(StaleFP8Error, match="FP8 data read by the forward"):
+        lin(torch.randn(2, 6, requires_grad=True))
+    y = ReferenceFP8Linear(6, 4, backend=ReferenceBackend(), name="lin2")
+    out = y(torch.randn(2, 6, requires_grad=True))
+    with torch.no_grad():
+        y.weight.mul_(2.0)  # bytes change between forward and backward
+    with pytest.raises(StaleFP8Error, match="transpose read by the backward"):
+        out.sum().backward()
+
+
+def test_provenance_check_can_be_turned_off_for_timing():
+    lin = ReferenceFP8Linear(6, 4, backend=ReferenceBackend(check_provenance=False))
+    lin.backend.build_transposes([lin.fp8_weight])
+    with torch.no_grad():
+        lin.weight.add_(0.5)
+    lin(torch.randn(2, 6, requires_grad=True)).sum().backward()  # stale, but not checked

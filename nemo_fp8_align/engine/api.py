@@ -11,7 +11,7 @@ Call it after the DDP-wrapped model chunks exist and ``config.param_sync_func`` 
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Union
 
 import torch
 
@@ -46,7 +46,8 @@ def telemetry_writer(path: Optional[str]) -> Optional[TelemetryWriter]:
 
 
 def align_fp8_transposes(
-    model: Sequence[torch.nn.Module], *, num_microbatches: int, backend: FP8TransposeBackend,
+    model: Sequence[torch.nn.Module], *, num_microbatches: Union[int, Callable[[], int]],
+    backend: FP8TransposeBackend,
     weights_of: Callable[[torch.nn.Module], List[Any]], config: Any = None,
     align_config: AlignConfig = AlignConfig(), pp_rank: Optional[int] = None,
     dp_rank: Optional[int] = None,
@@ -70,12 +71,14 @@ def align_fp8_transposes(
         pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     if dp_rank is None:
         dp_rank = parallel_state.get_data_parallel_rank()
+    m_now = num_microbatches() if callable(num_microbatches) else num_microbatches
     schedule = schedule_for(config, pp=parallel_state.get_pipeline_model_parallel_world_size(),
-                            vp=len(model), num_microbatches=num_microbatches)
+                            vp=len(model), num_microbatches=m_now)
     aligner = TransposeAligner(
         model, schedule=schedule, pp_rank=pp_rank, dp_rank=dp_rank,
         param_sync=McoreParamSync(model), weights=[weights_of(chunk) for chunk in model],
         backend=backend, config=align_config,
-        telemetry=telemetry_writer(align_config.telemetry_path))
+        telemetry=telemetry_writer(align_config.telemetry_path),
+        num_microbatches=num_microbatches if callable(num_microbatches) else None)
     aligner.attach(config)
     return aligner

@@ -11,15 +11,26 @@ It runs anywhere torch has ``float8_e4m3fn``: the CPU runs, the tests and the be
 
 from __future__ import annotations
 
-from typing import Sequence, Tuple
+import hashlib
+from typing import Optional, Sequence, Tuple
 
 import torch
 
 from nemo_fp8_align.kernels import multi_transpose_
 
-__all__ = ["ReferenceFP8Weight", "ReferenceBackend", "FP8_E4M3_MAX"]
+__all__ = ["ReferenceFP8Weight", "ReferenceBackend", "StaleFP8Error", "FP8_E4M3_MAX"]
 
 FP8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
+
+
+class StaleFP8Error(RuntimeError):
+    """An FP8 copy or transpose was read that does not match the parameter's current bytes."""
+
+
+def bytes_digest(t: torch.Tensor) -> bytes:
+    """A digest of ``t``'s bytes: the evidence of which parameter values an FP8 copy holds."""
+    raw = t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()
+    return hashlib.blake2b(raw, digest_size=16).digest()
 
 
 class ReferenceFP8Weight:
@@ -45,6 +56,10 @@ class ReferenceFP8Weight:
         self.transpose_valid = False
         #: Transposes built over the object's life: tests read it to prove "exactly once".
         self.transposes_built = 0
+        #: Digest of the source bytes ``data`` was cast from, and ``transpose`` was built from:
+        #: evidence kept apart from the engine under test (see :meth:`check_provenance`).
+        self.data_source: Optional[bytes] = None
+        self.transpose_source: Optional[bytes] = None
 
     def invalidate(self) -> None:
         """Mark the FP8 copy and its transpose stale (the source parameter changed)."""
@@ -61,6 +76,22 @@ class ReferenceFP8Weight:
         self.scale_inv.copy_(1.0 / scale)
         self.data_valid = True
         self.transpose_valid = False
+        self.data_source = bytes_digest(self.source)
+
+    def check_provenance(self, use: str) -> None:
+        """Raise :class:`StaleFP8Error` unless what ``use`` reads was built from the source
+        parameter's current bytes. Within a training step the parameter changes only when its
+        all-gather delivers this step's values, so a copy built before that delivery (a
+        transpose taken before the all-gather finished) fails here: the wrong gradient it
+        would cause becomes an error. ``use`` is ``"forward"`` (reads ``data``) or
+        ``"backward"`` (reads ``transpose``)."""
+        built_from = self.transpose_source if use == "backward" else self.data_source
+        if built_from != bytes_digest(self.source):
+            what = "transpose" if use == "backward" else "FP8 data"
+            raise StaleFP8Error(
+                f"FP8 weight {self.name!r}: the {what} read by the {use} GEMM was built from "
+                "parameter bytes that are not the current ones (built before this step's "
+                "all-gather delivered them, or never rebuilt after it)")
 
     def dequantized(self) -> torch.Tensor:
         """``data`` as float32 ``[out, in]``."""
@@ -81,8 +112,11 @@ class ReferenceBackend:
 
     name = "reference"
 
-    def __init__(self, *, use_triton_kernel: bool = True) -> None:
+    def __init__(self, *, use_triton_kernel: bool = True, check_provenance: bool = True) -> None:
         self.use_triton_kernel = use_triton_kernel
+        #: Let the GEMMs check, per microbatch, that the FP8 copies they read match the
+        #: parameter's bytes (a digest per read: for tests and CPU runs, off for timing).
+        self.check_provenance = check_provenance
 
     def transpose_needed(self) -> Tuple[bool, str]:
         return True, "reference FP8 weights always keep a transpose for the backward GEMM"
@@ -101,4 +135,5 @@ class ReferenceBackend:
         for w in stale:
             w.transpose_valid = True
             w.transposes_built += 1
+            w.transpose_source = w.data_source
         return len(stale)

@@ -43,9 +43,11 @@ def _scaled_mm(a: torch.Tensor, a_dtype: torch.dtype, b_fp8: torch.Tensor,
 
 class _FP8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, source, fp8_weight: ReferenceFP8Weight):  # noqa: D401 - autograd API
+    def forward(ctx, x, source, fp8_weight: ReferenceFP8Weight, check: bool):  # noqa: D401
         ctx.save_for_backward(x)
-        ctx.fp8_weight = fp8_weight
+        ctx.fp8_weight, ctx.check = fp8_weight, check
+        if check:
+            fp8_weight.check_provenance("forward")
         if _fp8_tensor_cores(x):  # TN: data [out, in] row-major, its .t() is column-major
             return _scaled_mm(x, torch.float8_e4m3fn, fp8_weight.data.t(),
                               fp8_weight.scale_inv, x.dtype)
@@ -55,6 +57,8 @@ class _FP8LinearFn(torch.autograd.Function):
     def backward(ctx, dy):
         (x,) = ctx.saved_tensors
         w = ctx.fp8_weight
+        if ctx.check and w.transpose_valid:
+            w.check_provenance("backward")
         if _fp8_tensor_cores(dy):  # TN again: only the cached transpose [in, out] fits
             if not w.transpose_valid:
                 w.dequantized_transpose()  # raises the stale-cache error
@@ -62,7 +66,7 @@ class _FP8LinearFn(torch.autograd.Function):
         else:
             dx = dy @ w.dequantized_transpose().to(dy.dtype).t()
         dw = dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-        return dx, dw.to(w.source.dtype), None
+        return dx, dw.to(w.source.dtype), None, None
 
 
 class ReferenceFP8Linear(torch.nn.Module):
@@ -81,4 +85,4 @@ class ReferenceFP8Linear(torch.nn.Module):
             self.backend.build_transposes([self.fp8_weight])  # lazy: at first use
         elif not self.fp8_weight.data_valid:
             self.fp8_weight.quantize()  # inference needs no transpose
-        return _FP8LinearFn.apply(x, self.weight, self.fp8_weight)
+        return _FP8LinearFn.apply(x, self.weight, self.fp8_weight, self.backend.check_provenance)
