@@ -1,0 +1,1 @@
+"""Test harness pieces (not used by the plugin itself): see host_staging.py."""
