@@ -1,0 +1,60 @@
+"""``nemo-fp8-align plan``: costs from model sizes, the table, the errors and the Gantt PNG."""
+
+import pytest
+
+from nemo_fp8_align.cli import main
+from nemo_fp8_align.timeline.costs import GPUS, MODELS, Layout, chunk_costs
+
+
+def test_chunk_costs_from_sizes():
+    # GPT-3-175B TP8, 2 layers per chunk: 2 x 226.5 M FP8 weights per GPU (the H200 probe's
+    # 453 MB); TE's 3.46 TB/s (read + write) gives 2 x 453 MB / 3.46 TB/s = 262 us.
+    layout = Layout(tp=8, pp=8, vp=6, dp=4, micro_batch=1, global_batch=64)
+    costs, info = chunk_costs(MODELS["gpt3-175b"], layout, GPUS["h200"])
+    assert info["layers_per_chunk"] == 2
+    assert info["weight_bytes"] == pytest.approx(452.98e6, rel=1e-3)
+    assert costs.transpose == pytest.approx(2 * 452.98e6 / 3.46e12, rel=1e-3)
+    assert costs.backward == pytest.approx(2 * costs.forward)
+    # forward FLOPs / 470 TFLOP/s: 2 layers x (2 x 2048 x 1.812e9 + 2 x 2048^2 x 12288) / 8
+    flops = 2 * (2 * 2048 * 1.81194e9 + 2 * 2048 ** 2 * 12288) / 8
+    assert costs.forward == pytest.approx(flops / 470e12, rel=1e-3)
+    assert costs.allgather == pytest.approx(452.98e6 * 3 / 4 / 40e9, rel=1e-3)
+
+
+def test_plan_prints_every_placement(capsys):
+    assert main(["plan", "--model", "llama2-70b", "--tp", "8", "--pp", "4", "--vp", "5",
+                 "--dp", "2", "--global-batch", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "M=8" in out
+    for name in ("none", "lazy", "aligned", "bubble (modelled)", "overlap (modelled)"):
+        assert f"\n{name} " in out
+    assert "Recommendation:" in out and "measured on one H200" in out
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--model", "gpt3-175b", "--pp", "8", "--vp", "5"], "not divisible by PP x VP"),
+    (["--model", "gpt3-175b", "--pp", "8", "--vp", "2", "--global-batch", "4"],
+     "num_microbatches=4 < pipeline_model_parallel_size=8"),
+    (["--model", "gpt3-175b", "--gpu", "a100"], "--gpu 'a100' is not known"),
+    (["--layers", "8"], "missing --hidden --heads --ffn"),
+    (["--model", "gpt3-175b", "--global-batch", "100", "--dp", "3"], "not a multiple"),
+])
+def test_plan_bad_inputs(argv, needle, capsys):
+    assert main(["plan", *argv]) == 2
+    assert needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,needle", [(["--gpu", "b200"], "datacenter Blackwell"),
+                                         (["--recipe", "mxfp8"], "MXFP8")])
+def test_nothing_to_align(argv, needle, capsys):
+    assert main(["plan", "--model", "llama3-70b", *argv]) == 0
+    out = capsys.readouterr().out
+    assert "nothing to align" in out and needle in out and "lazy" not in out
+
+
+def test_plan_plot_writes_a_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "plan.png"
+    assert main(["plan", "--model", "llama3-70b", "--tp", "8", "--pp", "4", "--vp", "4",
+                 "--global-batch", "4", "--plot", str(path)]) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 20000
