@@ -60,6 +60,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     from nemo_fp8_align.nemo.check_cli import add_check_parser  # imports no NeMo
 
     add_check_parser(sub)
+    from nemo_fp8_align.plan_cli import add_plan_parser  # pure Python: the timeline model
+
+    add_plan_parser(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 
