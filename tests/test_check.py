@@ -17,7 +17,7 @@ from nemo_fp8_align.nemo.check import (FP8AlignConfigError, Violation, align_con
 def seed_config(**model_overrides):
     """The seed's settings plus DESIGN.md §5: PP=4, VP=2, 8 GPUs (DP=2), M = 16 / 2 = 8."""
     cfg = OmegaConf.create({
-        "trainer": {"devices": 8, "num_nodes": 1},
+        "trainer": {"devices": 8, "num_nodes": 1, "precision": "bf16"},
         "model": {
             "tensor_model_parallel_size": 1,
             "pipeline_model_parallel_size": 4,
@@ -192,6 +192,7 @@ def test_all_violations_are_listed_at_once():
         "model.fp8_transpose_align.polcy",
         "model.pipeline_model_parallel_size",
         "model.virtual_pipeline_model_parallel_size",
+        "model.num_layers",
         "model.transformer_engine",
         "model.fp8",
         "model.fp8_params",
@@ -202,9 +203,12 @@ def test_all_violations_are_listed_at_once():
         "model.optim.name",
         "model.optim.overlap_param_sync",
         "model.optim.overlap_grad_sync",
+        "trainer.precision",
+        "model.micro_batch_size",
+        "model.global_batch_size",
     ]
     message = str(info.value)
-    assert message.startswith("13 setting(s)")
+    assert message.startswith("17 setting(s)")
     for v in info.value.violations:
         assert f"  - {v.key}: found {v.found}; expected " in message
         assert f"| fix: {v.fix}" in message
@@ -213,9 +217,10 @@ def test_all_violations_are_listed_at_once():
 
 def test_trainer_world_size_not_divisible_by_model_parallel_size():
     cfg = seed_config()
-    cfg.trainer.devices = 6  # 6 GPUs, TP*PP = 4
+    cfg.trainer.devices = 6  # 6 GPUs per node, TP*PP = 4: the node count is what to change
     v = only(find_violations(cfg))
-    assert (v.key, v.found, v.fix) == ("trainer.devices", "6", "trainer.devices=8")
+    assert (v.key, v.found, v.fix) == ("trainer.num_nodes", "1", "trainer.num_nodes=2")
+    assert "6 * 1 = 6 GPUs" in v.expected and "multiple of 2" in v.expected
 
 
 def test_data_parallel_size_of():

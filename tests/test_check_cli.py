@@ -22,6 +22,7 @@ SEED_YAML = """\
 trainer:
   devices: 8
   num_nodes: 1
+  precision: bf16
 model:
   pipeline_model_parallel_size: 4
   virtual_pipeline_model_parallel_size: 2
@@ -118,10 +119,20 @@ def test_ok_line_says_when_microbatch_checks_were_skipped(seed_yaml):
 
 
 def test_data_parallel_size_option(seed_yaml):
-    # DP 4 instead of the trainer's 2: M = 16 / 4 = 4, still fine; DP 8: M = 2 < PP.
-    assert check(str(seed_yaml), "--data-parallel-size", "4")[0] == EXIT_OK
-    status, _, err = check(str(seed_yaml), "--data-parallel-size", "8")
+    # Without a known world size: DP 4 gives M = 16 / 4 = 4, fine; DP 8: M = 2 < PP.
+    assert check(str(seed_yaml), "trainer.devices=auto", "--data-parallel-size", "4")[0] == EXIT_OK
+    status, _, err = check(str(seed_yaml), "trainer.devices=auto", "--data-parallel-size", "8")
     assert status == EXIT_INVALID and "DP 8" in err
+    # The trainer's own DP (8 / 4 = 2) agrees with the flag: fine.
+    assert check(str(seed_yaml), "--data-parallel-size", "2")[0] == EXIT_OK
+
+
+def test_data_parallel_size_that_disagrees_with_the_trainer(seed_yaml):
+    # 8 devices / (TP 1 * PP 4) = DP 2, but the flag says 4: the node count that gives 4 is 2.
+    status, _, err = check(str(seed_yaml), "--data-parallel-size", "4")
+    assert status == EXIT_INVALID
+    assert "--data-parallel-size: found 4; expected 2, the data-parallel size of the trainer" in err
+    assert "| fix: trainer.num_nodes=2, or leave --data-parallel-size out" in err
 
 
 def test_missing_file_exits_2(tmp_path):
@@ -149,7 +160,8 @@ def test_not_a_yaml_suffix_exits_2(tmp_path):
 def test_misspelt_plugin_key_in_an_override_gets_a_suggestion():
     status, _, err = check(str(FP8_ALIGN), "model.fp8_transpose_align.polcy=lazy")
     assert status == EXIT_INVALID
-    assert "did you mean 'policy'?" in err
+    assert "did you mean model.fp8_transpose_align.policy?" in err
+    assert "fix: model.fp8_transpose_align.policy=lazy" in err
 
 
 def test_misspelt_plugin_key_in_a_yaml_gets_a_suggestion(seed_yaml):

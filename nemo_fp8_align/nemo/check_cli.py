@@ -17,10 +17,13 @@ import warnings
 from pathlib import Path
 from typing import Any, List, Optional, Sequence, TextIO
 
+from nemo_fp8_align.deps import CHECK_NEEDS, missing_dependency
+
 __all__ = ["EXIT_OK", "EXIT_INVALID", "add_check_parser", "load_config", "run_check"]
 
 EXIT_OK = 0
 EXIT_INVALID = 2
+DP_FLAG = "--data-parallel-size"
 
 
 class ConfigLoadError(Exception):
@@ -42,7 +45,7 @@ def add_check_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="NeMo training YAML (NeMo 1.x layout or NeMo-Framework-Launcher)")
     parser.add_argument("overrides", nargs="*", metavar="OVERRIDE",
                         help="Hydra overrides: a.b=c, +a.b=c, ++a.b=c, ~a.b")
-    parser.add_argument("--data-parallel-size", type=int, default=None, metavar="DP",
+    parser.add_argument(DP_FLAG, type=int, default=None, metavar="DP",
                         help="data-parallel size for the microbatch checks (default: from "
                              "trainer.devices * trainer.num_nodes / (TP * PP * CP))")
     parser.set_defaults(func=run_check)
@@ -50,47 +53,76 @@ def add_check_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def load_config(path: Path, overrides: Sequence[str] = ()) -> Any:
-    """Compose ``path`` with Hydra and apply ``overrides``; raises :class:`ConfigLoadError`."""
+    """Compose ``path`` with Hydra and apply ``overrides``; raises :class:`ConfigLoadError`.
+
+    An override of a key the YAML does not have gets "did you mean" (the nearest key under the
+    same parent) instead of Hydra's advice to append it with ``+``.
+    """
     if not path.is_file():
         raise ConfigLoadError(f"{path}: no such file")
     if path.suffix != ".yaml":
         raise ConfigLoadError(f"{path}: Hydra reads only .yaml files; rename it to "
                               f"{path.with_suffix('.yaml').name}")
+    try:
+        return _compose(path, overrides)
+    except Exception as err:  # noqa: BLE001 - Hydra, OmegaConf and YAML errors: report them all
+        hints = _override_key_hints(path, overrides)
+        if hints:
+            raise ConfigLoadError("\n".join(f"{path}: {hint}" for hint in hints)) from err
+        reason = str(err).strip() or type(err).__name__
+        cause = err.__cause__
+        if cause is not None and str(cause).strip() and str(cause) not in reason:
+            reason += f" ({str(cause).strip()})"
+        raise ConfigLoadError(f"{path}: could not compose the config: {reason}") from err
+
+
+def _compose(path: Path, overrides: Sequence[str]) -> Any:
     from hydra import compose, initialize_config_dir
 
     from nemo_fp8_align.nemo.structured import register_configs
 
     register_configs()
-    try:
-        with warnings.catch_warnings(), \
-                initialize_config_dir(config_dir=str(path.resolve().parent), version_base=None):
-            # Launcher YAMLs name /opt/NeMo/... in hydra.searchpath; absent here, and not needed.
-            warnings.filterwarnings("ignore", message="provider=hydra.searchpath")
-            return compose(config_name=path.stem, overrides=list(overrides))
-    except Exception as err:  # noqa: BLE001 - Hydra, OmegaConf and YAML errors: report them all
-        reason = str(err).strip() or type(err).__name__
-        cause = err.__cause__
-        if cause is not None and str(cause).strip() and str(cause) not in reason:
-            reason += f" ({str(cause).strip()})"
-        hints = "".join(f"\n{hint}" for hint in _block_key_hints(overrides))
-        raise ConfigLoadError(f"{path}: could not compose the config: {reason}{hints}") from err
+    with warnings.catch_warnings(), \
+            initialize_config_dir(config_dir=str(path.resolve().parent), version_base=None):
+        # Launcher YAMLs name /opt/NeMo/... in hydra.searchpath; absent here, and not needed.
+        warnings.filterwarnings("ignore", message="provider=hydra.searchpath")
+        return compose(config_name=path.stem, overrides=list(overrides))
 
 
-def _block_key_hints(overrides: Sequence[str]) -> List[str]:
-    """"did you mean" for overrides that misspell a key of the plugin block."""
+def _override_key_hints(path: Path, overrides: Sequence[str]) -> List[str]:
+    """One line per plain ``key=value`` override whose key the YAML lacks."""
+    from omegaconf import DictConfig, OmegaConf
+
     from nemo_fp8_align.nemo.structured import BLOCK_KEY, block_fields
 
-    prefix = f"model.{BLOCK_KEY}."
-    fields = list(block_fields())
+    try:
+        base = _compose(path, ())
+    except Exception:  # noqa: BLE001 - the YAML itself does not compose: Hydra's reason stands
+        return []
     hints = []
     for override in overrides:
-        key = override.lstrip("+~").split("=", 1)[0]
-        name = key[len(prefix):] if key.startswith(prefix) else None
-        if name is None or name in fields:
+        key, sep, value = override.partition("=")
+        if override.startswith(("+", "~")) or not sep:
             continue
-        close = difflib.get_close_matches(name, fields, n=1, cutoff=0.6)
-        hint = f"did you mean '{close[0]}'?" if close else "known keys: " + ", ".join(fields)
-        hints.append(f"{key}: no such key in the plugin block; {hint}")
+        missing = object()
+        if OmegaConf.select(base, key, default=missing,
+                            throw_on_resolution_failure=False) is not missing:
+            continue
+        parent, _, leaf = key.rpartition(".")
+        node = OmegaConf.select(base, parent, default=None,
+                                throw_on_resolution_failure=False) if parent else base
+        names = [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
+        if parent == f"model.{BLOCK_KEY}" and not names:
+            names = list(block_fields())
+        close = difflib.get_close_matches(leaf, names, n=1, cutoff=0.8)
+        where = f"{parent}." if parent else ""
+        if close:
+            hints.append(f"{override}: {path.name} has no key {key}; did you mean "
+                         f"{where}{close[0]}? (fix: {where}{close[0]}={value})")
+        else:
+            hints.append(f"{override}: {path.name} has no key {key}, and none spelt like it; "
+                         f"if NeMo reads such a key, add it with +{key}={value}, otherwise "
+                         "check the spelling against the YAML")
     return hints
 
 
@@ -100,16 +132,25 @@ def run_check(args: argparse.Namespace, *, out: Optional[TextIO] = None,
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
     path = Path(args.config)
+    problem = _argument_problem(args) or missing_dependency("check", CHECK_NEEDS)
+    if problem is not None:
+        print(f"error: {problem}", file=err)
+        return EXIT_INVALID
     try:
         cfg = load_config(path, args.overrides)
     except ConfigLoadError as error:
         print(f"error: {error}", file=err)
         return EXIT_INVALID
+    if len(cfg) == 0:
+        print(f"error: {path}: the file holds no settings; expected a NeMo training config "
+              "with trainer: and model:", file=err)
+        return EXIT_INVALID
 
     from nemo_fp8_align.nemo.check import (FP8AlignConfigError, align_config_from,
                                            data_parallel_size_of, find_violations)
 
-    violations = find_violations(cfg, data_parallel_size=args.data_parallel_size)
+    violations = find_violations(cfg, data_parallel_size=args.data_parallel_size,
+                                 data_parallel_name=DP_FLAG)
     if violations:
         print(f"{path}: {FP8AlignConfigError(violations)}", file=err)
         return EXIT_INVALID
@@ -123,6 +164,15 @@ def run_check(args: argparse.Namespace, *, out: Optional[TextIO] = None,
         state = f"policy={align.policy.value}"
     print(f"{path}: OK ({state})", file=out)
     return EXIT_OK
+
+
+def _argument_problem(args: argparse.Namespace) -> Optional[str]:
+    dp = args.data_parallel_size
+    if dp is not None and dp < 1:
+        return (f"{DP_FLAG} {dp}: the data-parallel size must be an int >= 1 (the number of "
+                f"data-parallel replicas); pass e.g. {DP_FLAG} 1, or leave the flag out to "
+                "derive it from trainer.devices * trainer.num_nodes / (TP * PP * CP)")
+    return None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
