@@ -83,12 +83,12 @@ def _check_collectives(rank: int, port: int) -> None:
     dist.barrier()
     # point-to-point: both ranks post their send before their receive (batch_isend_irecv)
     send = torch.full((3,), float(rank + 5))
-    recv = torch.zeros(3)
+    recv = torch.zeros(3, requires_grad=True)  # as megatron-core's pipeline receives are
     works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, other),
                                     dist.P2POp(dist.irecv, recv, other)])
     for w in works:
         w.wait()
-    assert recv.tolist() == [float(other + 5)] * 3
+    assert recv.tolist() == [float(other + 5)] * 3 and recv.requires_grad
     # coalescing as megatron-core (no device) and Apex (device; the ops' works are dropped)
     outs = [torch.zeros(2), torch.zeros(4)]
     with dist._coalescing_manager(async_ops=True) as cm:

@@ -97,7 +97,10 @@ class _StagedWork(dist.Work):
             for work in self._works:
                 work.wait()
             if self._finish is not None:
-                self._finish()
+                # Receive buffers may be leaves that require grad (megatron-core's pipeline
+                # receives are): the copy back is data movement, not an autograd operation.
+                with torch.no_grad():
+                    self._finish()
             self._done = True
         return True
 
