@@ -146,14 +146,24 @@ def rule_layer_split(ctx: CheckContext) -> None:
     if error is None:
         return
     key, why = error
-    if key == "num_layers":
-        ctx.model.add("num_layers", layers, why,
-                      _num_layers_fix(layers, pp, vp, first, last, emb, loss))
-    elif key == _LAST:
+    vp_fix = _vp_fix(layers, pp, vp, first, last, emb, loss) if key == "vp" else None
+    if key == _LAST:
         ctx.model.add(_LAST, last, why, None)
-    else:
-        ctx.model.add("virtual_pipeline_model_parallel_size", vp, why,
-                      _vp_fix(layers, pp, vp, first, last, emb, loss))
+    elif vp_fix is not None:
+        ctx.model.add("virtual_pipeline_model_parallel_size", vp, why, vp_fix)
+    else:  # no VP fits these layers: the layer count is what to change
+        fix = _num_layers_fix(layers, pp, vp, first, last, emb, loss)
+        if fix is None and vp and emb != loss:
+            # num_layers + 1 = k * PP * VP makes (num_layers // PP) % VP = VP - 1, always: NeMo
+            # 2.3.3 rejects every layer count with exactly one account_for_* flag and VP >= 2.
+            on, off = (_EMB, _LOSS) if emb else (_LOSS, _EMB)
+            why += (f"; with only {on} set and VP >= 2 no num_layers passes both megatron-core's "
+                    "split and NeMo's assertion")
+            fix = f"+model.{off}=True (then num_layers + 2 a multiple of PP * VP), or model.{on}=False"
+        ctx.model.add("num_layers", layers, why.replace("a divisor of", "layers where VP "
+                      f"= {vp} divides", 1) if key == "vp" else why,
+                      fix if fix is not None else "<a num_layers that splits evenly>",
+                      fix=fix if isinstance(fix, str) else None)
 
 
 def layer_split_error(layers: int, pp: int, vp: Optional[int], first: Optional[int],
@@ -217,19 +227,19 @@ def _split(ctx: CheckContext) -> Optional[Tuple[Any, ...]]:
 
 def _num_layers_fix(layers: int, pp: int, vp: Optional[int], *rest: Any) -> Any:
     return _first_valid(range(layers + 1, layers + 1 + 4 * pp * (vp or 1)),
-                        lambda n: layer_split_error(n, pp, vp, *rest) is None,
-                        "<a num_layers that splits evenly>")
+                        lambda n: layer_split_error(n, pp, vp, *rest) is None, None)
 
 
-def _vp_fix(layers: int, pp: int, vp: Optional[int], *rest: Any) -> Any:
+def _vp_fix(layers: int, pp: int, vp: Optional[int], *rest: Any) -> Optional[int]:
+    """The VP >= 2 nearest the current one that splits these layers, or None."""
     per_rank = max(layers // pp, 1)
     candidates = sorted(divisors(per_rank), key=lambda d: (abs(d - (vp or 2)), d))
-    return _first_valid([d for d in candidates if d >= 2],
-                        lambda d: layer_split_error(layers, pp, d, *rest) is None,
-                        f"<a divisor of {per_rank}, or change num_layers>")
+    found = _first_valid([d for d in candidates if d >= 2],
+                         lambda d: layer_split_error(layers, pp, d, *rest) is None, None)
+    return found
 
 
-def _first_valid(candidates: Any, ok: Callable[[Any], bool], otherwise: str) -> Any:
+def _first_valid(candidates: Any, ok: Callable[[Any], bool], otherwise: Any) -> Any:
     for count, candidate in enumerate(candidates):
         if count >= 10_000:
             break  # huge sizes: do not search forever for a suggestion
