@@ -1,6 +1,6 @@
 """A model of megatron-core's interleaved 1F1B schedule: where each chunk's transposes go.
 
-Names follow DESIGN.md §2: PP pipeline ranks, C (= VP) model chunks per rank, M microbatches per
+Names: PP pipeline ranks, C (= VP) model chunks per rank, M microbatches per
 step, N = ``microbatch_group_size_per_vp_stage``. A *virtual microbatch id* v numbers a rank's
 forward passes in a step, 0 .. M*C-1; every rank runs them in the same order and, in warm-up,
 rank r runs forward v at wall-clock slot about v + r.

@@ -102,7 +102,8 @@ class ReferenceFP8Weight:
         if not self.transpose_valid:
             raise RuntimeError(
                 f"FP8 weight {self.name!r}: transpose cache used while stale. Something "
-                "invalidated it between its build and this backward (DESIGN.md invariant 4)."
+                "invalidated it between its build and this backward (a transpose must stay "
+                "valid from its build to the step's last backward)."
             )
         return self.transpose.float() * self.scale_inv
 

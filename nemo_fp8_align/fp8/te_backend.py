@@ -2,7 +2,7 @@
 
 Builds the transpose cache that Hopper-class GPUs need for the backward data-gradient GEMM
 (FP8 GEMMs there accept only the TN layout), through the API of the installed TE version
-(DESIGN.md section 3c; names checked against TE's public source at the tags v1.6 ... v2.18 and
+(names checked against TE's public source at the tags v1.6 ... v2.18 and
 main):
 
 ================  ==============================================================================
@@ -74,7 +74,7 @@ TE_INSTALL_HINT = (
     "nemo_fp8_align.fp8.reference.ReferenceBackend."
 )
 
-#: API generations (DESIGN.md section 3c).
+#: API generations.
 GEN_1_6 = "1.6"  # _reset_caches() + transpose_2d(cache=True)
 GEN_1_8 = "1.8"  # transpose_2d(force_compute=True, fill_cache=True)
 GEN_2_0 = "2.0"  # _create_transpose()

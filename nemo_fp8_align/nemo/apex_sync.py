@@ -12,7 +12,7 @@ SYNCING buckets become READY). The gathered values reach a parameter only throug
 ``_param_copy_fragments`` writes the bytes into ``Float8Tensor._data`` and then resets the
 transpose cache.
 
-What this means at a chunk's aligned slot (DESIGN.md §3a), and what :meth:`finish` does:
+What this means at a chunk's aligned slot, and what :meth:`finish` does:
 
 * chunk c < C-1: the schedule has just launched chunk c+1, which finished chunk c's all-gather:
   c's buckets are READY. Copy them now (no collective, no wait) and clear the hook flags, so no
