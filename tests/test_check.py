@@ -15,7 +15,7 @@ from nemo_fp8_align.nemo.check import (FP8AlignConfigError, Violation, align_con
 
 
 def seed_config(**model_overrides):
-    """The seed's settings plus DESIGN.md §5: PP=4, VP=2, 8 GPUs (DP=2), M = 16 / 2 = 8."""
+    """The seed's settings plus the design example: PP=4, VP=2, 8 GPUs (DP=2), M = 16 / 2 = 8."""
     cfg = OmegaConf.create({
         "trainer": {"devices": 8, "num_nodes": 1, "precision": "bf16"},
         "model": {
