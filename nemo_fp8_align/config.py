@@ -41,6 +41,10 @@ class AlignConfig:
         te_kernel_writes_transpose: let the Triton kernel write straight into Transformer
             Engine's ``Float8Tensor._transpose`` buffers. Off until verified on real TE:
             otherwise TE's own API builds TE transposes.
+        verify_every_n_steps: verify mode. Every this many training steps, each FP8 weight's
+            cached transpose is compared byte for byte with its current FP8 data at the chunk's
+            first use; a mismatch raises, naming the step, chunk and weight. ``0`` (the
+            default) turns it off: it costs a read of every weight.
     """
 
     enabled: bool = True
@@ -48,6 +52,7 @@ class AlignConfig:
     telemetry_path: Optional[str] = None
     use_triton_kernel: bool = True
     te_kernel_writes_transpose: bool = False
+    verify_every_n_steps: int = 0
 
     def __post_init__(self) -> None:
         # Frozen dataclass: normalise a string policy once, here, so every reader sees the enum.
@@ -60,6 +65,11 @@ class AlignConfig:
                     f"fp8_transpose_align.policy={self.policy!r} is not a policy. "
                     f"Use one of: {choices} (e.g. fp8_transpose_align.policy=aligned)."
                 ) from None
+        n = self.verify_every_n_steps
+        if type(n) is not int or n < 0:
+            raise ValueError(
+                f"fp8_transpose_align.verify_every_n_steps={n!r}: expected an integer >= 0 "
+                "(0 turns verify mode off, e.g. fp8_transpose_align.verify_every_n_steps=100).")
 
     @property
     def active(self) -> bool:

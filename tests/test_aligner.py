@@ -365,3 +365,32 @@ def test_inside_cuda_graph_capture_counts_but_refuses_work(monkeypatch):
     with pytest.raises(RuntimeError, match="inside a CUDA-graph capture"):
         r.chunks[1](torch.ones(1))  # forward 2: chunk 1's slot
     assert r.aligner._vmid == 3  # the count stayed consistent with the schedule
+
+
+class VerifyingBackend(FakeBackend):
+    def transpose_mismatch(self, w):
+        return None if w.valid and not getattr(w, "corrupt", False) else "bytes differ"
+
+
+@pytest.mark.parametrize("policy", [Policy.ALIGNED, Policy.LAZY])
+def test_verify_mode_names_step_chunk_and_weight(policy):
+    from nemo_fp8_align.engine.aligner import TransposeVerifyError
+
+    r = make_rank(pp=2, vp=2, m=2, rank=1, policy=policy)
+    r.aligner = TransposeAligner(r.chunks, schedule=r.schedule, pp_rank=1, dp_rank=0,
+                                 param_sync=r.sync, weights=r.weights, backend=VerifyingBackend(),
+                                 config=AlignConfig(policy=policy, verify_every_n_steps=2))
+    for chunk in r.chunks:
+        chunk.backend = r.aligner.backend
+    r.aligner.attach(r.config)
+    run_training_step(r)  # step 0 verified, all good
+    r.weights[1][1].corrupt = True
+    run_training_step(r)  # step 1 is not a verify step
+    with pytest.raises(TransposeVerifyError, match="step 2, pipeline rank 1, model chunk 1, "
+                                                   "FP8 weight #1: bytes differ"):
+        run_training_step(r)
+
+
+def test_verify_every_n_steps_must_be_a_non_negative_int():
+    with pytest.raises(ValueError, match="verify_every_n_steps=-1"):
+        AlignConfig(verify_every_n_steps=-1)

@@ -93,3 +93,20 @@ def test_provenance_check_can_be_turned_off_for_timing():
     with torch.no_grad():
         lin.weight.add_(0.5)
     lin(torch.randn(2, 6, requires_grad=True)).sum().backward()  # stale, but not checked
+
+
+def test_verify_mode_reference_backend_compares_bytes_and_provenance():
+    backend = ReferenceBackend()
+    lin = ReferenceFP8Linear(6, 4, backend=backend, name="lin")
+    w = lin.fp8_weight
+    assert backend.transpose_mismatch(w) == "transpose cache invalid"
+    backend.build_transposes([w])
+    assert backend.transpose_mismatch(w) is None
+    w.transpose.view(torch.uint8)[0, 0] ^= 1
+    assert "differ" in backend.transpose_mismatch(w)
+    backend.build_transposes([w])  # still marked valid: nothing rebuilt
+    w.transpose_valid = False
+    backend.build_transposes([w])
+    with torch.no_grad():
+        lin.weight.add_(1.0)
+    assert "not the current ones" in backend.transpose_mismatch(w)

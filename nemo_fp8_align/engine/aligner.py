@@ -35,13 +35,17 @@ from nemo_fp8_align.engine.schedule import AT_START, InterleavedSchedule
 from nemo_fp8_align.engine.telemetry import TelemetryWriter, TransposeRecord
 from nemo_fp8_align.fp8.protocol import FP8TransposeBackend
 
-__all__ = ["ChunkParamSync", "StepMismatchError", "TransposeAligner"]
+__all__ = ["ChunkParamSync", "StepMismatchError", "TransposeAligner", "TransposeVerifyError"]
 
 logger = logging.getLogger(__name__)
 
 
 class StepMismatchError(RuntimeError):
     """The running step differs from the schedule the aligner planned (raised on every rank)."""
+
+
+class TransposeVerifyError(RuntimeError):
+    """Verify mode found a cached transpose that does not match its weight's bytes."""
 
 
 class ChunkParamSync(Protocol):
@@ -281,6 +285,7 @@ class TransposeAligner:
                 self._handle(chunk, vmid)
             if chunk in self._pending:
                 self._emit(chunk, t_first_use=self._clock(), **self._pending.pop(chunk))
+                self._verify(chunk)
         elif chunk not in self._done:  # lazy: remember the cache state before first use
             self._done.add(chunk)
             before = [self.backend.has_valid_transpose(w) for w in self.weights[chunk]]
@@ -304,6 +309,20 @@ class TransposeAligner:
         self._emit(chunk, vmid=vmid, transposed=sum(a and not b for b, a in zip(before, after)),
                    after_all_gather=self.param_sync.finished(chunk), seconds=None,
                    valid=sum(after), t_slot=t_slot, t_done=self._clock(), t_first_use=t_slot)
+        self._verify(chunk)
+
+    def _verify(self, chunk: int) -> None:
+        """Verify mode: at the chunk's first use, every weight's transpose against its bytes."""
+        n = self.config.verify_every_n_steps
+        if not n or self._step % n:
+            return
+        for i, weight in enumerate(self.weights[chunk]):
+            why = self.backend.transpose_mismatch(weight)
+            if why is not None:
+                name = getattr(weight, "name", "") or f"#{i}"
+                raise TransposeVerifyError(
+                    f"nemo_fp8_align verify: step {self._step}, pipeline rank {self.pp_rank}, "
+                    f"model chunk {chunk}, FP8 weight {name}: {why}")
 
     # ------------------------------------------------------------------ the work
     def _handle(self, chunk: int, vmid: int) -> None:

@@ -9,7 +9,7 @@ for the ``lazy`` policy, which only observes).
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence, Tuple, runtime_checkable
+from typing import Any, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 __all__ = ["FP8TransposeBackend"]
 
@@ -41,4 +41,9 @@ class FP8TransposeBackend(Protocol):
         has finished. Returns how many transposes were built (0 when all were already valid,
         e.g. because megatron-core's post-all-gather processing ran first).
         """
+        ...
+
+    def transpose_mismatch(self, weight: Any) -> Optional[str]:
+        """Verify mode: ``None`` when ``weight``'s cached transpose holds exactly the transpose
+        of its current FP8 data, else what differs (reads every byte: not for every step)."""
         ...

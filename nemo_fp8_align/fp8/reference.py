@@ -125,6 +125,15 @@ class ReferenceBackend:
     def has_valid_transpose(self, weight: ReferenceFP8Weight) -> bool:
         return weight.transpose_valid
 
+    def transpose_mismatch(self, weight: ReferenceFP8Weight) -> Optional[str]:
+        if not weight.transpose_valid:
+            return "transpose cache invalid"
+        if not torch.equal(weight.transpose.view(torch.uint8), weight.data.view(torch.uint8).t()):
+            return "transpose bytes differ from the FP8 data transposed"
+        if weight.transpose_source != bytes_digest(weight.source):
+            return "built from parameter bytes that are not the current ones"
+        return None
+
     def build_transposes(self, weights: Sequence[ReferenceFP8Weight]) -> int:
         stale = [w for w in weights if not w.transpose_valid]
         for w in stale:

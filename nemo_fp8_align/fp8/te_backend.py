@@ -307,6 +307,18 @@ class TEBackend:
             return False
         return not bool(self._peek(weight, "_transpose_invalid", True))
 
+    def transpose_mismatch(self, weight: Any) -> Optional[str]:
+        """Verify mode: ``_transpose`` against ``_data`` transposed, byte for byte."""
+        if not self.has_valid_transpose(weight):
+            return "transpose cache invalid"
+        data, t = self._peek(weight, "_data"), self._peek(weight, "_transpose")
+        data = data.reshape(-1, data.shape[-1]) if data.dim() != 2 else data
+        if tuple(t.shape) != (data.shape[1], data.shape[0]):
+            return f"transpose shape {tuple(t.shape)} for data {tuple(data.shape)}"
+        if not torch.equal(t.view(torch.uint8), data.view(torch.uint8).t()):
+            return "transpose bytes differ from the FP8 data transposed"
+        return None
+
     def build_transposes(self, weights: Sequence[Any]) -> int:
         """Build the transposes that are missing or invalid; return how many were built.
 
