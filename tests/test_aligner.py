@@ -394,3 +394,41 @@ def test_verify_mode_names_step_chunk_and_weight(policy):
 def test_verify_every_n_steps_must_be_a_non_negative_int():
     with pytest.raises(ValueError, match="verify_every_n_steps=-1"):
         AlignConfig(verify_every_n_steps=-1)
+
+
+def test_step_without_launches_is_counted_not_misjudged(caplog):
+    """Megatron-LM's first iteration after a checkpoint load: param_sync_func=None, forwards
+    with gradients. Nothing is built early, nothing recorded, the forwards are counted; the
+    next launched step is aligned as usual."""
+    r = make_rank(pp=2, vp=2, m=2, rank=1)
+    r.aligner.attach(r.config)
+    wrapped, r.config.param_sync_func = r.config.param_sync_func, None
+    with caplog.at_level(logging.WARNING):
+        for v in range(r.schedule.total):
+            r.chunks[r.schedule.chunk_of(v)](torch.ones(1))
+    assert r.aligner.unlaunched_forwards == 4 and r.aligner.records == []
+    assert "after a checkpoint load" in caplog.text
+    assert all(w.builds == 1 for ws in r.weights for w in ws)  # built at first use
+    for ws in r.weights:
+        for w in ws:
+            w.valid = False
+    r.config.param_sync_func = wrapped
+    run_training_step(r)
+    assert [rec.slot for rec in r.aligner.records] == [0, 2]
+
+
+def test_foreign_module_forwards_are_not_chunk_forwards():
+    """A module that is not a model chunk (a reference model, a probe) runs between steps and
+    between the step's launches and its first forward: the count is untouched."""
+    r = make_rank(pp=2, vp=2, m=2, rank=1)
+    foreign = torch.nn.Linear(1, 1)
+    r.aligner.attach(r.config)
+    foreign(torch.ones(1))
+    run_training_step(r)
+    r.config.param_sync_func[0]()
+    r.config.param_sync_func[1]()
+    foreign(torch.ones(1))  # e.g. a reference model's forward inside the step
+    for v in range(r.schedule.total):
+        r.chunks[r.schedule.chunk_of(v)](torch.ones(1))
+        foreign(torch.ones(1))
+    assert [rec.slot for rec in r.aligner.records] == [0, 2, 0, 2]

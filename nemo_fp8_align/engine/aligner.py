@@ -119,6 +119,9 @@ class TransposeAligner:
         self._pending: Dict[int, Dict[str, Any]] = {}  # aligned records awaiting first use
         self._observing: Dict[int, tuple] = {}  # lazy: (valid before, t) of a first forward
         self._launched: Dict[int, float] = {}
+        #: Training forwards that ran with no step opened by the schedule's launches
+        #: (``param_sync_func`` None: Megatron-LM's first iteration after a checkpoint load).
+        self.unlaunched_forwards = 0
 
     def _plan(self, schedule: InterleavedSchedule) -> None:
         self.schedule = schedule
@@ -259,6 +262,7 @@ class TransposeAligner:
 
     def _pre_forward(self, chunk: int, module: torch.nn.Module, args: Any) -> None:
         if not self._training_forward():
+            self._note_unlaunched()
             return
         vmid = self._vmid
         if vmid >= self.schedule.total:
@@ -290,6 +294,21 @@ class TransposeAligner:
             self._done.add(chunk)
             before = [self.backend.has_valid_transpose(w) for w in self.weights[chunk]]
             self._observing[chunk] = (vmid, before, self._clock())
+
+    def _note_unlaunched(self) -> None:
+        """A forward with gradients but no open step: a training step whose all-gathers the
+        schedule did not launch (after a checkpoint load Megatron-LM runs one with the DDP
+        pre-hooks off and ``param_sync_func=None``). Its transposes are built at first use, as
+        without the plugin; it is counted and reported, not judged as a misaligned step."""
+        launching = self._model_config is None or self._model_config.param_sync_func is not None
+        if self._vmid is not None or launching or not torch.is_grad_enabled():
+            return
+        if self.unlaunched_forwards == 0:
+            logger.warning("nemo_fp8_align: training forwards without the schedule's all-gather "
+                           "launches (config.param_sync_func is None, as in Megatron-LM's first "
+                           "iteration after a checkpoint load): their FP8 transposes are built at "
+                           "first use; alignment resumes at the next launched step")
+        self.unlaunched_forwards += 1
 
     def _refuse_inside_capture(self, vmid: int) -> None:
         """Never act inside a CUDA-graph capture: a captured transpose would replay on old

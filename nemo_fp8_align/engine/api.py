@@ -45,6 +45,19 @@ def telemetry_writer(path: Optional[str]) -> Optional[TelemetryWriter]:
     return TelemetryWriter(path.replace("{rank}", str(rank)))
 
 
+def _refuse_unsupported_ddp(model: Sequence[torch.nn.Module]) -> None:
+    ddp_config = getattr(model[0], "ddp_config", None)
+    if getattr(ddp_config, "overlap_param_gather_with_optimizer_step", False):
+        # Chunk 0's all-gather is then dispatched by the optimizer step, not by the schedule's
+        # pre-loop launch that opens the aligner's step; the CUDA-graph setups that use it
+        # capture the whole step. Neither has been run with the plugin.
+        raise ValueError(
+            "DistributedDataParallelConfig(overlap_param_gather_with_optimizer_step=True) is "
+            "not supported by nemo_fp8_align: chunk 0's all-gather is launched by the optimizer "
+            "step instead of the schedule. Set overlap_param_gather_with_optimizer_step=False, "
+            "or do not attach the plugin (policy=off).")
+
+
 def align_fp8_transposes(
     model: Sequence[torch.nn.Module], *, num_microbatches: Union[int, Callable[[], int]],
     backend: FP8TransposeBackend,
@@ -66,6 +79,7 @@ def align_fp8_transposes(
     """
     from megatron.core import parallel_state  # optional dependency: imported on use
 
+    _refuse_unsupported_ddp(model)
     config = config if config is not None else model[0].config
     if pp_rank is None:
         pp_rank = parallel_state.get_pipeline_model_parallel_rank()
