@@ -97,7 +97,7 @@ ROWS: List[Tuple[str, Callable[[], Any], Optional[Any], Expected]] = [
        "model.virtual_pipeline_model_parallel_size=3")]),
     ("embedding-stage-nemo-chunk-assertion", seed(num_layers=15,
                                                   account_for_embedding_in_pipeline_split=True),
-     None, [("model.num_layers", "+model.account_for_loss_in_pipeline_split=True (then "
+     None, [("model.num_layers", "++model.account_for_loss_in_pipeline_split=True (then "
              "num_layers + 2 a multiple of PP * VP), or "
              "model.account_for_embedding_in_pipeline_split=False")]),
     ("both-account-flags-not-divisible", seed(num_layers=15,
@@ -121,7 +121,8 @@ ROWS: List[Tuple[str, Callable[[], Any], Optional[Any], Expected]] = [
        "model.num_layers_in_first_pipeline_stage=null")]),
     ("layout-not-in-nemo-2.3.3", seed(pipeline_model_parallel_layout="Et*2|t*2|t*2|t*2L"), None,
      [("model.pipeline_model_parallel_layout", "~model.pipeline_model_parallel_layout")]),
-    ("num-layers-string", seed(num_layers="16"), None, [("model.num_layers", "model.num_layers=16")]),
+    ("num-layers-string", seed(num_layers="16"), None,
+     [("model.num_layers", "model.num_layers=16")]),
     ("num-layers-huge-no-hang", seed(num_layers=10**9 + 7), None,
      [("model.num_layers", "model.num_layers=1000000008")]),
     # --- precision -----------------------------------------------------------------------------
@@ -241,6 +242,13 @@ ROWS: List[Tuple[str, Callable[[], Any], Optional[Any], Expected]] = [
      [("model.fp8", "model.fp8=True"), ("model.fp8_params", "+model.fp8_params=True"),
       ("model.optim.align_param_gather", "+model.optim.align_param_gather=True")]),
     ("launcher-gpt3-175b-enabled", upstream("launcher/gpt3_175b.yaml", *ENABLE_MCORE), None, []),
+    # The launcher's whole config, with the training YAML under training: (as it composes it).
+    ("launcher-main-config-with-training", lambda: OmegaConf.create(
+        {"base_results_dir": "/results", "training": upstream("launcher/gpt3_175b.yaml")()}),
+     None, [("model.fp8", "model.fp8=True"), ("model.fp8_params", "+model.fp8_params=True"),
+            ("model.optim.align_param_gather", "+model.optim.align_param_gather=True")]),
+    ("expert-tp-size-zero", seed(expert_tensor_parallel_size=0), None,
+     [("model.expert_tensor_parallel_size", "model.expert_tensor_parallel_size=null")]),
     ("launcher-gpt3-175b-127-nodes", upstream("launcher/gpt3_175b.yaml", *ENABLE_MCORE,
                                               "trainer.num_nodes=127"), None,
      [("trainer.num_nodes", "trainer.num_nodes=128")]),

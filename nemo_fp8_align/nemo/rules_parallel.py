@@ -159,11 +159,14 @@ def rule_layer_split(ctx: CheckContext) -> None:
             on, off = (_EMB, _LOSS) if emb else (_LOSS, _EMB)
             why += (f"; with only {on} set and VP >= 2 no num_layers passes both megatron-core's "
                     "split and NeMo's assertion")
-            fix = f"+model.{off}=True (then num_layers + 2 a multiple of PP * VP), or model.{on}=False"
-        ctx.model.add("num_layers", layers, why.replace("a divisor of", "layers where VP "
-                      f"= {vp} divides", 1) if key == "vp" else why,
-                      fix if fix is not None else "<a num_layers that splits evenly>",
-                      fix=fix if isinstance(fix, str) else None)
+            fix = (f"++model.{off}=True (then num_layers + 2 a multiple of PP * VP), or "
+                   f"model.{on}=False")
+        if key == "vp":
+            why = why.replace("a divisor of", f"layers where VP = {vp} divides", 1)
+        if fix is None:
+            fix = "<a num_layers that splits evenly>"
+        ctx.model.add("num_layers", layers, why, fix,
+                      fix=fix if isinstance(fix, str) and fix.startswith("++") else None)
 
 
 def layer_split_error(layers: int, pp: int, vp: Optional[int], first: Optional[int],
