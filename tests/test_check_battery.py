@@ -149,9 +149,9 @@ ROWS: List[Tuple[str, Callable[[], Any], Optional[Any], Expected]] = [
      [("model.expert_model_parallel_size", "model.expert_model_parallel_size=2")]),
     # --- world size and data-parallel size ----------------------------------------------------
     ("devices-zero", seed(trainer__devices=0), None,
-     [("trainer.devices", "trainer.devices=8 (the GPUs per node)")]),
+     [("trainer.devices", "trainer.devices=8")]),
     ("devices-negative", seed(trainer__devices=-2), None,
-     [("trainer.devices", "trainer.devices=8 (the GPUs per node)")]),
+     [("trainer.devices", "trainer.devices=8")]),
     ("num-nodes-zero", seed(trainer__num_nodes=0), None,
      [("trainer.num_nodes", "trainer.num_nodes=1")]),
     ("num-nodes-string", seed(trainer__num_nodes="two"), None,
@@ -233,7 +233,7 @@ ROWS: List[Tuple[str, Callable[[], Any], Optional[Any], Expected]] = [
       ("model.fp8", "model.fp8=True"),
       ("model.optim.overlap_grad_sync", "model.optim.overlap_grad_sync=True"),
       ("trainer.precision", "trainer.precision=bf16-mixed"),
-      ("trainer.devices", "trainer.devices=8 (the GPUs per node)"),
+      ("trainer.devices", "trainer.devices=8"),
       ("data_parallel_size", "data_parallel_size 1, or leave it out to derive it from "
        "trainer.devices * trainer.num_nodes / (TP * PP * CP)"),
       ("model.global_batch_size", "model.global_batch_size=1")]),

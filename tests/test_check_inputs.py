@@ -74,7 +74,7 @@ ROWS = [
     (["check", LAUNCHER, "trainer.num_nodes=0"], ["trainer.num_nodes: found 0",
                                                    "fix: trainer.num_nodes=1"]),
     (["check", LAUNCHER, "trainer.devices=-3"], ["trainer.devices: found -3",
-                                                  "fix: trainer.devices=8 (the GPUs per node)"]),
+                                                  "fix: trainer.devices=8"]),
     (["check", FP8_ALIGN, "model.fp8_parms=True"],
      ["model.fp8_parms=True:", "did you mean model.fp8_params?", "fix: model.fp8_params=True"]),
     (["check", FP8_ALIGN, "trainer.num_node=2"],

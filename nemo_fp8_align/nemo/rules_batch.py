@@ -30,9 +30,8 @@ def rule_trainer_devices(ctx: CheckContext) -> None:
     devices = ctx.trainer.get("devices")
     unknown_ok = devices is ABSENT or devices == -1 or devices == "auto" or devices == "-1"
     if not unknown_ok and ctx.devices() is None:
-        ctx.trainer.add("devices", devices, "an int >= 1 (devices per node), -1 or 'auto' (all "
-                        "of them), or a list of device ids", fix="trainer.devices=8 (the GPUs "
-                        "per node)")
+        ctx.trainer.add("devices", devices, "an int >= 1 (the GPUs per node, e.g. 8), -1 or "
+                        "'auto' (all of them), or a list of device ids", 8)
     ctx.trainer.int_at_least("num_nodes", 1, "nodes in the job", default=1)
 
 
