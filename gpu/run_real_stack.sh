@@ -1,0 +1,67 @@
+#!/bin/bash
+# One device call (see benchmarks/results/real_stack_h200.md): install Transformer Engine 2.20.2
+# (its core library with only the sm_90 cubins kept, gpu/strip_fatbin.py, so all of TE travels
+# in one call), megatron-core 0.16.1 and nemo_toolkit 2.3.3 from .h200/ (carried); build TE's
+# PyTorch extension and Apex's three extensions side by side; run the real-stack harnesses.
+# Usage (repo root, .h200 carried): bash gpu/run_real_stack.sh [mcore|apex|all] ; logs under $OUT
+set -o pipefail
+export PYTHONUNBUFFERED=1 NVTE_ALLOW_NONDETERMINISTIC_ALGO=0
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/rs
+REPO=$PWD; H=$REPO/.h200; T0=$(date +%s); WHAT=${1:-all}
+el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+  "$H"/tecore/*.whl "$H"/transformer_engine-2.20.2-py3-none-any.whl "$H"/megatron_core-*.whl \
+  "$H"/nemo_toolkit-*.whl || exit 1
+gunzip -c "$H"/libte_sm90.so.gz > /tmp/site/transformer_engine/wheel_lib/libtransformer_engine.so
+echo "libtransformer_engine.so sha256 want $(cat "$H"/libte_sm90.sha256)"
+echo "libtransformer_engine.so sha256 got  $(sha256sum /tmp/site/transformer_engine/wheel_lib/libtransformer_engine.so | cut -c1-64)"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site3 "$H"/pydantic-*.whl \
+  "$H"/pydantic_core-*.whl "$H"/annotated_types-*.whl "$H"/typing_inspection-*.whl \
+  "$H"/hydra_core-*.whl "$H"/omegaconf-*.whl "$H"/antlr4_python3_runtime-*.whl "$H"/wget-*.whl
+(mkdir -p /tmp/tebuild && tar xzf "$H"/transformer_engine_torch-2.20.2.tar.gz -C /tmp/tebuild &&
+ cd /tmp/tebuild/transformer_engine_torch-2.20.2 &&
+ PYTHONPATH=/tmp/site MAX_JOBS=$([ "$WHAT" = mcore ] && echo 16 || echo 10) NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_FRAMEWORK=pytorch \
+   python3 -m pip install --no-index --no-deps --no-build-isolation --target /tmp/site2 . &&
+ cp /tmp/site2/transformer_engine/wheel_lib/transformer_engine_torch.cpython-312-x86_64-linux-gnu.so \
+   /tmp/site/transformer_engine/wheel_lib/ && echo TE_BUILD_OK) > /tmp/te_build.log 2>&1 &
+TE_PID=$!
+[ "$WHAT" != mcore ] && (mkdir -p /tmp/apex && tar xzf "$H"/apex-src.tar.gz -C /tmp/apex && cp "$H"/apex_setup_min.py /tmp/apex/ &&
+ cd /tmp/apex && TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=6 python3 apex_setup_min.py build_ext --inplace &&
+ echo APEX_BUILD_OK) > /tmp/apex_build.log 2>&1 &
+APEX_PID=$!
+wait $TE_PID; el "TE extension build rc=$?"; tail -2 /tmp/te_build.log
+export PYTHONPATH=/tmp/site:/tmp/site3:$REPO
+python3 -c "import torch, transformer_engine as t, transformer_engine.pytorch, megatron.core as m; print('torch', torch.__version__, 'TE', t.__version__, 'megatron-core', m.__version__, torch.cuda.get_device_name(0))" 2>&1 | tail -2
+run() {  # name, timeout, command...
+  local name=$1 limit=$2; shift 2
+  el "start $name"
+  timeout "$limit" "$@" --out /tmp/rs/"$name" > /tmp/rs/"$name".log 2>&1; local rc=$?
+  grep -E "^\[(PASS|FAIL)\]|^SUMMARY|^losses|ranks failed" /tmp/rs/"$name".log | cut -c1-600
+  el "end $name rc=$rc"
+  cp /tmp/te_build.log /tmp/apex_build.log /tmp/rs/ 2>/dev/null
+  tar czf "$OUT"/real_stack.tar.gz -C /tmp rs  # what comes back even if the call is cut short
+}
+left() { [ $(( $(date +%s) - T0 )) -lt "$1" ]; }  # true while fewer than $1 s have passed
+apex_ready() {
+  [ -n "$APEX_READY" ] && return 0
+  wait $APEX_PID; el "apex build rc=$?"; tail -2 /tmp/apex_build.log
+  export PYTHONPATH=/tmp/site:/tmp/site3:/tmp/apex:$REPO
+  python3 -c "from nemo.core.optim.distributed_adam import MegatronDistributedFusedAdam; print('NeMo MegatronDistributedFusedAdam imports')" > /tmp/rs/nemo_import.log 2>&1
+  tail -4 /tmp/rs/nemo_import.log | cut -c1-400; APEX_READY=1
+}
+if [ "$WHAT" != apex ]; then
+  run mcore_dp2_delayed 150 python3 gpu/real_stack_mcore.py --dp 2 --recipe delayed
+  left 480 && run mcore_dp2_tensorwise 120 python3 gpu/real_stack_mcore.py --dp 2 --recipe tensorwise
+fi
+if [ "$WHAT" != mcore ]; then
+  apex_ready
+  left 450 && run apex_dp2_delayed 140 python3 gpu/real_stack_apex.py --dp 2 --recipe delayed
+fi
+if [ "$WHAT" != apex ]; then
+  left 480 && run mcore_dp1_delayed 100 python3 gpu/real_stack_mcore.py --dp 1 --recipe delayed
+  left 500 && run mcore_dp1_tensorwise 80 python3 gpu/real_stack_mcore.py --dp 1 --recipe tensorwise
+fi
+[ "$WHAT" != mcore ] && left 470 && run apex_dp2_tensorwise 110 python3 gpu/real_stack_apex.py --dp 2 --recipe tensorwise
+cp /tmp/te_build.log /tmp/apex_build.log /tmp/rs/ 2>/dev/null
+tar czf "$OUT"/real_stack.tar.gz -C /tmp rs
+el "done"
