@@ -21,6 +21,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     from nemo_fp8_align.plan_cli import add_plan_parser  # pure Python: the timeline model
 
     add_plan_parser(sub)
+    from nemo_fp8_align.report_cli import add_report_parser
+
+    add_report_parser(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -1,0 +1,130 @@
+"""``nemo-fp8-align report``: a demo run's telemetry judged and summarised; broken records
+fail; unreadable input is a clear error."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from nemo_fp8_align.cli import main
+
+DATA = Path(__file__).parent / "data"
+ALIGNED = DATA / "telemetry_demo_pp2_vp2_dp2_aligned.jsonl"
+LAZY = DATA / "telemetry_demo_pp2_vp2_dp2_lazy.jsonl"
+
+
+def _rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _chunk_line(out, chunk):
+    return next(line for line in out.splitlines() if line.startswith(f"{chunk} "))
+
+
+def test_report_on_demo_telemetry_aligned(capsys):
+    assert main(["report", str(ALIGNED)]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline ranks 0,1, data-parallel ranks 0,1, policy aligned" in out
+    assert "r0:[0] r1:[0]" in _chunk_line(out, 0)
+    assert "r0:[2] r1:[2]" in _chunk_line(out, 1)
+    assert out.rstrip().endswith("one record per step/chunk/rank).")
+
+
+def test_report_on_demo_telemetry_lazy(capsys):
+    assert main(["report", str(LAZY)]) == 0
+    out = capsys.readouterr().out
+    assert "r0:[2] r1:[3]" in _chunk_line(out, 1)  # each rank at its own first use
+
+
+def test_report_per_rank_files(tmp_path, capsys):
+    # NeMo writes one file per rank ({rank} in telemetry_path): the report takes them all.
+    rows = _rows(ALIGNED)
+    paths = []
+    for rank in (0, 1):
+        p = tmp_path / f"t.rank{rank}.jsonl"
+        p.write_text("".join(json.dumps(r) + "\n" for r in rows if r["pp_rank"] == rank))
+        paths.append(str(p))
+    assert main(["report", *paths]) == 0
+    assert main(["report", paths[0]]) == 0  # one rank alone is still consistent
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("slot", 1, "transposes at slot 1, aligned slot is 0"),
+    ("after_all_gather", False, "before the chunk's all-gather finished"),
+    ("valid", 3, "3 of 4 transposes valid"),
+    ("t_gathered", 0.0, "timestamps out of order"),
+])
+def test_report_fails_on_broken_records(tmp_path, capsys, field, value, needle):
+    rows = _rows(ALIGNED)
+    rows[0][field] = value
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["report", str(path)]) == 1
+    assert needle in capsys.readouterr().err
+
+
+def test_report_duplicate_record_fails(tmp_path, capsys):
+    rows = _rows(ALIGNED)
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows + rows[:1]))
+    assert main(["report", str(path)]) == 1
+    assert "2 records, expected exactly 1" in capsys.readouterr().err
+
+
+def test_report_timings_from_timestamps(tmp_path, capsys):
+    rows = _rows(ALIGNED)
+    for r in rows:
+        r.update(t_launch=9.0, t_slot=10.0, t_gathered=10.002, t_done=10.005, t_first_use=10.01)
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["report", str(path)]) == 0
+    line = _chunk_line(capsys.readouterr().out, 0)
+    assert "r0:3.000 r1:3.000" in line and "r0:2.000 r1:2.000" in line
+
+
+def test_report_reads_records_without_timestamps(tmp_path, capsys):
+    # Telemetry from before the valid count and the timestamps: still judged and printed.
+    keep = ("step", "pp_rank", "dp_rank", "chunk", "policy", "backend", "vmid", "slot",
+            "aligned_slot", "transposed", "weights", "after_all_gather", "seconds")
+    rows = [{k: r[k] for k in keep} for r in _rows(ALIGNED)]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["report", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "without t_slot/t_gathered/t_done" in out and "r0:[2] r1:[2]" in _chunk_line(out, 1)
+
+
+@pytest.mark.parametrize("content,needle", [
+    ("{not json\n", "t.jsonl:1: not JSON"),
+    ('{"step": 0}\n', "t.jsonl:1: not a transpose record, missing pp_rank"),
+    ("", "no records in"),
+])
+def test_report_bad_input(tmp_path, capsys, content, needle):
+    path = tmp_path / "t.jsonl"
+    path.write_text(content)
+    assert main(["report", str(path)]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_report_mixed_policies(tmp_path, capsys):
+    assert main(["report", str(ALIGNED), str(LAZY)]) == 2
+    assert "several policies" in capsys.readouterr().err
+
+
+def test_report_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "slots.png"
+    assert main(["report", str(LAZY), "--plot", str(png)]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 10000
+
+
+@pytest.mark.slow
+def test_report_on_a_fresh_demo_run(tmp_path, capsys):
+    pytest.importorskip("megatron.core")
+    telemetry = tmp_path / "t.jsonl"
+    assert main(["demo", "--pp", "2", "--vp", "2", "--dp", "2", "--microbatches", "4",
+                 "--steps", "2", "--telemetry", str(telemetry)]) == 0
+    capsys.readouterr()
+    assert main(["report", str(telemetry)]) == 0
+    assert "r0:[2] r1:[2]" in _chunk_line(capsys.readouterr().out, 1)
