@@ -184,6 +184,11 @@ ROWS: List[Tuple[str, Callable[[], Any], Optional[Any], Expected]] = [
     ("huge-batch-and-group-no-hang", seed(global_batch_size=2 * (1000 * HUGE_N + 1),
                                           microbatch_group_size_per_vp_stage=HUGE_N), None,
      [("model.global_batch_size", f"model.global_batch_size={2 * (1000 * HUGE_N + 4)}")]),
+    ("telemetry-path-without-rank", seed(fp8_transpose_align={"telemetry_path": "/x/t.jsonl"}),
+     None, [("model.fp8_transpose_align.telemetry_path",
+             "model.fp8_transpose_align.telemetry_path=/x/t.rank{rank}.jsonl")]),
+    ("telemetry-path-with-rank", seed(fp8_transpose_align={"telemetry_path": "/x/t{rank}"}),
+     None, []),
     ("rampup", seed(rampup_batch_size=[4, 4, 100]), None,
      [("model.rampup_batch_size", "model.rampup_batch_size=null")]),
     # --- shapes of the config itself ----------------------------------------------------------

@@ -74,10 +74,10 @@ RULES: Tuple[Rule, ...] = (
     fp8.rule_transpose_cache, fp8.rule_bf16_edge_layers,
     fp8.rule_optimizer_name, fp8.rule_overlap_param_sync, fp8.rule_overlap_grad_sync,
     fp8.rule_align_param_gather, parallel.rule_expert_parallel, parallel.rule_precision,
-    batch.rule_fixed_microbatches, batch.rule_trainer_devices, batch.rule_world_size,
-    batch.rule_expert_world_size, batch.rule_data_parallel_value,
-    batch.rule_data_parallel_agrees, batch.rule_batch_sizes, batch.rule_group_size,
-    batch.rule_microbatches,
+    batch.rule_telemetry_path, batch.rule_fixed_microbatches,
+    batch.rule_trainer_devices, batch.rule_world_size, batch.rule_expert_world_size,
+    batch.rule_data_parallel_value, batch.rule_data_parallel_agrees,
+    batch.rule_batch_sizes, batch.rule_group_size, batch.rule_microbatches,
 )
 
 

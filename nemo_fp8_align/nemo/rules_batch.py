@@ -12,6 +12,8 @@ from __future__ import annotations
 from math import gcd
 from typing import Optional
 
+from omegaconf import DictConfig
+
 from nemo_fp8_align.engine.schedule import InterleavedSchedule, ScheduleError
 from nemo_fp8_align.nemo.check_context import CheckContext
 from nemo_fp8_align.nemo.config_reader import ABSENT, Violation, show_value
@@ -19,7 +21,8 @@ from nemo_fp8_align.nemo.rules_parallel import divisors
 
 __all__ = ["rule_batch_sizes", "rule_data_parallel_agrees", "rule_data_parallel_value",
            "rule_expert_world_size", "rule_fixed_microbatches", "rule_group_size",
-           "rule_microbatches", "rule_trainer_devices", "rule_world_size"]
+           "rule_microbatches", "rule_telemetry_path", "rule_trainer_devices",
+           "rule_world_size", "valid_microbatches"]
 
 
 def rule_trainer_devices(ctx: CheckContext) -> None:
@@ -90,6 +93,20 @@ def rule_data_parallel_agrees(ctx: CheckContext) -> None:
         f"{derived}, the data-parallel size of the trainer: devices * num_nodes / (TP * PP * CP)"
         f" = {devices} * {ctx.num_nodes()} / {mp} = {derived}; the microbatch checks use "
         f"{given}", f"{fix}, or leave {ctx.data_parallel_name} out"))
+
+
+def rule_telemetry_path(ctx: CheckContext) -> None:
+    """With PP >= 2 there are always several ranks: a telemetry path without ``{rank}`` would
+    have all of them append to one file (the writer replaces ``{rank}`` by the global rank)."""
+    key = "fp8_transpose_align.telemetry_path"
+    if not isinstance(ctx.model.get("fp8_transpose_align"), DictConfig):
+        return  # absent, or not a mapping (reported with the plugin block)
+    path = ctx.model.get(key)
+    if not isinstance(path, str) or "{rank}" in path:
+        return  # absent, null, or a wrong type (reported with the plugin block)
+    stem, dot, suffix = path.rpartition(".") if "." in path.rpartition("/")[2] else (path, "", "")
+    ctx.model.add(key, path, "a path containing {rank}: every rank writes its own file, and "
+                  "without it all ranks append to one", f"{stem}.rank{{rank}}{dot}{suffix}")
 
 
 def rule_batch_sizes(ctx: CheckContext) -> None:
