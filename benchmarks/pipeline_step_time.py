@@ -30,7 +30,7 @@ import statistics
 import sys
 import time
 from datetime import datetime, timezone
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -98,9 +98,12 @@ def _time_transposes(run: PipelineRun, watch: Stopwatch) -> None:
     run.backend.build_transposes = timed_build  # type: ignore[method-assign]
 
 
-def _measure(opts: DemoOptions, warmup: int, steps: int) -> Dict[str, Any]:
+def _measure(opts: DemoOptions, warmup: int, steps: int,
+             prepare: Optional[Callable[[PipelineRun], Any]] = None) -> Dict[str, Any]:
     cuda = opts.device == "cuda"
     run = PipelineRun(opts, telemetry_path=None)
+    if prepare is not None:  # e.g. pipeline_idle_cpu.py's synthetic sleep costs
+        prepare(run)
     busy, trans, step_watch = Stopwatch(cuda), Stopwatch(cuda), Stopwatch(cuda)
     handles = _time_busy(run, busy)
     _time_transposes(run, trans)
