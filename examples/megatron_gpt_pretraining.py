@@ -5,14 +5,16 @@ The same flow as NeMo's ``examples/nlp/language_modeling/megatron_gpt_pretrainin
 with the model class extended by :class:`~nemo_fp8_align.nemo.mixin.FP8TransposeAlignMixin`.
 Everything is driven by Hydra overrides on a config under ``conf/``::
 
-    torchrun --nproc-per-node 2 examples/megatron_gpt_pretraining.py \\
+    torchrun --nproc-per-node 4 examples/megatron_gpt_pretraining.py \\
         --config-name megatron_gpt_cpu_smoke model.fp8_transpose_align.policy=aligned
 
 With ``trainer.accelerator=cpu`` the NeMo-on-CPU patches of
 :mod:`nemo_fp8_align.compat.cpu_nemo` are switched on first (tests and the CPU smoke run only):
-no Transformer Engine there, so the model class uses reference FP8 shadow weights
-(:class:`MegatronGPTFP8AlignReferenceModel`). ``fp8_align_via=callback`` attaches the plugin
-as the :class:`~nemo_fp8_align.nemo.callback.FP8TransposeAlignment` callback instead.
+no Transformer Engine there, so the transformer layers compute through reference FP8 weights and
+the model class says so (:class:`MegatronGPTFP8AlignReferenceModel`). ``fp8_align_via=callback``
+attaches the plugin as the :class:`~nemo_fp8_align.nemo.callback.FP8TransposeAlignment` callback
+on NeMo's plain ``MegatronGPTModel`` instead. NeMo's stock script, with no change at all, is
+``examples/stock_megatron_gpt_pretraining.py``.
 """
 
 from __future__ import annotations
@@ -40,31 +42,14 @@ from nemo_fp8_align.nemo.structured import register_configs  # noqa: E402
 register_configs()
 
 
-class _NullTokenizerMixin:
-    def _build_tokenizer(self):
-        # Mock data needs only synthetic ids, which NeMo's NullTokenizer provides; NeMo 2.3.3's
-        # _build_tokenizer cannot build it (it never passes vocab_size), so build it here from
-        # model.tokenizer.vocab_size. Every other library goes through NeMo unchanged.
-        if self._cfg.tokenizer.library != "null":
-            return super()._build_tokenizer()
-        from nemo.collections.common.tokenizers.null_tokenizer import NullTokenizer
-
-        self.tokenizer = NullTokenizer(self._cfg.tokenizer.vocab_size)
-
-
-class MegatronGPTFP8AlignModel(FP8TransposeAlignMixin, _NullTokenizerMixin, MegatronGPTModel):
+class MegatronGPTFP8AlignModel(FP8TransposeAlignMixin, MegatronGPTModel):
     """MegatronGPTModel whose FP8 transposes are built at the aligned schedule slot."""
 
 
-class PlainMegatronGPTModel(_NullTokenizerMixin, MegatronGPTModel):
-    """MegatronGPTModel without the mixin, for ``fp8_align_via=callback``."""
-
-
 class MegatronGPTFP8AlignReferenceModel(MegatronGPTFP8AlignModel):
-    """CPU runs, where Transformer Engine is absent: the aligner transposes plain-torch
-    reference FP8 shadows of the 2-D GEMM weights of each chunk's transformer layers (built from
-    the all-gathered parameters at the chunk's slot). The GPT's GEMMs stay high precision and do
-    not read them."""
+    """CPU runs, where Transformer Engine is absent: the aligner builds the reference FP8 weights
+    the transformer layers compute with (nemo_fp8_align.compat.reference_fp8_layers: forward GEMM
+    on the FP8 data, data-gradient GEMM on the cached transpose)."""
 
     fp8_align_weights = FP8Weights.REFERENCE
 
@@ -98,10 +83,9 @@ def main(cfg) -> None:
     callbacks = [LossReport(report_dir)] if report_dir else []
     via_callback = cfg.get("fp8_align_via", "mixin") == "callback"
     if via_callback:
-        # The same plugin for models that are not subclassed: settings from the same block.
-        block = OmegaConf.to_container(cfg.model.get("fp8_transpose_align") or {}, resolve=True)
-        callbacks.append(FP8TransposeAlignment(weights=weights, **block))
-        model_cls = PlainMegatronGPTModel
+        # The same plugin for models that are not subclassed: it reads the same block.
+        callbacks.append(FP8TransposeAlignment(weights=weights))
+        model_cls = MegatronGPTModel
     else:
         model_cls = MegatronGPTFP8AlignReferenceModel if on_cpu else MegatronGPTFP8AlignModel
     trainer = MegatronTrainerBuilder(cfg).create_trainer(callbacks=callbacks or None)

@@ -1,22 +1,33 @@
 #!/usr/bin/env bash
-# CPU smoke run of the NeMo integration (CI): NeMo 2.3.3 MegatronGPTModel + FP8TransposeAlignMixin,
-# 2 gloo processes, PP=2, VP=2, mcore_distributed_optim, mock data, 3 steps, through
-# examples/megatron_gpt_pretraining.py and conf/megatron_gpt_cpu_smoke.yaml.
+# CPU smoke run of the NeMo integration (CI): NeMo 2.3.3 MegatronGPTModel, 4 gloo processes,
+# PP=2 x DP=2, VP=2, mcore_distributed_optim, mock data, 3 steps and one validation pass each.
+# The transformer layers' GEMMs read reference FP8 weights (forward on the FP8 data, data
+# gradient on the cached FP8 transpose: nemo_fp8_align.compat.reference_fp8_layers), and with
+# DP=2 the all-gathers really change the parameter bytes, so a transpose built at the wrong time
+# changes the loss.
 #
-#   (each run: 3 training steps and one validation pass at step 2, which must trigger nothing)
-#   1. plugin on  (policy=aligned, FP8TransposeAlignMixin): prints the alignment report, checks it;
-#   2. plugin on through the FP8TransposeAlignment callback on a plain MegatronGPTModel: the same
-#      checks, and the same slots as run 1;
-#   3. plugin off (enabled=false): same data, same seed; losses must equal runs 1 and 2 bit for bit.
+#   1. aligned: examples/megatron_gpt_pretraining.py with FP8TransposeAlignMixin, policy=aligned;
+#   2. stock:   NeMo's stock flow (examples/stock_megatron_gpt_pretraining.py: MegatronGPTModel,
+#               no mixin, no plugin code) on conf/megatron_gpt_cpu.yaml; the plugin comes in only
+#               through its Lightning entry point, switched on by Hydra overrides alone; its
+#               metrics go to Lightning's CSV logger;
+#   3. off:     as 1 with enabled=false;
+#   4. fault:   as 1 with the plugin's all-gather wait removed (tests/smoke_faults: no_wait) and
+#               the GEMMs' provenance check off: the negative control. Its losses must DIFFER
+#               from 'off', or the comparison below could not catch a stale transpose.
+# Runs 1, 3 and 4 run with the all-gathers deferred to their wait (tests/smoke_faults:
+# deferred_all_gather, a slow network), so early FP8 copies are stale deterministically.
 #
-# With SMOKE_NEMO_DP2=1 also (4 processes, about 45 s more): PP=2 x DP=2 x VP=2, plugin on and
-# off, hidden sizes multiples of 128 (megatron-core 0.12.3's shared-embedding bucket bug stops
-# DP=2 otherwise; see nemo_fp8_align.nemo.mixin.shared_embedding_bucket_workaround).
+# Checks: telemetry of 1 and 2 judged by record_problems (aligned slot on every pipeline rank,
+# after the all-gather, every weight once per step, timestamps in order) on every (step, chunk,
+# pp rank, dp rank); 2 placed exactly as 1; the logger rows of 2 carry the gathered metrics; the
+# losses of 1 and 2 equal 3's bit for bit; 4's differ; 3 wrote no telemetry.
+# With SMOKE_NEMO_DP1=1 also (2 processes): PP=2 DP=1 plugin on/off (the bucket-bug workaround).
 #
 # Exit status is non-zero when a run fails or a check does not hold. Usage:
-#   scripts/smoke_nemo.sh [extra Hydra overrides...]
+#   scripts/smoke_nemo.sh [extra Hydra overrides for every run...]
 # Environment: PYTHON (default: python on PATH), SMOKE_DIR (default: a fresh temp dir),
-# SMOKE_NEMO_DP2 (default 0), SMOKE_NEMO_CHECK_ONLY=1 (no runs: report on and check the runs
+# SMOKE_NEMO_DP1 (default 0), SMOKE_NEMO_CHECK_ONLY=1 (no runs: report on and check the runs
 # already in SMOKE_DIR; the tests use it to prove the checks fail when they should).
 set -euo pipefail
 
@@ -25,24 +36,28 @@ PYTHON="${PYTHON:-python}"
 OUT="${SMOKE_DIR:-$(mktemp -d -t nemo_fp8_align_smoke.XXXXXX)}"
 mkdir -p "$OUT"
 CHECK_ONLY="${SMOKE_NEMO_CHECK_ONLY:-0}"
+RUNS=(aligned stock off fault dp1 dp1_off)
 if [ "$CHECK_ONLY" != "1" ]; then
-  rm -rf "$OUT"/{aligned,callback,off,dp2,dp2_off}  # a reused SMOKE_DIR must not feed old runs
+  for r in "${RUNS[@]}"; do rm -rf "${OUT:?}/$r"; done  # a reused SMOKE_DIR must not feed old runs
 fi
 echo "smoke_nemo: runs, logs and telemetry in $OUT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # 2 processes on 2 cores
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # 4 processes on 2 cores
 
-NPROC=2
-run() {  # run <name> <overrides...>
-  local name="$1"; shift
-  local dir="$OUT/$name"
-  rm -rf "$dir"; mkdir -p "$dir"
-  local start=$SECONDS
-  if ! "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
-      "$ROOT/examples/megatron_gpt_pretraining.py" --config-name megatron_gpt_cpu_smoke \
+NPROC=4
+FAULTS_DIR="$ROOT/tests/smoke_faults"
+telemetry() { echo "model.fp8_transpose_align.telemetry_path=\"$OUT/$1/telemetry.rank{rank}.jsonl\""; }
+
+launch() {  # launch <name> <faults> <python args...>
+  local name="$1" faults="$2"; shift 2
+  local dir="$OUT/$name" start=$SECONDS
+  mkdir -p "$dir"
+  local pypath="$PYTHONPATH"
+  [ -n "$faults" ] && pypath="$FAULTS_DIR:$PYTHONPATH"
+  if ! PYTHONPATH="$pypath" NEMO_FP8_ALIGN_SMOKE_FAULTS="$faults" "$PYTHON" \
+      -m torch.distributed.run --standalone --nproc-per-node "$NPROC" "$@" \
       trainer.accelerator=cpu trainer.devices="$NPROC" trainer.max_steps=3 \
-      "exp_manager.exp_dir=$dir/exp" "hydra.run.dir=$dir/hydra" "report_dir=$dir" "$@" \
-      > "$dir/log.txt" 2>&1; then
+      "hydra.run.dir=$dir/hydra" > "$dir/log.txt" 2>&1; then
     echo "smoke_nemo: run '$name' failed; last lines of $dir/log.txt:" >&2
     tail -n 40 "$dir/log.txt" >&2
     exit 1
@@ -50,124 +65,33 @@ run() {  # run <name> <overrides...>
   echo "smoke_nemo: run '$name' finished in $((SECONDS - start)) s"
 }
 
+example() {  # example <name> <faults> <overrides...>: the project's example script
+  local name="$1" faults="$2"; shift 2
+  launch "$name" "$faults" "$ROOT/examples/megatron_gpt_pretraining.py" \
+    --config-name megatron_gpt_cpu_smoke "exp_manager.exp_dir=$OUT/$name/exp" \
+    "report_dir=$OUT/$name" "$@"
+}
+
 if [ "$CHECK_ONLY" != "1" ]; then
-  run aligned "model.fp8_transpose_align.policy=aligned" \
-    "model.fp8_transpose_align.telemetry_path=\"$OUT/aligned/telemetry.rank{rank}.jsonl\"" "$@"
-  run callback fp8_align_via=callback "model.fp8_transpose_align.policy=aligned" \
-    "model.fp8_transpose_align.telemetry_path=\"$OUT/callback/telemetry.rank{rank}.jsonl\"" "$@"
-  run off "model.fp8_transpose_align.enabled=false" \
-    "model.fp8_transpose_align.telemetry_path=\"$OUT/off/telemetry.rank{rank}.jsonl\"" "$@"
-  if [ "${SMOKE_NEMO_DP2:-0}" = "1" ]; then
-    NPROC=4
-    DP2=(model.global_batch_size=8 model.hidden_size=128 model.ffn_hidden_size=512)
-    run dp2 "${DP2[@]}" "model.fp8_transpose_align.policy=aligned" \
-      "model.fp8_transpose_align.telemetry_path=\"$OUT/dp2/telemetry.rank{rank}.jsonl\"" "$@"
-    run dp2_off "${DP2[@]}" "model.fp8_transpose_align.enabled=false" "$@"
+  example aligned deferred_all_gather "model.fp8_transpose_align.policy=aligned" \
+    "$(telemetry aligned)" "$@"
+  # NeMo's stock flow: no plugin in the script or the config, Hydra overrides only ('+': the
+  # stock config has no such block). Lightning's CSV logger (no TensorBoard here) receives
+  # NeMo's metrics and the plugin's; exp_manager then takes its directory from the logger.
+  launch stock "" -m nemo_fp8_align.compat.run_nemo_cpu \
+    "$ROOT/examples/stock_megatron_gpt_pretraining.py" --config-name megatron_gpt_cpu \
+    trainer.logger=true "+trainer.default_root_dir=$OUT/stock/exp" exp_manager.name=null \
+    "+model.fp8_transpose_align.policy=aligned" "+$(telemetry stock)" "$@"
+  example off deferred_all_gather "model.fp8_transpose_align.enabled=false" \
+    "$(telemetry off)" "$@"
+  example fault deferred_all_gather,no_wait,unchecked "model.fp8_transpose_align.policy=aligned" \
+    "$(telemetry fault)" "$@"
+  if [ "${SMOKE_NEMO_DP1:-0}" = "1" ]; then
+    NPROC=2
+    DP1=(model.global_batch_size=4 model.hidden_size=32 model.ffn_hidden_size=64)
+    example dp1 "" "${DP1[@]}" "model.fp8_transpose_align.policy=aligned" "$(telemetry dp1)" "$@"
+    example dp1_off "" "${DP1[@]}" "model.fp8_transpose_align.enabled=false" "$@"
   fi
 fi
 
-"$PYTHON" - "$OUT" <<'EOF'
-"""Alignment report of the 'aligned' run, and the checks that make the smoke run fail."""
-import glob
-import json
-import math
-import os
-import sys
-from collections import defaultdict
-
-from nemo_fp8_align.engine.telemetry import read_records, record_problems
-
-out = sys.argv[1]
-errors = []
-
-def losses(name):
-    path = os.path.join(out, name, "loss.jsonl")
-    if not os.path.exists(path):
-        errors.append(f"{name}: no loss report at {path}")
-        return []
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-def records(name):
-    return read_records(glob.glob(os.path.join(out, name, "telemetry.rank*.jsonl")))
-
-def report(name, rows):
-    steps = sorted({r["step"] for r in rows})
-    chunks = sorted({r["chunk"] for r in rows})
-    ranks = sorted({r["pp_rank"] for r in rows})
-    print("\nAlignment report, run '%s' (policy=aligned, PP=%d, VP=%d, %d steps, backend %s)" % (
-        name, len(ranks), len(chunks), len(steps), rows[0]["backend"] if rows else "?"))
-    print("%-6s %-12s %-28s %-22s %s" % ("chunk", "aligned slot", "slot per pp rank (all steps)",
-                                         "transposes per step", "after all-gather"))
-    for c in chunks:
-        mine = [r for r in rows if r["chunk"] == c]
-        slots = {p: sorted({r["slot"] for r in mine if r["pp_rank"] == p}) for p in ranks}
-        per_step = defaultdict(int)
-        for r in mine:
-            per_step[r["step"]] += r["transposed"]
-        aligned = sorted({r["aligned_slot"] for r in mine})
-        print("%-6d %-12s %-28s %-22s %s" % (
-            c, aligned, " ".join(f"r{p}:{s}" for p, s in slots.items()),
-            " ".join(str(per_step[s]) for s in steps), all(r["after_all_gather"] for r in mine)))
-    check(name, rows, steps, chunks, ranks)
-
-
-def check(name, rows, steps, chunks, ranks):
-    if len(steps) < 3:
-        errors.append(f"{name}: telemetry covers {len(steps)} steps, expected >= 3")
-    if len(ranks) != 2 or len(chunks) != 2:
-        errors.append(f"{name}: telemetry has pp ranks {ranks} and chunks {chunks}, expected "
-                      "2 and 2")
-    errors.extend(f"{name}: {problem}" for problem in record_problems(rows, policy="aligned"))
-    seen = {(r["step"], r["chunk"], r["pp_rank"]) for r in rows}
-    # The smoke config's shape (PP=2, VP=2), not what the telemetry happens to contain.
-    expected = {(s, c, p) for s in steps for c in range(2) for p in range(2)}
-    missing = expected - seen
-    if missing:
-        errors.append(f"{name}: no transposes recorded for (step, chunk, pp rank) "
-                      f"{sorted(missing)}")
-
-
-def placement(rows):
-    return sorted((r["step"], r["chunk"], r["pp_rank"], r["vmid"], r["slot"], r["transposed"])
-                  for r in rows)
-
-
-mixin_rows, callback_rows = records("aligned"), records("callback")
-report("aligned", mixin_rows)
-report("callback", callback_rows)
-if placement(mixin_rows) != placement(callback_rows):
-    errors.append("the callback run placed transposes differently from the mixin run")
-if records("off"):
-    errors.append("plugin disabled but telemetry was written")
-dp2 = os.path.isdir(os.path.join(out, "dp2"))
-if dp2:
-    dp2_rows = records("dp2")
-    report("dp2", dp2_rows)
-    if sorted({r["dp_rank"] for r in dp2_rows}) != [0, 1]:
-        errors.append("dp2: telemetry does not come from data-parallel ranks 0 and 1")
-
-runs = {name: losses(name) for name in ("aligned", "callback", "off")}
-for name, rows in runs.items():
-    print("losses  %-9s %s" % (name + ":", [r["loss"] for r in rows]))
-    if len(rows) < 3 or not all(math.isfinite(r["loss"]) for r in rows):
-        errors.append(f"{name}: {len(rows)} finite step losses reported, expected >= 3")
-for name in ("aligned", "callback"):
-    if runs[name] != runs["off"]:
-        errors.append(f"losses differ between run '{name}' and the plugin-off run")
-if dp2:
-    on2, off2 = losses("dp2"), losses("dp2_off")
-    print("losses  dp2:      %s\nlosses  dp2_off:  %s" % ([r["loss"] for r in on2],
-                                                         [r["loss"] for r in off2]))
-    if len(on2) < 3 or on2 != off2:
-        errors.append("dp2: losses differ with the plugin on and off (or fewer than 3 steps)")
-
-if errors:
-    print("\nsmoke_nemo: FAILED")
-    for e in errors:
-        print("  - " + e)
-    sys.exit(1)
-print("\nsmoke_nemo: OK (mixin and callback: every chunk's transposes at its aligned slot on "
-      "every pipeline rank, once per step, after its all-gather; losses identical with the "
-      "plugin off)")
-EOF
+"$PYTHON" "$ROOT/scripts/smoke_nemo_check.py" "$OUT"

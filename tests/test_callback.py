@@ -16,14 +16,23 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers import Logger
 from omegaconf import OmegaConf
 
-from nemo_fp8_align.config import Policy
+from nemo_fp8_align.config import AlignConfig, Policy
 from nemo_fp8_align.engine.telemetry import TransposeRecord
 from nemo_fp8_align.nemo import callback as callback_module
 from nemo_fp8_align.nemo.callback import FP8TransposeAlignment
 from nemo_fp8_align.nemo.check import FP8AlignConfigError
+from nemo_fp8_align.nemo.mixin import FP8Weights
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE = os.path.join(ROOT, "conf", "megatron_gpt_cpu_smoke.yaml")
+CPU = os.path.join(ROOT, "conf", "megatron_gpt_cpu.yaml")
+
+
+def smoke_cfg():
+    """conf/megatron_gpt_cpu_smoke.yaml as Hydra composes it (on conf/megatron_gpt_cpu.yaml)."""
+    smoke = OmegaConf.load(SMOKE)
+    smoke.pop("defaults")
+    return OmegaConf.merge(OmegaConf.load(CPU), smoke)
 
 
 def test_constructor_checks_its_arguments():
@@ -82,7 +91,9 @@ class NemoLikeModule(LightningModule):
         funcs[0](self.model[0].parameters())
         funcs[1](self.model[1].parameters())
         self.model[0].start_param_sync(force_sync=True)  # a keyword-only caller: not a launch
-        return self.model[1](self.model[0](batch)).sum()
+        loss = self.model[1](self.model[0](batch)).sum()
+        self.log("model_loss", loss.detach())  # the model's own metric, as NeMo's loss
+        return loss
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -138,18 +149,20 @@ def run_fit(monkeypatch, cb, module, logger=None):
 
     def fake_build(model, config, *, weights):
         aligners.append(FakeAligner())
-        return aligners[-1], []
+        aligners[-1].config, aligners[-1].weights_kind = config, weights
+        return aligners[-1]
 
     monkeypatch.setattr(callback_module, "build_aligner", fake_build)
     trainer = Trainer(accelerator="cpu", devices=1, max_steps=3, logger=logger or False,
-                      callbacks=[cb], enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False)
+                      callbacks=cb if isinstance(cb, list) else [cb],
+                      enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, log_every_n_steps=1)
     trainer.fit(module)
     return trainer, aligners
 
 
 def test_real_trainer_attaches_wraps_per_batch_logs_and_detaches(monkeypatch):
-    cfg = OmegaConf.load(SMOKE).model
+    cfg = smoke_cfg().model
     logger = MemoryLogger()
     cb = FP8TransposeAlignment(weights="reference")
     module = NemoLikeModule(cfg)
@@ -161,14 +174,18 @@ def test_real_trainer_attaches_wraps_per_batch_logs_and_detaches(monkeypatch):
     assert all("start_param_sync" not in c.__dict__ for c in module.model)
     assert "setup_mcore_distributed_parallel" not in module.__dict__
     assert cb._aligner is None and (cb.steps, cb.transposes) == (3, 24)
-    logged = [row for row in logger.rows if "fp8_align/chunk1/slot" in row[1]]
+    logged = [row for row in logger.rows if "fp8_align/chunk1/slot_skew" in row[1]]
     assert len(logged) == 3
-    assert logged[0][1]["fp8_align/chunk1/slot"] == 2.0
-    assert logged[0][1]["fp8_align/chunk0/transposed"] == 4.0
+    # One logger row per step, the same row (and step) as the model's own metric.
+    assert [step for step, _ in logged] == [0, 1, 2]
+    assert all("model_loss" in metrics for _, metrics in logged)
+    assert logged[0][1]["fp8_align/chunk1/slot_skew"] == 0.0
+    assert logged[0][1]["fp8_align/chunk0/transposes_built"] == 4.0
+    assert logged[0][1]["fp8_align/records"] == 2.0
 
 
 def test_setup_runs_the_startup_check_with_the_callbacks_settings(monkeypatch):
-    cfg = OmegaConf.load(SMOKE).model
+    cfg = smoke_cfg().model
     cfg.optim.align_param_gather = False
     with pytest.raises(FP8AlignConfigError, match="align_param_gather"):
         run_fit(monkeypatch, FP8TransposeAlignment(weights="reference"), NemoLikeModule(cfg))
@@ -180,7 +197,7 @@ def test_setup_runs_the_startup_check_with_the_callbacks_settings(monkeypatch):
 
 
 def test_te_weights_require_the_te_keys(monkeypatch):
-    cfg = OmegaConf.load(SMOKE).model  # fp8_params=False: fine for reference weights only
+    cfg = smoke_cfg().model  # fp8_params=False: fine for reference weights only
     with pytest.raises(FP8AlignConfigError, match="fp8_params"):
         run_fit(monkeypatch, FP8TransposeAlignment(weights="te"), NemoLikeModule(cfg))
 
@@ -194,7 +211,7 @@ def test_refuses_a_model_that_already_has_the_mixin(monkeypatch):
 
     with pytest.raises(RuntimeError, match="already has FP8TransposeAlignMixin"):
         run_fit(monkeypatch, FP8TransposeAlignment(weights="reference"),
-                Both(OmegaConf.load(SMOKE).model))
+                Both(smoke_cfg().model))
 
 
 def test_not_a_nemo_model(monkeypatch):
@@ -223,7 +240,7 @@ class ApexLikeModule(NemoLikeModule):
 
 
 def test_real_trainer_apex_path_wraps_sync_overlap_parameters(monkeypatch):
-    cfg = OmegaConf.load(SMOKE).model
+    cfg = smoke_cfg().model
     cfg.optim.name = "distributed_fused_adam"
     module = ApexLikeModule(cfg)
     _, aligners = run_fit(monkeypatch, FP8TransposeAlignment(weights="reference"), module)
@@ -231,3 +248,134 @@ def test_real_trainer_apex_path_wraps_sync_overlap_parameters(monkeypatch):
     assert aligner.launched == [0, 1] * 3
     assert module.synced == [2, 2, None] * 3  # NeMo's method still got every parameter
     assert "sync_overlap_parameters" not in module.__dict__
+
+
+# ---------------------------------------------------------------------------------------------
+# settings from the model config, the Lightning entry point, lifecycle
+
+
+class FP8Layer(torch.nn.Module):
+    """A layer holding a reference FP8 weight, as the CPU layers do (weights detected)."""
+
+    def __init__(self):
+        super().__init__()
+        from nemo_fp8_align.fp8.reference import ReferenceFP8Weight
+
+        self.weight = torch.nn.Parameter(torch.randn(4, 4))
+        self.fp8_weight = ReferenceFP8Weight(self.weight)
+
+    def forward(self, x):
+        return x @ self.weight.t()
+
+
+class ReferenceChunk(Chunk):
+    def __init__(self):
+        super().__init__()
+        self.lin = FP8Layer()
+
+
+class ReferenceNemoLikeModule(NemoLikeModule):
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.model = torch.nn.ModuleList([ReferenceChunk(), ReferenceChunk()])
+
+
+def entry_point_callbacks(trainer):
+    return [cb for cb in trainer.callbacks
+            if isinstance(cb, FP8TransposeAlignment) and cb.from_entry_point]
+
+
+def test_no_arguments_follow_the_model_config_block(monkeypatch):
+    cfg = smoke_cfg().model
+    cfg.fp8_transpose_align.policy = "lazy"
+    cfg.fp8_transpose_align.telemetry_path = None
+    cb = FP8TransposeAlignment()
+    _, (aligner,) = run_fit(monkeypatch, cb, ReferenceNemoLikeModule(cfg))
+    assert aligner.config.policy is Policy.LAZY
+    assert aligner.weights_kind is FP8Weights.REFERENCE  # detected from the layers
+    # Arguments passed win over the block; the rest still come from it.
+    cfg.fp8_transpose_align.telemetry_path = "/tmp/x{rank}.jsonl"
+    _, (aligner,) = run_fit(monkeypatch, FP8TransposeAlignment(policy="aligned"),
+                            ReferenceNemoLikeModule(cfg))
+    assert aligner.config.policy is Policy.ALIGNED
+    assert aligner.config.telemetry_path == "/tmp/x{rank}.jsonl"
+    cfg.fp8_transpose_align.enabled = False
+    _, aligners = run_fit(monkeypatch, FP8TransposeAlignment(), ReferenceNemoLikeModule(cfg))
+    assert aligners == []
+    cfg.fp8_transpose_align.enabled = True
+    cfg.fp8_transpose_align.polcy = "lazy"  # a typo in the block is an error, not ignored
+    with pytest.raises(FP8AlignConfigError, match="polcy"):
+        run_fit(monkeypatch, FP8TransposeAlignment(), ReferenceNemoLikeModule(cfg))
+
+
+def test_entry_point_is_registered_and_inert_without_the_block(monkeypatch):
+    cfg = smoke_cfg().model
+    cfg.pop("fp8_transpose_align")
+    trainer, aligners = run_fit(monkeypatch, [], ReferenceNemoLikeModule(cfg))
+    (cb,) = entry_point_callbacks(trainer)  # pip install put it into every Trainer
+    assert aligners == [] and cb.steps == 0
+    # A model that is not NeMo's at all: nothing happens either.
+    trainer, aligners = run_fit(monkeypatch, [], NemoLikeModule(None))
+    assert aligners == []
+
+
+def test_entry_point_attaches_when_the_block_enables_the_plugin(monkeypatch):
+    cfg = smoke_cfg().model
+    module = ReferenceNemoLikeModule(cfg)
+    trainer, (aligner,) = run_fit(monkeypatch, [], module)
+    (cb,) = entry_point_callbacks(trainer)
+    assert aligner.launched == [0, 1] * 3 and cb.steps == 3
+    assert not aligner.attached_ and all("start_param_sync" not in c.__dict__ for c in module.model)
+    cfg.fp8_transpose_align.enabled = False
+    _, aligners = run_fit(monkeypatch, [], ReferenceNemoLikeModule(cfg))
+    assert aligners == []
+
+
+def test_entry_point_steps_aside_for_the_mixin_and_an_explicit_callback(monkeypatch):
+    from nemo_fp8_align.nemo.mixin import FP8TransposeAlignMixin
+
+    class WithMixin(FP8TransposeAlignMixin, ReferenceNemoLikeModule):
+        def __init__(self, cfg):
+            ReferenceNemoLikeModule.__init__(self, cfg)
+            # The mixin's state with its own plugin off: only the entry point could attach.
+            self._fp8_align_config = AlignConfig(enabled=False)
+            self._fp8_aligner, self._fp8_align_in_training_step = None, False
+            self._fp8_align_logged_step = -1
+
+    _, aligners = run_fit(monkeypatch, [], WithMixin(smoke_cfg().model))
+    assert aligners == []
+    explicit = FP8TransposeAlignment(policy="lazy")
+    trainer, (aligner,) = run_fit(monkeypatch, [explicit], ReferenceNemoLikeModule(
+        smoke_cfg().model))
+    assert aligner.config.policy is Policy.LAZY and explicit.steps == 3
+    assert entry_point_callbacks(trainer)[0].steps == 0
+
+
+def test_two_explicit_callbacks_are_refused():
+    with pytest.raises(RuntimeError, match="more than one stateful callback"):
+        Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                callbacks=[FP8TransposeAlignment(), FP8TransposeAlignment()])
+
+
+class FailingModule(ReferenceNemoLikeModule):
+    def training_step(self, batch, batch_idx):
+        super().training_step(batch, batch_idx)
+        raise ValueError("boom")
+
+
+def test_exception_inside_fit_detaches_and_unwraps(monkeypatch):
+    cb = FP8TransposeAlignment()
+    module = FailingModule(smoke_cfg().model)
+    with pytest.raises(ValueError, match="boom"):
+        run_fit(monkeypatch, cb, module)
+    assert cb._aligner is None and cb._wrapped == []
+    assert all("start_param_sync" not in c.__dict__ for c in module.model)
+
+
+def test_repeated_fit_attaches_once_per_fit(monkeypatch):
+    cb = FP8TransposeAlignment()
+    module = ReferenceNemoLikeModule(smoke_cfg().model)
+    _, first = run_fit(monkeypatch, cb, module)
+    _, second = run_fit(monkeypatch, cb, module)
+    assert len(first) == len(second) == 1 and not first[0].attached_
+    assert second[0].launched == [0, 1] * 3  # no launch notified twice: one wrapper per chunk

@@ -39,8 +39,14 @@ class ReferenceGPT(AlignedGPT):
     fp8_align_weights = FP8Weights.REFERENCE
 
 
+CPU = os.path.join(ROOT, "conf", "megatron_gpt_cpu.yaml")
+
+
 def smoke_cfg():
-    return OmegaConf.load(SMOKE)
+    """conf/megatron_gpt_cpu_smoke.yaml as Hydra composes it (on conf/megatron_gpt_cpu.yaml)."""
+    smoke = OmegaConf.load(SMOKE)
+    smoke.pop("defaults")
+    return OmegaConf.merge(OmegaConf.load(CPU), smoke)
 
 
 def trainer(world_size=2):
@@ -86,9 +92,9 @@ def test_reference_weights_do_not_require_te_keys_but_everything_else(monkeypatc
 
 def test_microbatch_rule_uses_the_trainer_world_size():
     cfg = smoke_cfg()
-    startup_check(cfg.model, trainer(2), weights=FP8Weights.REFERENCE)  # DP=1: M=4 fits
+    startup_check(cfg.model, trainer(4), weights=FP8Weights.REFERENCE)  # DP=2: M=4 fits
     with pytest.raises(FP8AlignConfigError, match="global_batch_size"):
-        startup_check(cfg.model, trainer(8), weights=FP8Weights.REFERENCE)  # DP=4: M=1 < PP
+        startup_check(cfg.model, trainer(16), weights=FP8Weights.REFERENCE)  # DP=8: M=1 < PP
 
 
 def test_disabled_plugin_checks_nothing(monkeypatch):
@@ -136,7 +142,6 @@ def bare_model(use_mcore):
     model.use_mcore_dist_optim = use_mcore
     model.model = [FakeDDPChunk(), FakeDDPChunk()]
     model._fp8_aligner = FakeAligner()
-    model._fp8_align_reference = []
     model._fp8_align_in_training_step = False
     model._fp8_align_chunk_of_first_param = {
         id(next(iter(c.parameters()))): i for i, c in enumerate(model.model)}
@@ -302,3 +307,31 @@ def test_te_weights_without_te_say_how_to_fix(monkeypatch):
     monkeypatch.setattr(te_backend, "load_te_api", no_te)
     with pytest.raises(RuntimeError, match="fp8_transpose_align.enabled=False"):
         mixin._weights_and_backend([torch.nn.Linear(2, 2)], AlignConfig(), FP8Weights.TE)
+
+
+def test_mixin_logs_each_step_once_with_the_gathered_metrics(monkeypatch):
+    from nemo_fp8_align.engine.telemetry import TransposeRecord
+
+    monkeypatch.setattr(MegatronGPTModel, "on_train_batch_end", lambda self, *a, **k: None)
+    logged = []
+    monkeypatch.setattr(AlignedGPT, "log_dict",
+                        lambda self, metrics, **kw: logged.append((metrics, kw)), raising=False)
+    model = bare_model(use_mcore=True)
+    model._fp8_align_logged_step = -1
+    model._fabric, model._jit_is_scripting = None, False
+    model._trainer = SimpleNamespace(global_step=1, log_every_n_steps=1, is_global_zero=True)
+
+    def rec(step, chunk, slot):
+        return TransposeRecord(step=step, pp_rank=0, dp_rank=0, chunk=chunk, policy="lazy",
+                               backend="fake", vmid=slot, slot=slot, aligned_slot=slot,
+                               transposed=3, weights=3, after_all_gather=True, seconds=None,
+                               t_slot=1.0 + chunk, t_done=1.5 + chunk)
+
+    model._fp8_aligner.records = [rec(0, 0, 0), rec(0, 1, 2)]
+    model.on_train_batch_end(None, None, 0)
+    model.on_train_batch_end(None, None, 0)  # no new step: nothing logged again
+    (metrics, kwargs), = logged
+    assert metrics["fp8_align/transposes_built"] == 6.0 and metrics["fp8_align/records"] == 2.0
+    assert metrics["fp8_align/chunk1/slot_to_valid_ms"] == 500.0
+    assert "fp8_align/chunk1/wait_ms" not in metrics  # lazy: the wait is not observed
+    assert kwargs["rank_zero_only"] and kwargs["on_step"] and not kwargs["on_epoch"]

@@ -1,11 +1,14 @@
 """The CI smoke run of the NeMo integration (scripts/smoke_nemo.sh).
 
-``test_smoke_nemo``: real NeMo 2.3.3 MegatronGPTModel on CPU, 2 gloo processes, PP=2, VP=2,
-mcore_distributed_optim, 3 steps, three runs (mixin, callback, plugin off): under a minute on
-2 cores. The other tests feed the script's checks made-up runs (``SMOKE_NEMO_CHECK_ONLY=1``) to
-show that they fail when a transpose is misplaced, missing or repeated, or a loss differs.
+``test_smoke_nemo``: real NeMo 2.3.3 MegatronGPTModel on CPU, 4 gloo processes, PP=2 x DP=2,
+VP=2, mcore_distributed_optim, GEMMs on reference FP8 weights, 3 steps, four runs (mixin, NeMo's
+stock flow with the entry point, plugin off, and the no-wait fault whose losses must differ):
+about 6 minutes on 2 cores. The other tests feed the script's checks made-up runs
+(``SMOKE_NEMO_CHECK_ONLY=1``) to show that they fail when a transpose is misplaced, missing or
+repeated, a loss differs, the fault goes unnoticed, or the logged metrics are not gathered.
 """
 
+import csv
 import json
 import os
 import subprocess
@@ -16,6 +19,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "smoke_nemo.sh")
 LOSSES = [8.367643356323242, 8.349407196044922, 8.36095142364502]
+FAULT_LOSSES = [8.367643356323242, 8.349411010742188, 8.360960960388184]
+METRIC_KEYS = ["fp8_align/records"] + [f"fp8_align/chunk{c}/{k}" for c in (0, 1)
+                                       for k in ("slot_skew", "transpose_ms")]
 
 
 def run_script(out_dir, check_only, timeout):
@@ -25,28 +31,51 @@ def run_script(out_dir, check_only, timeout):
                           timeout=timeout, check=False)
 
 
-def record(step, pp_rank, chunk):
+def record(step, pp_rank, chunk, dp_rank=0):
     aligned = 2 * chunk  # PP=2, VP=2, M=4: T_0 = 0, T_1 = 2
     vmid = -1 if chunk == 0 else aligned - pp_rank
-    return {"step": step, "pp_rank": pp_rank, "dp_rank": 0, "chunk": chunk, "policy": "aligned",
-            "backend": "reference", "vmid": vmid, "slot": aligned, "aligned_slot": aligned,
-            "transposed": 4, "weights": 4, "after_all_gather": True, "seconds": 0.001}
+    return {"step": step, "pp_rank": pp_rank, "dp_rank": dp_rank, "chunk": chunk,
+            "policy": "aligned", "backend": "reference", "vmid": vmid, "slot": aligned,
+            "aligned_slot": aligned, "transposed": 4, "weights": 4, "valid": 4,
+            "after_all_gather": True, "seconds": 0.001}
 
 
-def write_runs(tmp_path, mutate=None):
-    for name in ("aligned", "callback", "off"):
+def write_losses(run, losses):
+    with open(run / "loss.jsonl", "w") as f:
+        for i, loss in enumerate(losses):
+            f.write(json.dumps({"step": i + 1, "loss": loss}) + "\n")
+
+
+def write_logger_csv(run, losses, metrics=None):
+    (run / "exp" / "lightning_logs" / "version_0").mkdir(parents=True)
+    rows = []
+    for i, loss in enumerate(losses):
+        row = {"step": i, "reduced_train_loss": repr(loss), "fp8_align/records": "4.0"}
+        row.update({k: "0.0" if k.endswith("skew") else "1.5" for k in METRIC_KEYS[1:]})
+        row.update(metrics or {})
+        rows.append(row)
+    with open(run / "exp" / "lightning_logs" / "version_0" / "metrics.csv", "w",
+              newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def write_runs(tmp_path, mutate=None, stock_metrics=None):
+    for name in ("aligned", "stock", "off", "fault"):
         run = tmp_path / name
         run.mkdir()
-        with open(run / "loss.jsonl", "w") as f:
-            for i, loss in enumerate(LOSSES):
-                f.write(json.dumps({"step": i + 1, "loss": loss}) + "\n")
-        if name == "off":
+        if name == "stock":
+            write_logger_csv(run, LOSSES, stock_metrics)
+        else:
+            write_losses(run, FAULT_LOSSES if name == "fault" else LOSSES)
+        if name in ("off", "fault"):
             continue
-        for pp_rank in (0, 1):
-            rows = [record(s, pp_rank, c) for s in range(3) for c in (0, 1)]
+        for rank, (pp_rank, dp_rank) in enumerate([(0, 0), (0, 1), (1, 0), (1, 1)]):
+            rows = [record(s, pp_rank, c, dp_rank) for s in range(3) for c in (0, 1)]
             if mutate and name == "aligned":
                 rows = mutate(pp_rank, rows)
-            with open(run / f"telemetry.rank{pp_rank}.jsonl", "w") as f:
+            with open(run / f"telemetry.rank{rank}.jsonl", "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
@@ -89,10 +118,27 @@ def test_checks_fail_on_bad_telemetry(tmp_path, mutate, message):
 
 def test_checks_fail_when_losses_differ(tmp_path):
     write_runs(tmp_path)
-    with open(tmp_path / "off" / "loss.jsonl", "a") as f:
-        f.write(json.dumps({"step": 4, "loss": 8.3}) + "\n")
+    write_losses(tmp_path / "aligned", LOSSES[:2] + [8.3])
     out = run_script(tmp_path, check_only=True, timeout=120)
-    assert out.returncode != 0 and "losses differ" in out.stdout
+    assert out.returncode != 0 and "losses differ between run 'aligned'" in out.stdout
+
+
+def test_checks_fail_when_the_fault_goes_unnoticed(tmp_path):
+    write_runs(tmp_path)
+    write_losses(tmp_path / "fault", LOSSES)  # the negative control matches the plugin-off run
+    out = run_script(tmp_path, check_only=True, timeout=120)
+    assert out.returncode != 0 and "negative control" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("metrics, message", [
+    ({"fp8_align/records": "2.0"}, "chunks x pipeline ranks"),  # rank 0's view alone
+    ({"fp8_align/chunk1/slot_skew": "1.0"}, "slot_skew='1.0'"),  # lazy-like skew
+    ({"fp8_align/chunk0/transpose_ms": ""}, "no fp8_align/chunk0/transpose_ms"),
+], ids=["not-gathered", "skewed", "no-time"])
+def test_checks_fail_on_bad_logger_metrics(tmp_path, metrics, message):
+    write_runs(tmp_path, stock_metrics=metrics)
+    out = run_script(tmp_path, check_only=True, timeout=120)
+    assert out.returncode != 0 and message in out.stdout, out.stdout
 
 
 @pytest.mark.nemo
@@ -100,8 +146,8 @@ def test_checks_fail_when_losses_differ(tmp_path):
 def test_smoke_nemo(tmp_path):
     pytest.importorskip("nemo.collections.nlp.models.language_modeling.megatron_gpt_model",
                         reason="needs nemo_toolkit 2.3.3 (MegatronGPTModel)")
-    out = run_script(tmp_path, check_only=False, timeout=480)
+    out = run_script(tmp_path, check_only=False, timeout=1500)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert "smoke_nemo: OK" in out.stdout
-    for run in ("aligned", "callback"):
+    for run in ("aligned", "stock"):
         assert f"Alignment report, run '{run}'" in out.stdout

@@ -31,7 +31,12 @@ class _NoApexClass:
 class NemoCpuCompat:
     """Handle of the active NeMo patches; :meth:`undo` restores them (idempotent)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, reference_fp8: bool = True, check_provenance: bool = True) -> None:
+        #: The local layer spec's linears compute through reference FP8 weights
+        #: (:mod:`nemo_fp8_align.compat.reference_fp8_layers`), standing in for TE's FP8 Linear.
+        self.reference_fp8 = reference_fp8
+        #: Their GEMMs check that the FP8 copy they read was built from the current bytes.
+        self.check_provenance = check_provenance
         self._patches: List[Tuple[Any, str, Any]] = []
         self._env_set: List[str] = []
         self._mcore_compat: Any = None
@@ -81,6 +86,9 @@ class NemoCpuCompat:
         self._patch_bert_model_list()
         self._patch_layer_spec()
         self._patch_cuda_streams_and_rng()
+        self._patch_null_tokenizer()
+        if self.reference_fp8:
+            self._patch_optimizer_step_invalidates_fp8()
         return self
 
     def _patch_apex_checks(self) -> None:
@@ -145,10 +153,55 @@ class NemoCpuCompat:
 
                 num_experts = getattr(transformer_config, "num_moe_experts", None)
                 grouped = getattr(transformer_config, "moe_grouped_gemm", False)
-                return get_gpt_layer_local_spec(num_experts, grouped)
+                spec = get_gpt_layer_local_spec(num_experts, grouped)
+                if self.reference_fp8:
+                    # No TE FP8 Linear on the CPU: its stand-in, so the transformer layers'
+                    # GEMMs read FP8 weights and their cached transposes.
+                    spec = self._reference_fp8_spec(spec)
+                return spec
             return original_get_specs(spec_name, transformer_config, use_te, hyena_cfg, fp8)
 
         self._patch(gpt, "get_specs", get_specs)
+
+    def _reference_fp8_spec(self, spec: Any) -> Any:
+        from nemo_fp8_align.compat.reference_fp8_layers import with_reference_fp8_linears
+
+        return with_reference_fp8_linears(spec, check_provenance=self.check_provenance)
+
+    def _patch_optimizer_step_invalidates_fp8(self) -> None:
+        from nemo_fp8_align.compat.reference_fp8_layers import invalidate_reference_fp8_weights
+
+        base = self._module("nemo.collections.nlp.models.language_modeling.megatron_base_model")
+        original_step = base.MegatronBaseModel.optimizer_step
+
+        # Why: the training loop owns the FP8 caches' validity, as with TE (whose FP8 weights
+        # are rewritten after the optimizer step and their transposes dropped). After the step
+        # the reference FP8 copies are stale whether or not the plugin is attached; the next
+        # build (the plugin's slot, or first use) recasts them from the all-gathered bytes.
+        def optimizer_step(model: Any, *args: Any, **kwargs: Any) -> Any:
+            out = original_step(model, *args, **kwargs)
+            chunks = model.model if isinstance(model.model, list) else [model.model]
+            invalidate_reference_fp8_weights(chunks)
+            return out
+
+        self._patch(base.MegatronBaseModel, "optimizer_step", optimizer_step)
+
+    def _patch_null_tokenizer(self) -> None:
+        base = self._module("nemo.collections.nlp.models.language_modeling.megatron_base_model")
+        original_build = base.MegatronBaseModel._build_tokenizer
+
+        # Why: mock data needs only synthetic ids, which NeMo's NullTokenizer provides, but
+        # NeMo 2.3.3's _build_tokenizer cannot build it (get_nmt_tokenizer never gets a
+        # vocab_size). Build it from model.tokenizer.vocab_size; other libraries go to NeMo.
+        def build_tokenizer(model: Any) -> None:
+            if model._cfg.tokenizer.library != "null":
+                return original_build(model)
+            from nemo.collections.common.tokenizers.null_tokenizer import NullTokenizer
+
+            model.tokenizer = NullTokenizer(model._cfg.tokenizer.vocab_size)
+            return None
+
+        self._patch(base.MegatronBaseModel, "_build_tokenizer", build_tokenizer)
 
     def _patch_cuda_streams_and_rng(self) -> None:
         base = self._module("nemo.collections.nlp.models.language_modeling.megatron_base_model")
@@ -202,12 +255,20 @@ class NemoCpuCompat:
         if self._mcore_compat is not None:
             self._mcore_compat.undo()
             self._mcore_compat = None
+        global _ACTIVE
+        if _ACTIVE is self:
+            _ACTIVE = None
 
 
-def enable_nemo_cpu_compat() -> NemoCpuCompat:
+def enable_nemo_cpu_compat(*, reference_fp8: bool = True,
+                           check_provenance: bool = True) -> NemoCpuCompat:
     """Patch NeMo 2.3.3's GPT path to run on the CPU in this process (idempotent).
 
-    Refuses on a machine with CUDA. Returns the handle; ``undo()`` restores everything.
+    ``reference_fp8``: the transformer layers' linears compute through reference FP8 weights
+    (:mod:`nemo_fp8_align.compat.reference_fp8_layers`), invalidated after each optimizer step;
+    ``check_provenance``: their GEMMs raise on an FP8 copy built from other bytes than the
+    current ones. Refuses on a machine with CUDA. Returns the handle; ``undo()`` restores
+    everything.
     """
     global _ACTIVE
     if torch.cuda.is_available():
@@ -215,5 +276,6 @@ def enable_nemo_cpu_compat() -> NemoCpuCompat:
             "nemo_fp8_align.compat.cpu_nemo patches NeMo for CPU-only tests and the CPU smoke run "
             "and refuses to run on a machine with a GPU: drop trainer.accelerator=cpu there.")
     if _ACTIVE is None:
-        _ACTIVE = NemoCpuCompat().apply()
+        _ACTIVE = NemoCpuCompat(reference_fp8=reference_fp8,
+                                check_provenance=check_provenance).apply()
     return _ACTIVE

@@ -26,12 +26,13 @@ Forward-only passes (validation) never launch through the wrappers, so they trig
 
 FP8 weights: ``model.fp8_params=True`` means Transformer Engine ``Float8Tensor`` parameters
 (:attr:`FP8Weights.TE`, backend ``nemo_fp8_align.fp8.te_backend``). Where TE is absent (the CPU
-smoke run), a model class may set ``fp8_align_weights = FP8Weights.REFERENCE``: the 2-D GEMM
-weights of each chunk's transformer layers then get a plain-torch
-:class:`~nemo_fp8_align.fp8.reference.ReferenceFP8Weight` shadow, rebuilt (cast, scale,
-transpose) from the all-gathered parameter at the chunk's slot.
-The GPT's GEMMs do not read those shadows: they exercise where and when the transposes are
-built, not FP8 numerics; the TE-only config keys are then not required by the startup check.
+smoke run), a model class may set ``fp8_align_weights = FP8Weights.REFERENCE``: the aligner then
+builds the :class:`~nemo_fp8_align.fp8.reference.ReferenceFP8Weight` copies the chunks' layers
+compute with (``module.fp8_weight``, e.g. the CPU layers of
+:mod:`nemo_fp8_align.compat.reference_fp8_layers`, whose forward GEMM reads the FP8 data and whose
+data-gradient GEMM reads the cached transpose); the TE-only config keys are then not required
+by the startup check. As with TE, the model, not the plugin, marks those caches stale after
+each optimizer step.
 
 It also carries a workaround for a megatron-core 0.12.3 bucketing bug that stops NeMo's
 interleaved path with ``mcore_distributed_optim`` ("Param should not be in param_gbuf_map"):
@@ -54,9 +55,9 @@ from nemo_fp8_align.nemo.bucket_workaround import (SharedEmbeddingBucketError, c
                                                    shared_embedding_bucket_workaround)
 
 __all__ = ["FP8TransposeAlignMixin", "FP8Weights", "SharedEmbeddingBucketError", "build_aligner",
-           "check_buckets", "first_param_index", "hide_shared_embedding_flags", "model_chunks",
-           "restore_shared_embedding_flags", "schedule_launch",
-           "shared_embedding_bucket_workaround", "startup_check"]
+           "check_buckets", "detect_weights", "first_param_index", "hide_shared_embedding_flags",
+           "model_chunks", "reference_weights_of", "restore_shared_embedding_flags",
+           "schedule_launch", "shared_embedding_bucket_workaround", "startup_check"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +72,30 @@ class FP8Weights(str, enum.Enum):
 
     #: Transformer Engine ``Float8Tensor`` parameters (``model.fp8_params=True``).
     TE = "te"
-    #: Plain-torch reference FP8 shadows of each chunk's 2-D linear weights (no TE needed).
+    #: Plain-torch reference FP8 weights held by the chunks' layers as ``fp8_weight`` (no TE).
     REFERENCE = "reference"
+
+
+def reference_weights_of(module: torch.nn.Module) -> List[Any]:
+    """The :class:`~nemo_fp8_align.fp8.reference.ReferenceFP8Weight` objects ``module``'s layers
+    compute with (held as ``fp8_weight``), in module order, each once, named by their layer."""
+    from nemo_fp8_align.fp8.reference import ReferenceFP8Weight
+
+    found: List[Any] = []
+    seen = set()
+    for name, layer in module.named_modules():
+        weight = layer.__dict__.get("fp8_weight")
+        if isinstance(weight, ReferenceFP8Weight) and id(weight) not in seen:
+            seen.add(id(weight))
+            weight.name = name or weight.name
+            found.append(weight)
+    return found
+
+
+def detect_weights(chunks: Sequence[torch.nn.Module]) -> FP8Weights:
+    """REFERENCE when the chunks' layers hold reference FP8 weights (the CPU layers), else TE."""
+    has_reference = any(reference_weights_of(chunk) for chunk in chunks)
+    return FP8Weights.REFERENCE if has_reference else FP8Weights.TE
 
 
 def startup_check(cfg: Any, trainer: Any = None, *,
@@ -131,12 +154,11 @@ def schedule_launch(aligner: Any, chunk: int, launch: Any) -> Any:
 
 
 def build_aligner(model: Any, config: AlignConfig, *,
-                  weights: FP8Weights = FP8Weights.TE) -> Tuple[Any, List[Any]]:
+                  weights: FP8Weights = FP8Weights.TE) -> Any:
     """The rank's :class:`TransposeAligner` for a set-up NeMo GPT model (not attached yet).
 
     Call after the optimizer exists and before the first optimizer step (Apex's pre-forward
-    hooks are still disarmed then, so collecting parameters touches none). Returns the aligner
-    and the reference FP8 weights the caller must invalidate at each step start (empty for TE).
+    hooks are still disarmed then, so collecting parameters touches none).
     """
     from megatron.core import parallel_state
     from megatron.core.num_microbatches_calculator import get_num_microbatches
@@ -155,8 +177,7 @@ def build_aligner(model: Any, config: AlignConfig, *,
         dp_rank=parallel_state.get_data_parallel_rank(with_context_parallel=True),
         param_sync=_param_sync(model, chunks), weights=fp8_weights, backend=backend,
         config=config, telemetry=telemetry_writer(config.telemetry_path))
-    reference = [w for ws in fp8_weights for w in ws] if weights is FP8Weights.REFERENCE else []
-    return aligner, reference
+    return aligner
 
 
 def _param_sync(model: Any, chunks: Sequence[torch.nn.Module]) -> Any:
@@ -172,14 +193,10 @@ def _param_sync(model: Any, chunks: Sequence[torch.nn.Module]) -> Any:
 def _weights_and_backend(chunks: Sequence[torch.nn.Module], config: AlignConfig,
                          weights: FP8Weights) -> Tuple[List[List[Any]], Any]:
     if weights is FP8Weights.REFERENCE:
-        from nemo_fp8_align.fp8.reference import ReferenceBackend, ReferenceFP8Weight
+        from nemo_fp8_align.fp8.reference import ReferenceBackend
 
-        # The transformer layers' 2-D GEMM weights: what TE keeps in FP8 (not embeddings or
-        # the output layer).
-        return [[ReferenceFP8Weight(p, name=f"chunk{c}.{n}")
-                 for n, p in chunk.named_parameters() if p.dim() == 2 and ".layers." in n]
-                for c, chunk in enumerate(chunks)], ReferenceBackend(
-                    use_triton_kernel=config.use_triton_kernel)
+        return [reference_weights_of(chunk) for chunk in chunks], ReferenceBackend(
+            use_triton_kernel=config.use_triton_kernel)
     backend = _te_backend(config)
     # By type() only: isinstance() on a parameter could fire an armed Apex hook.
     return [backend.weights_of(chunk) for chunk in chunks], backend
@@ -213,9 +230,9 @@ class FP8TransposeAlignMixin:
         super().__init__(cfg, trainer, *args, **kwargs)
         self._fp8_align_config = align
         self._fp8_aligner: Any = None
-        self._fp8_align_reference: List[Any] = []
         self._fp8_align_chunk_of_first_param: Dict[int, int] = {}
         self._fp8_align_in_training_step = False
+        self._fp8_align_logged_step = -1
 
     # ------------------------------------------------------------------ public state
     @property
@@ -247,6 +264,21 @@ class FP8TransposeAlignMixin:
     def on_train_end(self) -> None:
         self.fp8_align_detach()
         super().on_train_end()
+
+    def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
+        super().on_train_batch_end(*args, **kwargs)
+        aligner = self._fp8_aligner
+        if aligner is None:
+            return
+        from nemo_fp8_align.nemo.metrics import last_step_records, log_step_metrics
+
+        new = last_step_records(aligner.records)
+        if not new or new[-1].step == self._fp8_align_logged_step:
+            new = []
+        else:
+            self._fp8_align_logged_step = new[-1].step
+        # Every rank: the gather over the pipeline ranks is a collective; rank 0 logs.
+        log_step_metrics(self, self.trainer, new)
 
     def teardown(self, stage: str) -> None:
         self.fp8_align_detach()
@@ -285,8 +317,8 @@ class FP8TransposeAlignMixin:
         self._fp8_align_in_training_step = False
 
     def _fp8_align_build(self) -> Any:
-        aligner, self._fp8_align_reference = build_aligner(
-            self, self._fp8_align_config, weights=FP8Weights(self.fp8_align_weights))
+        aligner = build_aligner(self, self._fp8_align_config,
+                                weights=FP8Weights(self.fp8_align_weights))
         self._fp8_align_chunk_of_first_param = first_param_index(model_chunks(self))
         return aligner
 
@@ -296,9 +328,6 @@ class FP8TransposeAlignMixin:
         aligner = self._fp8_aligner
         if forward_only or aligner is None or not aligner.attached:
             return super().fwd_bwd_step(dataloader_iter, forward_only, first_val_step)
-        # The optimizer step changed the high-precision weights: the shadows are stale.
-        for weight in self._fp8_align_reference:
-            weight.invalidate()
         with self._fp8_align_launch_notifications(aligner):
             return super().fwd_bwd_step(dataloader_iter, forward_only, first_val_step)
 

@@ -1,0 +1,64 @@
+"""Faults for the NeMo smoke run's spawned ranks (scripts/smoke_nemo.sh), test use only.
+
+Python imports ``sitecustomize`` at start-up from the first ``sys.path`` entry holding one; the
+smoke script puts this directory on ``PYTHONPATH`` for the runs that need it, so every rank
+torchrun spawns applies the faults named in ``NEMO_FP8_ALIGN_SMOKE_FAULTS`` (comma-separated)
+before NeMo starts. Nothing in the package imports this file.
+
+* ``deferred_all_gather``: a slow network taken to its limit. megatron-core's asynchronous
+  parameter all-gather delivers its bytes only when someone waits for it (the collective runs
+  at the wait, in the same order on every data-parallel rank), so any FP8 copy taken before the
+  wait is deterministically built from last step's bytes. A correct plugin is unaffected.
+* ``no_wait``: the plugin's wait for a chunk's all-gather returns at once and claims it is
+  complete (the fault the plugin-on/off loss comparison must catch).
+* ``unchecked``: the reference FP8 GEMMs skip their provenance check (StaleFP8Error), so a
+  stale FP8 copy is computed with and only the losses can show it.
+"""
+
+import os
+
+
+def _deferred_all_gather():
+    from megatron.core.distributed import param_and_grad_buffer
+
+    cls = param_and_grad_buffer._ParamAndGradBucketGroup
+    original = cls.start_param_sync
+
+    class _Deferred:
+        def __init__(self, group):
+            self.group = group
+
+        def wait(self):
+            self.group.param_gather_handle = None
+            original(self.group, force_sync=True)  # the all-gather itself, synchronous
+
+    def start_param_sync(self, force_sync=False):
+        if force_sync or not self.ddp_config.overlap_param_gather:
+            return original(self, force_sync=force_sync)
+        self.param_gather_handle = _Deferred(self)
+        self.param_gather_dispatched = True
+        return None
+
+    cls.start_param_sync = start_param_sync
+
+
+def _no_wait():
+    from nemo_fp8_align.engine.mcore_sync import McoreParamSync
+
+    McoreParamSync.finish = lambda self, chunk: True
+
+
+def _unchecked():
+    from nemo_fp8_align.fp8.reference import ReferenceFP8Weight
+
+    ReferenceFP8Weight.check_provenance = lambda self, use: None
+
+
+_FAULTS = {"deferred_all_gather": _deferred_all_gather, "no_wait": _no_wait,
+           "unchecked": _unchecked}
+
+for _name in filter(None, os.environ.get("NEMO_FP8_ALIGN_SMOKE_FAULTS", "").split(",")):
+    if _name not in _FAULTS:
+        raise SystemExit(f"NEMO_FP8_ALIGN_SMOKE_FAULTS: unknown fault {_name!r}; choose from "
+                         + ", ".join(sorted(_FAULTS)))
+    _FAULTS[_name]()
