@@ -49,6 +49,11 @@ class _ReferenceFP8GEMM:
     fp8_backend: ReferenceBackend
 
     def _init_fp8(self, check_provenance: bool) -> None:
+        if torch.cuda.is_available():
+            raise RuntimeError(
+                f"{type(self).__name__} stands in for Transformer Engine's FP8 Linear in CPU tests "
+                "and the CPU smoke run only, and refuses to build on a machine with a GPU: use "
+                "Transformer Engine there (model.transformer_engine=True, model.fp8=True).")
         if self.weight is None:  # type: ignore[attr-defined]
             raise ValueError(f"{type(self).__name__}: skip_weight_param_allocation=True is not "
                              "supported (the FP8 copy needs the layer's own weight)")
