@@ -53,6 +53,8 @@ def add_plan_parser(sub: "argparse._SubParsersAction") -> None:
                    help="side-stream transposes cost this many times their own time "
                    f"(default {OVERLAP_PENALTY_H200:.2f}, measured on the H200)")
     p.add_argument("--plot", metavar="PATH", default=None, help="write a Gantt PNG of lazy vs aligned")
+    p.add_argument("--plot-window", choices=["auto", "full"], default="auto",
+                   help="auto: a long step shows its warm-up, where the transposes are (default)")
     p.set_defaults(func=run_plan)
 
 
@@ -169,11 +171,15 @@ def run_plan(args: argparse.Namespace) -> int:
         return 2
     print(text, end="")
     if args.plot and timelines:
-        from nemo_fp8_align.timeline.gantt import plot_timelines
+        from nemo_fp8_align.timeline.gantt import plot_timelines, warmup_window
 
+        lazy, aligned = timelines[Placement.LAZY], timelines[Placement.ALIGNED]
+        window = None
+        if args.plot_window == "auto" and warmup_window(lazy) < 0.6 * lazy.step_time:
+            window = max(warmup_window(lazy), warmup_window(aligned))
         try:
-            plot_timelines([timelines[Placement.LAZY], timelines[Placement.ALIGNED]],
-                           ["lazy (today)", "aligned (this plugin)"], args.plot)
+            plot_timelines([lazy, aligned], ["lazy (today)", "aligned (this plugin)"], args.plot,
+                           window=window)
         except ImportError as err:
             print(f"nemo-fp8-align plan: {err}", file=sys.stderr)
             return 2

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 from nemo_fp8_align.timeline.simulate import Timeline
 
-__all__ = ["COLOURS", "plot_timelines", "require_matplotlib"]
+__all__ = ["COLOURS", "plot_timelines", "require_matplotlib", "warmup_window"]
 
 #: kind -> (colour, legend label); drawn in this order, so transposes end up on top of waits.
 COLOURS = {
@@ -31,9 +31,18 @@ def require_matplotlib():
     return plt
 
 
+def warmup_window(tl: Timeline) -> float:
+    """End of the interesting part of a long step: every rank's first backward, plus two
+    forward+backward pairs (the transposes all happen before it)."""
+    first_bwd = max(min(i.start for i in tl.of_kind("backward", r)) for r in range(tl.schedule.pp))
+    return min(tl.step_time, first_bwd + 2 * (tl.costs.forward + tl.costs.backward))
+
+
 def plot_timelines(timelines: Sequence[Timeline], titles: Sequence[str], path: str,
-                   unit: float = 1e-3, unit_name: str = "ms") -> None:
-    """One panel per timeline, one above the other, on a shared time axis (ranks x time)."""
+                   unit: float = 1e-3, unit_name: str = "ms",
+                   window: Optional[float] = None) -> None:
+    """One panel per timeline, one above the other, on a shared time axis (ranks x time);
+    ``window`` (seconds) shows only the step's beginning."""
     plt = require_matplotlib()
     from matplotlib.patches import Patch
 
@@ -45,16 +54,21 @@ def plot_timelines(timelines: Sequence[Timeline], titles: Sequence[str], path: s
             for rank in range(pp):
                 bars = [(i.start / unit, (i.end - i.start) / unit)
                         for i in tl.of_kind(kind, rank)]
-                if bars:
+                if bars:  # thin white edges keep neighbouring ops apart while they are wide
+                    wide = window is not None or len(tl.of_kind("forward", rank)) <= 64
                     ax.broken_barh(bars, (rank - 0.4, 0.8), facecolors=colour,
-                                   edgecolors="white" if kind in ("forward", "backward") else
-                                   colour, linewidth=0.3)
-        ax.axvline(tl.step_time / unit, color="black", linewidth=1)
+                                   edgecolors="white" if wide and kind in ("forward", "backward")
+                                   else colour, linewidth=0.4 if wide else 0)
+        if window is None or tl.step_time <= window:
+            ax.axvline(tl.step_time / unit, color="black", linewidth=1)
         ax.set_yticks(range(pp))
         ax.set_yticklabels([f"rank {r}" for r in range(pp)])
         ax.set_ylim(pp - 0.5, -0.5)
-        ax.set_title(f"{title}: step {tl.step_time / unit:.2f} {unit_name}", fontsize=10,
+        shown = "" if window is None else f" (first {window / unit:.0f} {unit_name} shown)"
+        ax.set_title(f"{title}: step {tl.step_time / unit:.2f} {unit_name}{shown}", fontsize=10,
                      loc="left")
+        if window is not None:
+            ax.set_xlim(0, window / unit)
     axes[-1, 0].set_xlabel(f"time from step start ({unit_name})")
     handles: List = [Patch(color=c, label=label) for c, label in COLOURS.values()]
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
