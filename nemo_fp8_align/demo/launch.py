@@ -12,11 +12,16 @@ from typing import Any, Dict, List, Optional
 import torch.multiprocessing as mp
 
 from nemo_fp8_align.config import Policy
+from nemo_fp8_align.demo.evidence import evidence_problems
 from nemo_fp8_align.demo.train import DemoOptions, run_rank
 from nemo_fp8_align.engine.schedule import InterleavedSchedule
 from nemo_fp8_align.engine.telemetry import record_problems
 
-__all__ = ["DemoResult", "run_demo", "alignment_problems", "format_report"]
+__all__ = ["DemoRankError", "DemoResult", "run_demo", "alignment_problems", "differences", "format_report"]
+
+
+class DemoRankError(RuntimeError):
+    """One or more demo ranks raised; the message holds each rank's own error, one per line."""
 
 
 @dataclass
@@ -45,8 +50,13 @@ def run_demo(opts: DemoOptions, telemetry_path: Optional[str] = None) -> DemoRes
     """
     InterleavedSchedule(opts.pp, opts.vp, opts.microbatches, opts.group_size)
     with tempfile.TemporaryDirectory(prefix="nemo_fp8_align_demo_") as out_dir:
-        mp.start_processes(run_rank, args=(opts.world_size, _free_port(), opts, out_dir, True),
-                           nprocs=opts.world_size, join=True, start_method="spawn")
+        try:
+            mp.start_processes(run_rank, args=(opts.world_size, _free_port(), opts, out_dir, True),
+                               nprocs=opts.world_size, join=True, start_method="spawn")
+        except Exception as err:
+            errors = [open(os.path.join(out_dir, name), encoding="utf-8").read()
+                      for name in sorted(os.listdir(out_dir)) if name.endswith(".error")]
+            raise DemoRankError("\n".join(errors) or str(err)) from err
         ranks = []
         for rank in range(opts.world_size):
             with open(os.path.join(out_dir, f"rank{rank}.json"), encoding="utf-8") as f:
@@ -70,13 +80,32 @@ def alignment_problems(result: DemoResult) -> List[str]:
                                 f"{sorted(set(builds))}, expected exactly 1")
         if r["eval_builds"]:
             problems.append(f"rank {r['rank']}: forward-only passes built {r['eval_builds']} transposes")
+        # Plugin off builds at first use, as lazy observes.
+        problems.extend(f"rank {r['rank']}: {p}" for p in evidence_problems(
+            r["evidence"], pp_rank=r["pp_rank"], lazy_steps=r["unlaunched_steps"],
+            policy="aligned" if opts.policy is Policy.ALIGNED else "lazy"))
     if opts.policy is Policy.OFF:
         return problems
-    expected = opts.steps * opts.world_size * opts.vp
+    launched = opts.steps - len(result.ranks[0]["unlaunched_steps"])
+    expected = launched * opts.world_size * opts.vp
     if len(result.records) != expected:
         problems.append(f"{len(result.records)} telemetry records, expected {expected}")
     problems.extend(record_problems(result.records, policy=opts.policy.value))
     return problems
+
+
+def differences(result: DemoResult, reference: DemoResult) -> List[str]:
+    """Where ``result`` is not bit-identical to ``reference`` (same shape, another policy):
+    per-step losses, and every rank's gradient and parameter buffer digests."""
+    out = []
+    if result.losses() != reference.losses():
+        out.append(f"losses {result.losses()} != {reference.losses()}")
+    for mine, theirs in zip(result.ranks, reference.ranks):
+        for key in ("grads", "params"):
+            steps = [i for i, (a, b) in enumerate(zip(mine[key], theirs[key])) if a != b]
+            if steps or len(mine[key]) != len(theirs[key]):
+                out.append(f"rank {mine['rank']}: {key} differ at steps {steps}")
+    return out
 
 
 def format_report(result: DemoResult) -> str:

@@ -11,7 +11,7 @@ import hashlib
 import json
 import os
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Iterator, List, Optional
 
@@ -36,9 +36,19 @@ class DemoOptions:
     steps: int = 3
     policy: Policy = Policy.ALIGNED
     micro_batch_size: int = 2
-    eval_after_each_step: bool = True
+    #: A forward-only pass after every step. Off by default: its DDP pre-hooks all-gather and
+    #: wait for the new parameters, which would hide a missing wait in the next step.
+    eval_after_each_step: bool = False
     device: str = "cpu"
     model: DemoModelConfig = field(default_factory=DemoModelConfig)
+    #: A named fault from :mod:`nemo_fp8_align.demo.faults` to inject in every rank (tests).
+    fault: Optional[str] = None
+    #: The GEMMs check that the FP8 copies they read match the parameter bytes (a digest per
+    #: read; see ReferenceFP8Weight.check_provenance). Off for timing.
+    check_provenance: bool = True
+    #: Save a checkpoint before this step and resume from it in a new model, optimizer and
+    #: aligner, Megatron-LM style (its first step without pre-hooks or launches).
+    resume_at: Optional[int] = None
 
     @property
     def world_size(self) -> int:
@@ -89,7 +99,7 @@ def _build(opts: DemoOptions, pp_rank: int):
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=True, use_distributed_optimizer=True,
         overlap_param_gather=True, align_param_gather=True, bucket_size=20000)
-    backend = ReferenceBackend()
+    backend = ReferenceBackend(check_provenance=opts.check_provenance)
     chunks = []
     for c in range(opts.vp):
         # First/last virtual stage computed here: parallel_state's helpers changed their
@@ -174,20 +184,34 @@ class PipelineRun:
         self.aligner.detach()
 
 
-def _train(opts: DemoOptions, telemetry_path: Optional[str]) -> Dict[str, Any]:
+def _train(opts: DemoOptions, telemetry_path: Optional[str], out_dir: str) -> Dict[str, Any]:
+    from nemo_fp8_align.demo import checkpoint
+    from nemo_fp8_align.demo.evidence import EvidenceLog
+
+    def start(run: PipelineRun) -> EvidenceLog:
+        return EvidenceLog([c.module for c in run.chunks],
+                           [c.module.fp8_weights() for c in run.chunks], run.backend)
+
     run = PipelineRun(opts, telemetry_path)
+    evidence, logs = start(run), []
     result: Dict[str, Any] = {"pp_rank": run.pp_rank, "dp_rank": run.dp_rank, "losses": [],
-                              "grads": [], "params": [], "builds_per_step": [], "eval_builds": 0}
+                              "grads": [], "params": [], "builds_per_step": [], "eval_builds": 0,
+                              "records": [], "unlaunched_steps": [], "unlaunched_forwards": 0}
     for step in range(opts.steps):
-        built_before = [w.transposes_built for w in run.weights]
-        loss = run.forward_backward(step)
-        result["builds_per_step"].append(
-            [w.transposes_built - b for w, b in zip(run.weights, built_before)])
-        result["grads"].append(_digest([b.grad_data for c in run.chunks for b in c.buffers]))
-        run.optimizer_step()
-        result["params"].append(_digest([b.param_data for c in run.chunks for b in c.buffers]))
-        if loss is not None:
-            result["losses"].append(loss)
+        after_load = opts.resume_at == step
+        if after_load:  # save, then continue in a new run loaded from the checkpoint
+            checkpoint.save(run, out_dir)
+            result["records"] += [asdict(r) for r in run.aligner.records]
+            logs.append(evidence.as_dict())
+            evidence.close()
+            run.close()
+            run = PipelineRun(opts, telemetry_path)
+            run.aligner.set_next_step(step + 1)  # step `step` itself runs without launches
+            checkpoint.load(run, out_dir)
+            evidence = start(run)
+            result["unlaunched_steps"].append(step)
+        with checkpoint.first_step_after_load(run) if after_load else nullcontext():
+            _train_step(run, evidence, step, result)
         if opts.eval_after_each_step:
             records_before = len(run.aligner.records)
             built_before = [w.transposes_built for w in run.weights]
@@ -195,9 +219,27 @@ def _train(opts: DemoOptions, telemetry_path: Optional[str]) -> Dict[str, Any]:
             result["eval_builds"] += sum(w.transposes_built - b
                                          for w, b in zip(run.weights, built_before))
             result["eval_builds"] += len(run.aligner.records) - records_before
-    result["records"] = [asdict(r) for r in run.aligner.records]
+    result["records"] += [asdict(r) for r in run.aligner.records]
+    logs.append(evidence.as_dict())
+    result["evidence"] = {key: [row for log in logs for row in log[key]] for key in logs[0]}
+    result["unlaunched_forwards"] = run.aligner.unlaunched_forwards
+    evidence.close()
     run.close()
     return result
+
+
+def _train_step(run: PipelineRun, evidence: Any, step: int, result: Dict[str, Any]) -> None:
+    built_before = [w.transposes_built for w in run.weights]
+    evidence.step = step
+    loss = run.forward_backward(step)
+    evidence.step = -1
+    result["builds_per_step"].append(
+        [w.transposes_built - b for w, b in zip(run.weights, built_before)])
+    result["grads"].append(_digest([b.grad_data for c in run.chunks for b in c.buffers]))
+    run.optimizer_step()
+    result["params"].append(_digest([b.param_data for c in run.chunks for b in c.buffers]))
+    if loss is not None:
+        result["losses"].append(loss)
 
 
 def _quiet_cpu_warnings() -> None:
@@ -245,9 +287,20 @@ def run_rank(rank: int, world_size: int, port: int, opts: DemoOptions, out_dir: 
              telemetry: bool) -> None:
     """Entry point of one spawned rank; writes ``rank{N}.json`` (and telemetry) to out_dir."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    with distributed(rank, world_size, opts):
-        path = os.path.join(out_dir, f"telemetry.rank{rank}.jsonl") if telemetry else None
-        result = _train(opts, path)
-        result["rank"] = rank
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w", encoding="utf-8") as f:
-            json.dump(result, f)
+    if opts.fault is not None:
+        from nemo_fp8_align.demo.faults import inject
+
+        inject(opts.fault)  # this process only, for its whole life
+    try:
+        with distributed(rank, world_size, opts):
+            path = os.path.join(out_dir, f"telemetry.rank{rank}.jsonl") if telemetry else None
+            result = _train(opts, path, out_dir)
+            result["rank"] = rank
+            with open(os.path.join(out_dir, f"rank{rank}.json"), "w", encoding="utf-8") as f:
+                json.dump(result, f)
+    except Exception as err:
+        # The launcher reports whichever rank it noticed first, often a peer that only lost
+        # its connection: leave this rank's own error for run_demo to report with the others.
+        with open(os.path.join(out_dir, f"rank{rank}.error"), "w", encoding="utf-8") as f:
+            f.write(f"rank {rank}: {type(err).__name__}: {err}")
+        raise

@@ -39,6 +39,11 @@ __all__ = ["ChunkParamSync", "StepMismatchError", "TransposeAligner", "Transpose
 
 logger = logging.getLogger(__name__)
 
+#: Records kept in memory per aligner (``TransposeAligner.records`` holds between this many and
+#: twice as many, the newest; the telemetry file has them all): a few MiB, where a 75k-step run
+#: kept ~100 MiB per rank without a bound.
+RECORDS_KEPT = 4096
+
 
 class StepMismatchError(RuntimeError):
     """The running step differs from the schedule the aligner planned (raised on every rank)."""
@@ -106,7 +111,7 @@ class TransposeAligner:
         self.backend = backend
         self.config = config
         self.telemetry = telemetry
-        self.records: List[TransposeRecord] = []
+        self.records: List[TransposeRecord] = []  # bounded: the newest RECORDS_KEPT or more
         self._clock = clock
         self._num_microbatches = num_microbatches
         self._plan(schedule)
@@ -221,6 +226,14 @@ class TransposeAligner:
         if chunk == 1 and self._vmid == 0 and self.config.policy is Policy.ALIGNED:
             for c in self._triggers.get(AT_START, []):
                 self._handle(c, AT_START)
+
+    def set_next_step(self, step: int) -> None:
+        """Number the next training step ``step`` in the records (e.g. the trainer's
+        ``global_step`` after a resume, so telemetry steps continue instead of restarting)."""
+        if self._vmid is not None:
+            raise RuntimeError(f"set_next_step({step}) inside training step {self._step}: call it "
+                               "between steps")
+        self._step = step - 1
 
     def on_step_end(self) -> None:
         """The training step's forwards and backwards are over (megatron-core calls
@@ -373,5 +386,7 @@ class TransposeAligner:
             aligned_slot=self.schedule.aligned_slot(chunk), weights=len(self.weights[chunk]),
             t_launch=self._launched.get(chunk), **fields)
         self.records.append(record)
+        if len(self.records) >= 2 * RECORDS_KEPT:  # trimmed in halves: amortised O(1) per record
+            del self.records[:-RECORDS_KEPT]
         if self.telemetry is not None:
             self.telemetry.write(record)

@@ -1,0 +1,16 @@
+"""Demo runs shared by the engine and fault tests: each shape/policy/fault runs once per session."""
+
+import functools
+
+from nemo_fp8_align.config import Policy
+from nemo_fp8_align.demo.launch import run_demo
+from nemo_fp8_align.demo.train import DemoOptions
+
+
+@functools.lru_cache(maxsize=None)
+def demo(pp, vp, dp, m, policy, steps=2, n=None, eval_after_each_step=False, fault=None,
+         check_provenance=True, resume_at=None):
+    return run_demo(DemoOptions(pp=pp, vp=vp, dp=dp, microbatches=m, group_size=n, steps=steps,
+                                policy=Policy(policy), eval_after_each_step=eval_after_each_step,
+                                fault=fault, check_provenance=check_provenance,
+                                resume_at=resume_at))
