@@ -89,6 +89,14 @@ class Checks:
             print(f"\nLogger row of run '{name}', last step: " + ", ".join(
                 f"{k}={v}" for k, v in rows[-1].items() if k.startswith("fp8_align/") and v))
 
+    def attached_once(self, name, line):
+        """The plugin said where it attached, once (global rank 0), in the run's log."""
+        path = self.path(name, "log.txt")
+        text = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
+        if text.count(line) != 1:
+            self.errors.append(f"{name}: {text.count(line)} lines with {line!r} in {path}, "
+                               "expected 1")
+
     def equal_losses(self, name, baseline):
         a, b = self.losses(name), self.losses(baseline)
         if len(a) < 3 or not all(math.isfinite(x) for x in a):
@@ -140,6 +148,7 @@ def main(out):
         c.errors.append("the stock-flow run (entry-point callback) placed transposes differently "
                         "from the mixin run")
     c.logged_metrics("stock")
+    c.attached_once("stock", "aligned FP8 transposes attached (entry point")
     if c.records("off"):
         c.errors.append("off: plugin disabled but telemetry was written")
     print()

@@ -7,6 +7,7 @@ megatron-core's parallel state) is replaced by a recorder. The callback on NeMo'
 MegatronGPTModel runs in tests/test_smoke_nemo.py.
 """
 
+import logging
 import os
 import pickle
 
@@ -103,6 +104,9 @@ class NemoLikeModule(LightningModule):
 
 
 class FakeAligner:
+    weights = [[None] * 4, [None] * 4]
+    backend = type("Backend", (), {"name": "fake"})
+
     def __init__(self):
         self.records, self.launched, self.attached_ = [], [], False
 
@@ -112,6 +116,12 @@ class FakeAligner:
 
     def detach(self):
         self.attached_ = False
+
+    def set_next_step(self, step):
+        self.next_steps = getattr(self, "next_steps", []) + [step]
+
+    def on_step_end(self):
+        self.step_ends = getattr(self, "step_ends", 0) + 1
 
     def on_param_sync_launched(self, chunk):
         self.launched.append(chunk)
@@ -319,10 +329,12 @@ def test_entry_point_is_registered_and_inert_without_the_block(monkeypatch):
     assert aligners == []
 
 
-def test_entry_point_attaches_when_the_block_enables_the_plugin(monkeypatch):
+def test_entry_point_attaches_when_the_block_enables_the_plugin(monkeypatch, caplog):
     cfg = smoke_cfg().model
     module = ReferenceNemoLikeModule(cfg)
-    trainer, (aligner,) = run_fit(monkeypatch, [], module)
+    with caplog.at_level(logging.INFO):
+        trainer, (aligner,) = run_fit(monkeypatch, [], module)
+    assert "aligned FP8 transposes attached (entry point" in caplog.text
     (cb,) = entry_point_callbacks(trainer)
     assert aligner.launched == [0, 1] * 3 and cb.steps == 3
     assert not aligner.attached_ and all("start_param_sync" not in c.__dict__ for c in module.model)
@@ -379,3 +391,33 @@ def test_repeated_fit_attaches_once_per_fit(monkeypatch):
     _, second = run_fit(monkeypatch, cb, module)
     assert len(first) == len(second) == 1 and not first[0].attached_
     assert second[0].launched == [0, 1] * 3  # no launch notified twice: one wrapper per chunk
+
+
+def test_steps_follow_global_step_across_a_resume(monkeypatch, tmp_path):
+    cfg = smoke_cfg().model
+    trainer, (first,) = run_fit(monkeypatch, FP8TransposeAlignment(), ReferenceNemoLikeModule(cfg))
+    assert first.next_steps == [0, 1, 2] and first.step_ends == 3
+    ckpt = tmp_path / "step3.ckpt"
+    trainer.save_checkpoint(ckpt)
+    aligners = []
+    monkeypatch.setattr(callback_module, "build_aligner",
+                        lambda model, config, *, weights: aligners.append(FakeAligner())
+                        or aligners[-1])
+    resumed = Trainer(accelerator="cpu", devices=1, max_steps=5, logger=False,
+                      callbacks=[FP8TransposeAlignment()], enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False)
+    resumed.fit(ReferenceNemoLikeModule(cfg), ckpt_path=ckpt)
+    assert aligners[0].next_steps == [3, 4]  # not 0, 1: the telemetry continues
+
+
+def test_unwritable_or_shared_telemetry_path_fails_at_setup(monkeypatch, tmp_path):
+    cfg = smoke_cfg().model
+    cfg.fp8_transpose_align.telemetry_path = str(tmp_path / "missing_dir" / "t.rank{rank}.jsonl")
+    with pytest.raises(ValueError, match="cannot write .*missing_dir"):
+        run_fit(monkeypatch, FP8TransposeAlignment(), ReferenceNemoLikeModule(cfg))
+    from nemo_fp8_align.nemo.mixin import check_telemetry_path
+
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 4)
+    with pytest.raises(ValueError, match=r"no \{rank\} but 4 ranks"):
+        check_telemetry_path(str(tmp_path / "shared.jsonl"))

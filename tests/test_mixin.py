@@ -113,7 +113,13 @@ class FakeAligner:
     attached = True
 
     def __init__(self):
-        self.launched = []
+        self.launched, self.steps, self.step_ends = [], [], 0
+
+    def set_next_step(self, step):
+        self.steps.append(step)
+
+    def on_step_end(self):
+        self.step_ends += 1
 
     def on_param_sync_launched(self, chunk):
         self.launched.append(chunk)
@@ -145,6 +151,8 @@ def bare_model(use_mcore):
     model._fp8_align_in_training_step = False
     model._fp8_align_chunk_of_first_param = {
         id(next(iter(c.parameters()))): i for i, c in enumerate(model.model)}
+    model._fabric, model._jit_is_scripting = None, False
+    model._trainer = SimpleNamespace(global_step=7, log_every_n_steps=1, is_global_zero=True)
     return model
 
 
@@ -172,6 +180,8 @@ def test_training_step_launches_reach_the_aligner_and_nothing_is_left_behind(
     model = bare_model(use_mcore)
     assert model.fwd_bwd_step(iter([]), forward_only=False) == "loss"
     assert model._fp8_aligner.launched == [0, 1]
+    # Numbered by the trainer's global_step (resume-proof), and closed when fwd_bwd returns.
+    assert model._fp8_aligner.steps == [7] and model._fp8_aligner.step_ends == 1
     if use_mcore:
         assert [c.started for c in model.model] == [2, 1]
         assert all("start_param_sync" not in c.__dict__ for c in model.model)
@@ -318,8 +328,6 @@ def test_mixin_logs_each_step_once_with_the_gathered_metrics(monkeypatch):
                         lambda self, metrics, **kw: logged.append((metrics, kw)), raising=False)
     model = bare_model(use_mcore=True)
     model._fp8_align_logged_step = -1
-    model._fabric, model._jit_is_scripting = None, False
-    model._trainer = SimpleNamespace(global_step=1, log_every_n_steps=1, is_global_zero=True)
 
     def rec(step, chunk, slot):
         return TransposeRecord(step=step, pp_rank=0, dp_rank=0, chunk=chunk, policy="lazy",
@@ -335,3 +343,18 @@ def test_mixin_logs_each_step_once_with_the_gathered_metrics(monkeypatch):
     assert metrics["fp8_align/chunk1/slot_to_valid_ms"] == 500.0
     assert "fp8_align/chunk1/wait_ms" not in metrics  # lazy: the wait is not observed
     assert kwargs["rank_zero_only"] and kwargs["on_step"] and not kwargs["on_epoch"]
+
+
+def test_exception_inside_a_training_step_detaches(monkeypatch):
+    def failing_fwd_bwd_step(self, dataloader_iter, forward_only, first_val_step=None):
+        [c.start_param_sync for c in self.model][0](self.model[0].parameters())
+        raise ValueError("boom")
+
+    monkeypatch.setattr(MegatronGPTModel, "fwd_bwd_step", failing_fwd_bwd_step)
+    model = bare_model(use_mcore=True)
+    detached = []
+    model._fp8_aligner.detach = lambda: detached.append(1)
+    with pytest.raises(ValueError, match="boom"):
+        model.fwd_bwd_step(iter([]), forward_only=False)
+    assert detached == [1] and model.fp8_aligner is None
+    assert all("start_param_sync" not in c.__dict__ for c in model.model)

@@ -67,6 +67,8 @@ def write_runs(tmp_path, mutate=None, stock_metrics=None):
         run.mkdir()
         if name == "stock":
             write_logger_csv(run, LOSSES, stock_metrics)
+            (run / "log.txt").write_text("INFO: nemo_fp8_align: aligned FP8 transposes attached "
+                                         "(entry point; 2 chunks)\n")
         else:
             write_losses(run, FAULT_LOSSES if name == "fault" else LOSSES)
         if name in ("off", "fault"):

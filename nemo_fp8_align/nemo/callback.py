@@ -28,6 +28,7 @@ import logging
 from typing import Any, Dict, List, Optional, Union
 
 from lightning.pytorch import Callback
+from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from nemo_fp8_align.config import AlignConfig
@@ -37,6 +38,7 @@ from nemo_fp8_align.nemo.mixin import (
     FP8Weights,
     build_aligner,
     check_buckets,
+    check_telemetry_path,
     detect_weights,
     first_param_index,
     hide_shared_embedding_flags,
@@ -114,6 +116,7 @@ class FP8TransposeAlignment(Callback):
         self._first_param: Dict[int, int] = {}
         self._wrapped: List[Any] = []
         self._active = False
+        self._weights = self.weights
         self._counted_step = -1
 
     @property
@@ -126,7 +129,8 @@ class FP8TransposeAlignment(Callback):
     # ------------------------------------------------------------------ pickling
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
-        for key in ("_aligner", "_first_param", "_wrapped", "_active", "_counted_step"):
+        for key in ("_aligner", "_first_param", "_wrapped", "_active", "_weights",
+                    "_counted_step"):
             state.pop(key, None)
         return state
 
@@ -165,9 +169,9 @@ class FP8TransposeAlignment(Callback):
                 f"trainer.callbacks holds {len(others) + 1} FP8TransposeAlignment callbacks: the "
                 "plugin attaches once per model. Keep one (its settings win over "
                 "model.fp8_transpose_align).")
-        if self.weights is None:
-            self.weights = detect_weights(model_chunks(pl_module))
-        startup_check(self._cfg_with_block(cfg), trainer, weights=self.weights)
+        self._weights = self.weights or detect_weights(model_chunks(pl_module))
+        startup_check(self._cfg_with_block(cfg), trainer, weights=self._weights)
+        check_telemetry_path(self.config.telemetry_path)
         self._active = True
         if getattr(pl_module, "use_mcore_dist_optim", False):
             self._wrap_ddp_setup(pl_module)
@@ -218,15 +222,23 @@ class FP8TransposeAlignment(Callback):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if not self._active or self._aligner is not None:
             return
-        aligner = build_aligner(pl_module, self.config, weights=self.weights)
+        aligner = build_aligner(pl_module, self.config, weights=self._weights)
         if aligner.attach():
             self._aligner = aligner
             self._first_param = first_param_index(model_chunks(pl_module))
+            # Lightning's rank-zero logger is the one NeMo's logs show (once, not per rank).
+            rank_zero_info(
+                f"nemo_fp8_align: {self.config.policy.value} FP8 transposes attached "
+                f"({'entry point' if self.from_entry_point else 'callback'}; "
+                f"{len(aligner.weights)} chunks, FP8 weights per chunk "
+                f"{[len(w) for w in aligner.weights]}, backend {aligner.backend.name})")
 
     @override
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
                              batch_idx: int) -> None:
         if self._aligner is not None:
+            # Telemetry steps follow global_step (also after a resume from a checkpoint).
+            self._aligner.set_next_step(trainer.global_step)
             self._wrap_launches(pl_module)
 
     @override
@@ -235,6 +247,7 @@ class FP8TransposeAlignment(Callback):
         self._unwrap_launches()
         if self._aligner is None:
             return
+        self._aligner.on_step_end()  # every forward planned ran (NeMo has no finalize hook for it)
         new = last_step_records(self._aligner.records)
         if new and new[-1].step != self._counted_step:
             self._counted_step = new[-1].step

@@ -55,7 +55,7 @@ from nemo_fp8_align.nemo.bucket_workaround import (SharedEmbeddingBucketError, c
                                                    shared_embedding_bucket_workaround)
 
 __all__ = ["FP8TransposeAlignMixin", "FP8Weights", "SharedEmbeddingBucketError", "build_aligner",
-           "check_buckets", "detect_weights", "first_param_index", "hide_shared_embedding_flags",
+           "check_buckets", "check_telemetry_path", "detect_weights", "first_param_index", "hide_shared_embedding_flags",
            "model_chunks", "reference_weights_of", "restore_shared_embedding_flags",
            "schedule_launch", "shared_embedding_bucket_workaround", "startup_check"]
 
@@ -113,6 +113,32 @@ def startup_check(cfg: Any, trainer: Any = None, *,
     if violations:
         raise FP8AlignConfigError(violations)
     return align_config_from(cfg)
+
+
+def check_telemetry_path(path: Optional[str]) -> None:
+    """Fail at startup, on the rank that cannot, when ``telemetry_path`` is unusable: several
+    ranks but no ``{rank}`` (all would append to one file), or this rank's file not writable
+    (which the lazily opened writer would otherwise report at step 1, killing the run)."""
+    if not path:
+        return
+    import torch.distributed as dist
+
+    from nemo_fp8_align.engine.api import telemetry_writer
+
+    key = "model.fp8_transpose_align.telemetry_path"
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if world > 1 and "{rank}" not in path:
+        raise ValueError(f"{key}={path!r} has no {{rank}} but {world} ranks would append to it. "
+                         f"Fix: {key}=<dir>/fp8_align.rank{{rank}}.jsonl")
+    resolved = telemetry_writer(path).path
+    try:
+        with open(resolved, "a", encoding="utf-8"):
+            pass
+    except OSError as err:
+        raise ValueError(
+            f"{key}={path!r}: cannot write {resolved!r} on this rank ({err.strerror or err}). "
+            f"Fix: a directory that exists and is writable on every node, e.g. "
+            f"{key}=/results/fp8_align.rank{{rank}}.jsonl, or {key}=null.") from None
 
 
 def _data_parallel_size(cfg: Any, trainer: Any) -> Optional[int]:
@@ -257,6 +283,11 @@ class FP8TransposeAlignMixin:
             check_buckets(self.model if isinstance(self.model, list) else [self.model])
 
     # ------------------------------------------------------------------ lifecycle
+    def setup(self, stage: Optional[str] = None) -> None:
+        if stage == "fit" and self._fp8_align_config.active:
+            check_telemetry_path(self._fp8_align_config.telemetry_path)  # before any work
+        super().setup(stage)
+
     def on_train_start(self) -> None:
         super().on_train_start()
         self.fp8_align_attach()
@@ -328,8 +359,18 @@ class FP8TransposeAlignMixin:
         aligner = self._fp8_aligner
         if forward_only or aligner is None or not aligner.attached:
             return super().fwd_bwd_step(dataloader_iter, forward_only, first_val_step)
-        with self._fp8_align_launch_notifications(aligner):
-            return super().fwd_bwd_step(dataloader_iter, forward_only, first_val_step)
+        # Telemetry steps follow global_step (also after a resume from a checkpoint).
+        aligner.set_next_step(self.trainer.global_step)
+        try:
+            with self._fp8_align_launch_notifications(aligner):
+                out = super().fwd_bwd_step(dataloader_iter, forward_only, first_val_step)
+        except BaseException:
+            # A step cut short: no hooks or half-open step left behind (Lightning calls no
+            # LightningModule teardown after an exception); a later fit attaches afresh.
+            self.fp8_align_detach()
+            raise
+        aligner.on_step_end()  # every forward planned ran (NeMo has no finalize hook for it)
+        return out
 
     @contextlib.contextmanager
     def _fp8_align_launch_notifications(self, aligner: Any) -> Iterator[None]:
