@@ -78,7 +78,7 @@ def gpt_config(o: Opts, **extra: Any):
 
 
 def gpt_chunks(o: Opts, config: Any, spec: Any, pp_rank: int) -> List[torch.nn.Module]:
-    """This rank's VP model chunks (GPTModel; on the GPU inside megatron-core's Float16Module)."""
+    """This rank's VP model chunks (GPTModel; on the GPU: bf16, FP8 weights as TE made them)."""
     from megatron.core.models.gpt import GPTModel
 
     chunks = []
@@ -88,12 +88,31 @@ def gpt_chunks(o: Opts, config: Any, spec: Any, pp_rank: int) -> List[torch.nn.M
                          post_process=pp_rank == o.pp - 1 and c == o.vp - 1,
                          share_embeddings_and_output_weights=False, vp_stage=c)
         if not o.cpu_dry_run:
-            # As Megatron-LM does for bf16: casts the first stage's inputs (the learned position
-            # embedding is a plain fp32 torch.nn.Embedding) and the last stage's outputs.
-            from megatron.core.transformer.module import Float16Module
-            model = Float16Module(config, model.cuda())
+            _to_gpu_bf16(model)
         chunks.append(model)
     return chunks
+
+
+def _to_gpu_bf16(model: torch.nn.Module) -> None:
+    """Move the CPU-made pieces (the learned position embedding is a plain fp32
+    ``torch.nn.Embedding``) to the GPU in bf16, leaving TE's FP8 parameters untouched.
+
+    Megatron-LM wraps each chunk in megatron-core's Float16Module instead (``module.bfloat16()``
+    plus casts of the first stage's inputs and the last stage's outputs); on the H200 a probe
+    (gpu/run_real_stack.sh) showed it keeps TE 2.20's Float8Tensor parameters as they are, so
+    for the FP8 weights the two are the same. Here the tokens are integers and the loss is
+    taken in float32, so the casts are not needed.
+    """
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is None:
+                continue
+            dtype = torch.bfloat16 if param.dtype == torch.float32 else param.dtype
+            if param.device.type != "cuda" or dtype != param.dtype:
+                param.data = param.data.to("cuda", dtype)
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.device.type != "cuda":
+                module._buffers[name] = buf.cuda()
 
 
 def _build(o: Opts, pp_rank: int):

@@ -32,6 +32,17 @@ APEX_PID=$!
 wait $TE_PID; el "TE extension build rc=$?"; tail -2 /tmp/te_build.log
 export PYTHONPATH=/tmp/site:/tmp/site3:$REPO
 python3 -c "import torch, transformer_engine as t, transformer_engine.pytorch, megatron.core as m; print('torch', torch.__version__, 'TE', t.__version__, 'megatron-core', m.__version__, torch.cuda.get_device_name(0))" 2>&1 | tail -2
+# Why the harness does not wrap chunks in megatron-core's Float16Module (it calls module.bfloat16()):
+python3 - > /tmp/rs/float16module_probe.log 2>&1 <<'PY'
+import torch, transformer_engine.pytorch as te
+from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer import TransformerConfig
+with te.fp8_model_init(enabled=True):
+    lin = te.Linear(256, 256, bias=False, params_dtype=torch.bfloat16)
+cfg = TransformerConfig(num_layers=1, hidden_size=256, num_attention_heads=4, bf16=True)
+print("before Float16Module:", type(lin.weight).__name__, "after:", type(Float16Module(cfg, lin).module.weight).__name__)
+PY
+tail -1 /tmp/rs/float16module_probe.log
 run() {  # name, timeout, command...
   local name=$1 limit=$2; shift 2
   el "start $name"
@@ -55,7 +66,7 @@ if [ "$WHAT" != apex ]; then
 fi
 if [ "$WHAT" != mcore ]; then
   apex_ready
-  left 450 && run apex_dp2_delayed 140 python3 gpu/real_stack_apex.py --dp 2 --recipe delayed
+  left 470 && run apex_dp2_delayed 130 python3 gpu/real_stack_apex.py --dp 2 --recipe delayed
 fi
 if [ "$WHAT" != apex ]; then
   left 480 && run mcore_dp1_delayed 100 python3 gpu/real_stack_mcore.py --dp 1 --recipe delayed
