@@ -38,6 +38,7 @@ def test_plan_prints_every_placement(capsys):
     (["--model", "gpt3-175b", "--gpu", "a100"], "--gpu 'a100' is not known"),
     (["--layers", "8"], "missing --hidden --heads --ffn"),
     (["--model", "gpt3-175b", "--global-batch", "100", "--dp", "3"], "not a multiple"),
+    (["--model", "gpt3-175b", "--tflops", "0"], "--tflops 0.0: must be > 0"),
 ])
 def test_plan_bad_inputs(argv, needle, capsys):
     assert main(["plan", *argv]) == 2

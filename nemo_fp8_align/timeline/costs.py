@@ -118,6 +118,11 @@ def chunk_costs(model: ModelShape, layout: Layout, gpu: GpuProfile, *,
     if model.hidden % layout.tp or model.hidden % model.heads:
         raise PlanInputError(f"hidden size {model.hidden} must be divisible by --tp {layout.tp} "
                              f"and by the head count {model.heads}")
+    for name, value in (("--tflops", tflops), ("--transpose-tbps", transpose_tbps),
+                        ("--allgather-gbps", allgather_gbps), ("--p2p-gbps", p2p_gbps),
+                        ("--overlap-penalty", overlap_penalty)):
+        if value is not None and value <= 0:
+            raise PlanInputError(f"{name} {value}: must be > 0")
     rate = (tflops if tflops is not None else gpu.tflops) * 1e12
     tbps = (transpose_tbps if transpose_tbps is not None else gpu.transpose_tbps) * 1e12
     layers = layout.layers_per_chunk(model)
