@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # CPU smoke run of the NeMo integration (CI): NeMo 2.3.3 MegatronGPTModel, 4 gloo processes,
-# PP=2 x DP=2, VP=2, mcore_distributed_optim, mock data, 3 steps and one validation pass each.
+# PP=2 x DP=2, VP=2, mcore_distributed_optim, mock data, 3 steps and one validation pass each
+# (five runs, about 8 minutes on 2 cores).
 # The transformer layers' GEMMs read reference FP8 weights (forward on the FP8 data, data
 # gradient on the cached FP8 transpose: nemo_fp8_align.compat.reference_fp8_layers), and with
 # DP=2 the all-gathers really change the parameter bytes, so a transpose built at the wrong time
@@ -11,17 +12,20 @@
 #               no mixin, no plugin code) on conf/megatron_gpt_cpu.yaml; the plugin comes in only
 #               through its Lightning entry point, switched on by Hydra overrides alone; its
 #               metrics go to Lightning's CSV logger;
-#   3. off:     as 1 with enabled=false;
-#   4. fault:   as 1 with the plugin's all-gather wait removed (tests/smoke_faults: no_wait) and
+#   3. lazy:    as 2 with policy=lazy (the A/B baseline: each rank at its first use, same losses,
+#               the logger's slot skew PP-1);
+#   4. off:     as 1 with enabled=false;
+#   5. fault:   as 1 with the plugin's all-gather wait removed (tests/smoke_faults: no_wait) and
 #               the GEMMs' provenance check off: the negative control. Its losses must DIFFER
 #               from 'off', or the comparison below could not catch a stale transpose.
-# Runs 1, 3 and 4 run with the all-gathers deferred to their wait (tests/smoke_faults:
+# Runs 1, 4 and 5 run with the all-gathers deferred to their wait (tests/smoke_faults:
 # deferred_all_gather, a slow network), so early FP8 copies are stale deterministically.
 #
-# Checks: telemetry of 1 and 2 judged by record_problems (aligned slot on every pipeline rank,
-# after the all-gather, every weight once per step, timestamps in order) on every (step, chunk,
-# pp rank, dp rank); 2 placed exactly as 1; the logger rows of 2 carry the gathered metrics; the
-# losses of 1 and 2 equal 3's bit for bit; 4's differ; 3 wrote no telemetry.
+# Checks: telemetry of 1, 2 (and 3, as lazy) judged by record_problems (aligned slot on every
+# pipeline rank, after the all-gather, every weight once per step, timestamps in order) on every
+# (step, chunk, pp rank, dp rank); 2 placed exactly as 1; the logger rows of 2 and 3 carry the
+# gathered metrics; the losses of 1, 2 and 3 equal 4's bit for bit; 5's differ; 4 wrote no
+# telemetry.
 # With SMOKE_NEMO_DP1=1 also (2 processes): PP=2 DP=1 plugin on/off (the bucket-bug workaround).
 #
 # Exit status is non-zero when a run fails or a check does not hold. Usage:
@@ -36,7 +40,7 @@ PYTHON="${PYTHON:-python}"
 OUT="${SMOKE_DIR:-$(mktemp -d -t nemo_fp8_align_smoke.XXXXXX)}"
 mkdir -p "$OUT"
 CHECK_ONLY="${SMOKE_NEMO_CHECK_ONLY:-0}"
-RUNS=(aligned stock off fault dp1 dp1_off)
+RUNS=(aligned stock lazy off fault dp1 dp1_off)
 if [ "$CHECK_ONLY" != "1" ]; then
   for r in "${RUNS[@]}"; do rm -rf "${OUT:?}/$r"; done  # a reused SMOKE_DIR must not feed old runs
 fi
@@ -65,6 +69,17 @@ launch() {  # launch <name> <faults> <python args...>
   echo "smoke_nemo: run '$name' finished in $((SECONDS - start)) s"
 }
 
+stock() {  # stock <name> <policy> <overrides...>
+  # NeMo's stock flow: no plugin in the script or the config, Hydra overrides only ('+': the
+  # stock config has no such block). Lightning's CSV logger (no TensorBoard here) receives
+  # NeMo's metrics and the plugin's; exp_manager then takes its directory from the logger.
+  local name="$1" policy="$2"; shift 2
+  launch "$name" "" -m nemo_fp8_align.compat.run_nemo_cpu \
+    "$ROOT/examples/stock_megatron_gpt_pretraining.py" --config-name megatron_gpt_cpu \
+    trainer.logger=true "+trainer.default_root_dir=$OUT/$name/exp" exp_manager.name=null \
+    "+model.fp8_transpose_align.policy=$policy" "+$(telemetry "$name")" "$@"
+}
+
 example() {  # example <name> <faults> <overrides...>: the project's example script
   local name="$1" faults="$2"; shift 2
   launch "$name" "$faults" "$ROOT/examples/megatron_gpt_pretraining.py" \
@@ -75,13 +90,8 @@ example() {  # example <name> <faults> <overrides...>: the project's example scr
 if [ "$CHECK_ONLY" != "1" ]; then
   example aligned deferred_all_gather "model.fp8_transpose_align.policy=aligned" \
     "$(telemetry aligned)" "$@"
-  # NeMo's stock flow: no plugin in the script or the config, Hydra overrides only ('+': the
-  # stock config has no such block). Lightning's CSV logger (no TensorBoard here) receives
-  # NeMo's metrics and the plugin's; exp_manager then takes its directory from the logger.
-  launch stock "" -m nemo_fp8_align.compat.run_nemo_cpu \
-    "$ROOT/examples/stock_megatron_gpt_pretraining.py" --config-name megatron_gpt_cpu \
-    trainer.logger=true "+trainer.default_root_dir=$OUT/stock/exp" exp_manager.name=null \
-    "+model.fp8_transpose_align.policy=aligned" "+$(telemetry stock)" "$@"
+  stock stock aligned "$@"
+  stock lazy lazy "$@"
   example off deferred_all_gather "model.fp8_transpose_align.enabled=false" \
     "$(telemetry off)" "$@"
   example fault deferred_all_gather,no_wait,unchecked "model.fp8_transpose_align.policy=aligned" \

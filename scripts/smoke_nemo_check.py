@@ -1,6 +1,6 @@
 """The NeMo smoke run's report and checks (scripts/smoke_nemo.sh): ``python smoke_nemo_check.py DIR``.
 
-Reads the runs in DIR (``aligned``, ``stock``, ``off``, ``fault``; ``dp1``/``dp1_off`` when
+Reads the runs in DIR (``aligned``, ``stock``, ``lazy``, ``off``, ``fault``; ``dp1``/``dp1_off`` when
 present), prints the alignment report and the losses, and exits 1 listing every check that does
 not hold. The tests feed it made-up runs to show each check fails when it should.
 """
@@ -50,13 +50,13 @@ class Checks:
         return read_records(sorted(glob.glob(self.path(name, "telemetry.rank*.jsonl"))))
 
     # ------------------------------------------------------------------ checks
-    def alignment(self, name, dp_ranks):
+    def alignment(self, name, dp_ranks, policy="aligned"):
         rows = self.records(name)
-        report(name, rows)
+        report(name, rows, policy)
         steps = sorted({r["step"] for r in rows})
         if len(steps) < 3:
             self.errors.append(f"{name}: telemetry covers {len(steps)} steps, expected >= 3")
-        self.errors.extend(f"{name}: {p}" for p in record_problems(rows, policy="aligned"))
+        self.errors.extend(f"{name}: {p}" for p in record_problems(rows, policy=policy))
         seen = {(r["step"], r["chunk"], r["pp_rank"], r["dp_rank"]) for r in rows}
         expected = {(s, c, p, d) for s in steps for c in range(VP) for p in range(PP)
                     for d in dp_ranks}
@@ -66,9 +66,11 @@ class Checks:
                                f"{missing}")
         return rows
 
-    def logged_metrics(self, name):
-        """The stock run's logger rows carry the plugin's metrics, gathered over both pipeline
-        ranks, for every training step, with the aligned slots' zero skew."""
+    def logged_metrics(self, name, policy="aligned"):
+        """A stock run's logger rows carry the plugin's metrics, gathered over both pipeline
+        ranks, for every training step: slot skew 0 under aligned, PP-1 under lazy (each rank at
+        its own first use), and the time from slot to valid transposes."""
+        want_skew = "0.0" if policy == "aligned" else str(float(PP - 1))
         rows = [r for r in (self.logger_rows(name) or []) if r.get("reduced_train_loss")]
         if len(rows) < 3:
             self.errors.append(f"{name}: {len(rows)} training rows in the logger's metrics.csv, "
@@ -80,11 +82,14 @@ class Checks:
                                    f"expected {float(PP * VP)} (chunks x pipeline ranks)")
             for c in range(VP):
                 skew = r.get(f"fp8_align/chunk{c}/slot_skew")
-                if skew != "0.0":
+                if skew != want_skew:
                     self.errors.append(f"{where}: fp8_align/chunk{c}/slot_skew={skew!r}, expected "
-                                       "0.0 under aligned")
-                if not r.get(f"fp8_align/chunk{c}/transpose_ms"):
-                    self.errors.append(f"{where}: no fp8_align/chunk{c}/transpose_ms")
+                                       f"{want_skew} under {policy}")
+                timed = ("transpose_ms", "slot_to_valid_ms") if policy == "aligned" else \
+                    ("slot_to_valid_ms",)
+                for key in timed:
+                    if not r.get(f"fp8_align/chunk{c}/{key}"):
+                        self.errors.append(f"{where}: no fp8_align/chunk{c}/{key}")
         if rows:
             print(f"\nLogger row of run '{name}', last step: " + ", ".join(
                 f"{k}={v}" for k, v in rows[-1].items() if k.startswith("fp8_align/") and v))
@@ -115,11 +120,11 @@ class Checks:
                                "loss comparison cannot catch a stale transpose")
 
 
-def report(name, rows):
+def report(name, rows, policy):
     steps = sorted({r["step"] for r in rows})
-    print("\nAlignment report, run '%s' (policy=aligned, PP=%d, VP=%d, DP ranks %s, %d steps, "
-          "backend %s)" % (name, PP, VP, sorted({r["dp_rank"] for r in rows}), len(steps),
-                           rows[0]["backend"] if rows else "?"))
+    print("\nAlignment report, run '%s' (policy=%s, PP=%d, VP=%d, DP ranks %s, %d steps, "
+          "backend %s)" % (name, policy, PP, VP, sorted({r["dp_rank"] for r in rows}),
+                           len(steps), rows[0]["backend"] if rows else "?"))
     print("%-6s %-12s %-28s %-22s %s" % ("chunk", "aligned slot", "slot per pp rank (all steps)",
                                          "transposes per step", "after all-gather"))
     for c in sorted({r["chunk"] for r in rows}):
@@ -149,16 +154,19 @@ def main(out):
                         "from the mixin run")
     c.logged_metrics("stock")
     c.attached_once("stock", "aligned FP8 transposes attached (entry point")
+    c.alignment("lazy", dp_ranks=(0, 1), policy="lazy")
+    c.logged_metrics("lazy", policy="lazy")
+    c.attached_once("lazy", "lazy FP8 transposes attached (entry point")
     if c.records("off"):
         c.errors.append("off: plugin disabled but telemetry was written")
     print()
-    for name in ("aligned", "stock", "off", "fault"):
+    for name in ("aligned", "stock", "lazy", "off", "fault"):
         print("losses  %-8s %s" % (name + ":", c.losses(name)))
-    for name in ("aligned", "stock"):
+    for name in ("aligned", "stock", "lazy"):
         c.equal_losses(name, "off")
     c.fault_detected("fault", "off")
     if os.path.isdir(c.path("dp1")):
-        c.alignment("dp1", dp_ranks=(0,))
+        c.alignment("dp1", dp_ranks=(0,))  # PP=2 DP=1
         print("losses  dp1:      %s\nlosses  dp1_off:  %s" % (c.losses("dp1"), c.losses("dp1_off")))
         c.equal_losses("dp1", "dp1_off")
     if c.errors:
@@ -168,7 +176,8 @@ def main(out):
         return 1
     print("\nsmoke_nemo: OK (mixin and stock flow + entry point: every chunk's transposes at its "
           "aligned slot on every pipeline and data-parallel rank, once per step, after its "
-          "all-gather; losses identical with the plugin off; the fault run's differ)")
+          "all-gather; lazy at each rank's first use; losses identical with the plugin off; the "
+          "fault run's differ)")
     return 0
 
 

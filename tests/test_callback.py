@@ -421,3 +421,27 @@ def test_unwritable_or_shared_telemetry_path_fails_at_setup(monkeypatch, tmp_pat
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 4)
     with pytest.raises(ValueError, match=r"no \{rank\} but 4 ranks"):
         check_telemetry_path(str(tmp_path / "shared.jsonl"))
+
+
+class ValidatingModule(ReferenceNemoLikeModule):
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.model[1](self.model[0](batch)).sum())
+
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(torch.randn(2, 4), batch_size=1)
+
+    test_step = validation_step
+    test_dataloader = val_dataloader
+
+
+def test_validate_and_test_around_fit_attach_nothing(monkeypatch):
+    cb = FP8TransposeAlignment()
+    module = ValidatingModule(smoke_cfg().model)
+    trainer, aligners = run_fit(monkeypatch, cb, module)
+    assert len(aligners) == 1 and not aligners[0].attached_
+    trainer.validate(module, verbose=False)
+    trainer.test(module, verbose=False)
+    assert len(aligners) == 1 and cb._aligner is None  # forward-only: no aligner, no wrappers
+    assert all("start_param_sync" not in c.__dict__ for c in module.model)
+    trainer.fit(module)  # again (max_steps already reached): nothing left attached afterwards
+    assert all(not a.attached_ for a in aligners)

@@ -21,7 +21,7 @@ SCRIPT = os.path.join(ROOT, "scripts", "smoke_nemo.sh")
 LOSSES = [8.367643356323242, 8.349407196044922, 8.36095142364502]
 FAULT_LOSSES = [8.367643356323242, 8.349411010742188, 8.360960960388184]
 METRIC_KEYS = ["fp8_align/records"] + [f"fp8_align/chunk{c}/{k}" for c in (0, 1)
-                                       for k in ("slot_skew", "transpose_ms")]
+                                       for k in ("slot_skew", "transpose_ms", "slot_to_valid_ms")]
 
 
 def run_script(out_dir, check_only, timeout):
@@ -31,11 +31,14 @@ def run_script(out_dir, check_only, timeout):
                           timeout=timeout, check=False)
 
 
-def record(step, pp_rank, chunk, dp_rank=0):
+def record(step, pp_rank, chunk, dp_rank=0, policy="aligned"):
     aligned = 2 * chunk  # PP=2, VP=2, M=4: T_0 = 0, T_1 = 2
     vmid = -1 if chunk == 0 else aligned - pp_rank
+    slot = aligned
+    if policy == "lazy":  # each rank at its own first use of the chunk
+        vmid, slot = aligned, aligned + pp_rank
     return {"step": step, "pp_rank": pp_rank, "dp_rank": dp_rank, "chunk": chunk,
-            "policy": "aligned", "backend": "reference", "vmid": vmid, "slot": aligned,
+            "policy": policy, "backend": "reference", "vmid": vmid, "slot": slot,
             "aligned_slot": aligned, "transposed": 4, "weights": 4, "valid": 4,
             "after_all_gather": True, "seconds": 0.001}
 
@@ -46,12 +49,12 @@ def write_losses(run, losses):
             f.write(json.dumps({"step": i + 1, "loss": loss}) + "\n")
 
 
-def write_logger_csv(run, losses, metrics=None):
+def write_logger_csv(run, losses, metrics=None, skew="0.0"):
     (run / "exp" / "lightning_logs" / "version_0").mkdir(parents=True)
     rows = []
     for i, loss in enumerate(losses):
         row = {"step": i, "reduced_train_loss": repr(loss), "fp8_align/records": "4.0"}
-        row.update({k: "0.0" if k.endswith("skew") else "1.5" for k in METRIC_KEYS[1:]})
+        row.update({k: skew if k.endswith("skew") else "1.5" for k in METRIC_KEYS[1:]})
         row.update(metrics or {})
         rows.append(row)
     with open(run / "exp" / "lightning_logs" / "version_0" / "metrics.csv", "w",
@@ -61,20 +64,23 @@ def write_logger_csv(run, losses, metrics=None):
         writer.writerows(rows)
 
 
-def write_runs(tmp_path, mutate=None, stock_metrics=None):
-    for name in ("aligned", "stock", "off", "fault"):
+def write_runs(tmp_path, mutate=None, stock_metrics=None, lazy_metrics=None):
+    for name in ("aligned", "stock", "lazy", "off", "fault"):
         run = tmp_path / name
         run.mkdir()
-        if name == "stock":
-            write_logger_csv(run, LOSSES, stock_metrics)
-            (run / "log.txt").write_text("INFO: nemo_fp8_align: aligned FP8 transposes attached "
-                                         "(entry point; 2 chunks)\n")
+        if name in ("stock", "lazy"):
+            policy = "aligned" if name == "stock" else "lazy"
+            write_logger_csv(run, LOSSES, stock_metrics if name == "stock" else lazy_metrics,
+                             skew="0.0" if name == "stock" else "1.0")
+            (run / "log.txt").write_text(f"INFO: nemo_fp8_align: {policy} FP8 transposes "
+                                         "attached (entry point; 2 chunks)\n")
         else:
             write_losses(run, FAULT_LOSSES if name == "fault" else LOSSES)
         if name in ("off", "fault"):
             continue
         for rank, (pp_rank, dp_rank) in enumerate([(0, 0), (0, 1), (1, 0), (1, 1)]):
-            rows = [record(s, pp_rank, c, dp_rank) for s in range(3) for c in (0, 1)]
+            rows = [record(s, pp_rank, c, dp_rank, "lazy" if name == "lazy" else "aligned")
+                    for s in range(3) for c in (0, 1)]
             if mutate and name == "aligned":
                 rows = mutate(pp_rank, rows)
             with open(run / f"telemetry.rank{rank}.jsonl", "w") as f:
@@ -141,6 +147,12 @@ def test_checks_fail_on_bad_logger_metrics(tmp_path, metrics, message):
     write_runs(tmp_path, stock_metrics=metrics)
     out = run_script(tmp_path, check_only=True, timeout=120)
     assert out.returncode != 0 and message in out.stdout, out.stdout
+
+
+def test_checks_fail_when_lazy_looks_aligned(tmp_path):
+    write_runs(tmp_path, lazy_metrics={"fp8_align/chunk1/slot_skew": "0.0"})
+    out = run_script(tmp_path, check_only=True, timeout=120)
+    assert out.returncode != 0 and "expected 1.0 under lazy" in out.stdout, out.stdout
 
 
 @pytest.mark.nemo
