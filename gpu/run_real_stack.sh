@@ -4,6 +4,17 @@
 # in one call), megatron-core 0.16.1 and nemo_toolkit 2.3.3 from .h200/ (carried); build TE's
 # PyTorch extension and Apex's three extensions side by side; run the real-stack harnesses.
 # Usage (repo root, .h200 carried): bash gpu/run_real_stack.sh [mcore|apex|all] ; logs under $OUT
+#
+# .h200/ (44 MiB; `echo /.h200/ >> .git/info/exclude`) is made on the CPU machine:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#     transformer-engine-cu13==2.20.2 transformer-engine==2.20.2 megatron-core==0.16.1 \
+#     nemo_toolkit==2.3.3 hydra-core==1.3.2 omegaconf==2.3.0 pydantic pydantic-core annotated-types \
+#     typing-inspection;  pip wheel --no-deps antlr4-python3-runtime==4.9.3 wget==3.2
+#   the core wheel minus its library -> .h200/tecore/<same file name> (zip -d ... libtransformer_engine.so);
+#   python3 gpu/strip_fatbin.py libtransformer_engine.so libte_sm90.so --keep-sm 90, then gzip it
+#   (.h200/libte_sm90.so.gz) and its sha256 (.h200/libte_sm90.sha256); the other wheels, and from
+#   /work/shared/gpu apex-src.tar.gz, apex_setup_min.py, transformer_engine_torch-2.20.2.tar.gz.
 set -o pipefail
 export PYTHONUNBUFFERED=1 NVTE_ALLOW_NONDETERMINISTIC_ALGO=0
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/rs
