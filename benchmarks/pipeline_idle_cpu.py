@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import platform
@@ -76,6 +77,10 @@ def _worker(rank: int, args: argparse.Namespace, vp: int, m: int, out: str) -> N
             for (label, policy, delta), res in zip(runs, results):
                 costs = SleepCosts(args.forward_ms / 1e3, args.backward_ms / 1e3,
                                    delta * args.forward_ms / 1e3)
+                if getattr(args, "gc_off", False):  # no collector pauses inside the timed steps
+                    gc.enable()
+                    gc.collect()
+                    gc.disable()
                 mine = _measure(dataclasses.replace(base, policy=policy), args.warmup, per_round,
                                 prepare=lambda run, c=costs, n=label == "none": _prepare(run, c, n))
                 gathered: List[Any] = [None] * args.pp
@@ -86,6 +91,7 @@ def _worker(rank: int, args: argparse.Namespace, vp: int, m: int, out: str) -> N
                 for acc, r in zip(res["ranks"], ranks):
                     for key in ("step_ms", "busy_ms", "transpose_ms"):
                         acc[key] += r[key]
+    gc.enable()
     if rank == 0:
         with open(out, "w", encoding="utf-8") as f:
             json.dump(results, f)
@@ -140,10 +146,17 @@ def _model_costs(none: Dict[str, Any], run: Dict[str, Any], vp: int, m: int,
                  backward=(args.backward_ms + extra / 2) / 1e3, transpose=delta / 1e3)
 
 
+def _q1(xs: List[float]) -> float:
+    """Lower quartile: contention on a shared machine only ever adds time, so the quiet steps
+    estimate the uncontended timeline (reported beside the median, not instead of it)."""
+    return statistics.quantiles(xs, n=4)[0]
+
+
 def _analyse(args: argparse.Namespace, vp: int, m: int, runs: List[Dict[str, Any]]) -> Dict[str, Any]:
     sched = InterleavedSchedule(args.pp, vp, m)
     none = next(r for r in runs if r["label"] == "none")
     none_ms = statistics.median(_steps(none))
+    none_q1 = _q1(_steps(none))
     model_none = simulate(sched, Placement.NONE, _model_costs(none, none, vp, m, args)).step_time
     rows = []
     for run in runs:
@@ -153,7 +166,8 @@ def _analyse(args: argparse.Namespace, vp: int, m: int, runs: List[Dict[str, Any
                      - model_none) * 1e3
         rows.append({"label": run["label"], "delta": run["delta"], "min": min(steps),
                      "median": statistics.median(steps), "max": max(steps),
-                     "extra": statistics.median(steps) - none_ms, "predicted": predicted,
+                     "q1": _q1(steps), "extra": statistics.median(steps) - none_ms,
+                     "extra_q1": _q1(steps) - none_q1, "predicted": predicted,
                      "idle": _idle(run), "problems": run["problems"],
                      "transpose_ms": statistics.median(
                          statistics.median(r["transpose_ms"]) for r in run["ranks"])})
@@ -167,16 +181,20 @@ def _by(cfg: Dict[str, Any], label: str, delta: float, key: str) -> float:
 
 
 def _saving_line(cfg: Dict[str, Any], delta: float) -> str:
-    """What aligning saves (lazy - aligned, no baseline needed) and the share it removes."""
-    saved = _by(cfg, "lazy", delta, "median") - _by(cfg, "aligned", delta, "median")
+    """What aligning saves (lazy - aligned, no baseline needed) and the share it removes, from
+    the medians and from the lower quartiles."""
     predicted = _by(cfg, "lazy", delta, "predicted") - _by(cfg, "aligned", delta, "predicted")
-    extra = _by(cfg, "lazy", delta, "extra")
-    share = f"{100 * saved / extra:.0f}%" if extra > 0 else "n/a (no measurable extra)"
-    return (f"- delta {100 * delta:g}%: aligned saves {saved:.1f} ms per step, model "
-            f"{predicted:.1f} ms ({100 * (predicted - saved) / saved if saved else float('nan'):+.0f}%); "
-            f"it removes {share} of the {extra:.1f} ms the lazy transposes add (model "
-            f"{100 * predicted / _by(cfg, 'lazy', delta, 'predicted'):.0f}%, (PP-1)/PP = "
-            f"{100 * (cfg['pp'] - 1) / cfg['pp']:.0f}%)")
+    parts = []
+    for stat, extra_key, name in (("median", "extra", "median"), ("q1", "extra_q1", "lower quartile")):
+        saved = _by(cfg, "lazy", delta, stat) - _by(cfg, "aligned", delta, stat)
+        extra = _by(cfg, "lazy", delta, extra_key)
+        err = f"{100 * (predicted - saved) / saved:+.0f}%" if saved > 0 else "n/a"
+        share = f"{100 * saved / extra:.0f}%" if extra > 0 else "n/a"
+        parts.append(f"{name}: saves {saved:.1f} ms (model error {err}), removes {share} of "
+                     f"the {extra:.1f} ms lazy adds")
+    return (f"- delta {100 * delta:g}%: model: aligned saves {predicted:.1f} ms, removes "
+            f"{100 * predicted / _by(cfg, 'lazy', delta, 'predicted'):.0f}% ((PP-1)/PP = "
+            f"{100 * (cfg['pp'] - 1) / cfg['pp']:.0f}%); measured " + "; ".join(parts))
 
 
 def _report(args: argparse.Namespace, configs: List[Dict[str, Any]], wall_s: float) -> str:
@@ -190,7 +208,7 @@ def _report(args: argparse.Namespace, configs: List[Dict[str, Any]], wall_s: flo
              f"- {args.rounds} rounds in which every run takes {args.warmup} warm-up + "
              f"{-(-args.steps // args.rounds)} timed steps in turn; step = the slowest rank's "
              f"step (forward/backward + optimizer step); sweep wall time {wall_s / 60:.1f} min",
-             f"- command: `{' '.join(sys.argv)}`; load average (1 min) before / after: "
+             f"- command: `{' '.join(getattr(args, 'argv', sys.argv))}`; load average (1 min) before / after: "
              f"{args.load_before:.1f} / {os.getloadavg()[0]:.1f}",
              "- extra = median step - median step of `none`; predicted = the timeline model's step "
              "difference from the same measured forward/backward/transpose durations "
@@ -200,16 +218,17 @@ def _report(args: argparse.Namespace, configs: List[Dict[str, Any]], wall_s: flo
                   f"`none` step: measured {cfg['measured_none_ms']:.1f} ms (IQR {cfg['noise_iqr_ms']:.2f} ms), "
                   f"model {cfg['model_none_ms']:.1f} ms (the model leaves out the optimizer step and "
                   "host time between ops)", "",
-                  "| run | delta (% fwd) | transposes ms/chunk | step ms min / med / max | extra ms "
-                  "| predicted ms | error | idle ms per rank (median) | checks |",
+                  "| run | delta (% fwd) | transposes ms/chunk | step ms min / q1 / med / max "
+                  "| extra ms med / q1 | predicted ms | error med / q1 | idle ms per rank (median) "
+                  "| checks |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in cfg["rows"]:
-            err = ((r["predicted"] - r["extra"]) / r["extra"] * 100) if r["label"] != "none" and \
-                abs(r["extra"]) > 1e-9 else float("nan")
+            err = " / ".join(f"{100 * (r['predicted'] - e) / e:+.0f}%" if r["label"] != "none"
+                             and abs(e) > 1e-9 else "-" for e in (r["extra"], r["extra_q1"]))
             idle = " ".join(f"r{i}:{x:.1f}" for i, x in enumerate(r["idle"]))
             lines.append(f"| {r['label']} | {100 * r['delta']:.0f} | {r['transpose_ms'] / cfg['vp']:.2f} | "
-                         f"{r['min']:.1f} / {r['median']:.1f} / {r['max']:.1f} | {r['extra']:.2f} | "
-                         f"{r['predicted']:.2f} | {err:+.0f}% | {idle} | "
+                         f"{r['min']:.1f} / {r['q1']:.1f} / {r['median']:.1f} / {r['max']:.1f} | "
+                         f"{r['extra']:.1f} / {r['extra_q1']:.1f} | {r['predicted']:.1f} | {err} | {idle} | "
                          f"{'OK' if not r['problems'] else '; '.join(r['problems'][:2])} |")
         lines.append("")
         lines += [_saving_line(cfg, d) for d in args.deltas]
@@ -233,6 +252,8 @@ def _parse(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--nice", type=int, default=0,
                    help="niceness increment for the ranks (negative needs root): on a shared, "
                    "loaded machine, lets the sleeping ranks wake on time")
+    p.add_argument("--gc-off", action="store_true",
+                   help="collect garbage before each run and keep the collector off while it runs")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--name", default="pipeline_idle_cpu")
     p.add_argument("--from-raw", metavar="PATH", default=None,
@@ -257,7 +278,7 @@ def main(argv: List[str]) -> None:
         with open(args.from_raw, encoding="utf-8") as f:
             saved = json.load(f)
         raw = [(s["vp"], s["m"], s["runs"]) for s in saved["shapes"]]
-        args.load_before, wall = saved["load_before"], saved["wall_s"]
+        args.load_before, wall, args.argv = saved["load_before"], saved["wall_s"], saved["argv"]
     else:
         raw = []
         for vp, m in args.shapes:
