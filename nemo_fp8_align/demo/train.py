@@ -39,6 +39,10 @@ class DemoOptions:
     #: A forward-only pass after every step. Off by default: its DDP pre-hooks all-gather and
     #: wait for the new parameters, which would hide a missing wait in the next step.
     eval_after_each_step: bool = False
+    #: Run that evaluation as Megatron-LM's ``evaluate`` does with the distributed optimizer and
+    #: overlapped all-gathers: DDP pre-hooks disabled with a forced synchronous all-gather first
+    #: (the path where megatron-core once skipped the FP8 post-all-gather processing).
+    eval_forced_sync: bool = False
     device: str = "cpu"
     model: DemoModelConfig = field(default_factory=DemoModelConfig)
     #: A named fault from :mod:`nemo_fp8_align.demo.faults` to inject in every rank (tests).
@@ -177,8 +181,14 @@ class PipelineRun:
 
     def evaluate(self, step: int) -> None:
         """A forward-only pass, as validation runs it."""
+        if self.opts.eval_forced_sync:
+            for chunk in self.chunks:
+                chunk.disable_forward_pre_hook()  # param_sync=True: forced synchronous all-gather
         with torch.no_grad():
             self._run(step, forward_only=True)
+        if self.opts.eval_forced_sync:
+            for chunk in self.chunks:
+                chunk.enable_forward_pre_hook()
 
     def close(self) -> None:
         self.aligner.detach()
