@@ -158,7 +158,18 @@ def test_missing_optional_keys_take_nemo_defaults():
     cfg = seed_config()
     assert "fp8_recipe" not in cfg.model and "disable_parameter_transpose_cache" not in cfg.model
     assert find_violations(cfg) == []
-    assert find_violations(seed_config(fp8_recipe="tensorwise")) == []
+    mcore = {"optim": {"name": "mcore_distributed_optim", "overlap_param_sync": True,
+                       "overlap_grad_sync": True, "align_param_gather": True}}
+    assert find_violations(seed_config(fp8_recipe="tensorwise", **mcore)) == []
+
+
+def test_current_scaling_with_apex_distributed_adam_is_refused():
+    """NeMo 2.3.3's distributed Adam fails on FP8 params with current scaling (seen on the H200
+    with TE 2.20.2), with or without the plugin."""
+    v = only(find_violations(seed_config(fp8_recipe="tensorwise")))
+    assert (v.key, v.found, v.fix) == ("model.fp8_recipe", "'tensorwise' (a string)",
+                                      "model.fp8_recipe=delayed")
+    assert "Float8CurrentScalingQuantizer" in str(v) and "mcore_distributed_optim" in str(v)
 
 
 @pytest.mark.parametrize("key,value,fix", [

@@ -8,7 +8,7 @@ from nemo_fp8_align.nemo.check_context import CheckContext
 from nemo_fp8_align.nemo.config_reader import ABSENT
 
 __all__ = ["APEX_OPTIM", "MCORE_OPTIM", "PER_TENSOR_RECIPES", "SUPPORTED_OPTIMIZERS",
-           "rule_align_param_gather", "rule_bf16_edge_layers", "rule_fp8_format",
+           "rule_align_param_gather", "rule_apex_current_scaling", "rule_bf16_edge_layers", "rule_fp8_format",
            "rule_fp8_params", "rule_fp8_recipe", "rule_fp8_enabled", "rule_optimizer_name",
            "rule_overlap_grad_sync", "rule_overlap_param_sync", "rule_transformer_engine",
            "rule_transpose_cache"]
@@ -103,3 +103,20 @@ def rule_align_param_gather(ctx: CheckContext) -> None:
     if ctx.model.get("optim.name") == MCORE_OPTIM:
         ctx.model.require_true("optim.align_param_gather", "with mcore_distributed_optim NeMo "
                                "sets param_sync_func only when it is on")
+
+
+def rule_apex_current_scaling(ctx: CheckContext) -> None:
+    """NeMo 2.3.3's MegatronDistributedFusedAdam with FP8 parameters and current scaling stops
+    at its first step ("'Float8CurrentScalingQuantizer' object has no attribute 'scale'"): seen
+    on the H200 with Transformer Engine 2.20.2, with and without the plugin
+    (benchmarks/results/real_stack_h200.md)."""
+    if ctx.model.get("optim.name") != APEX_OPTIM:
+        return
+    recipes = [ctx.model.get(node + "fp8_recipe") for node in _RECIPE_NODES]
+    recipe = next((r for r in reversed(recipes) if r is not ABSENT), "delayed")
+    if recipe == "tensorwise":
+        ctx.model.add("fp8_recipe", recipe, "delayed with optim.name=distributed_fused_adam "
+                      "(NeMo 2.3.3's distributed Adam fails at its first step on FP8 parameters "
+                      "with current scaling: 'Float8CurrentScalingQuantizer' object has no "
+                      f"attribute 'scale'), or optim.name={MCORE_OPTIM} with "
+                      "optim.align_param_gather=True", "delayed")
