@@ -130,10 +130,13 @@ def test_every_shape_pairs_and_completes(pp, vp, m, n):
                                        (4, 3, 4, None)])
 def test_compute_order_matches_megatron(pp, vp, m, n):
     schedules = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
+    # megatron-core 0.12 keeps the order helper in schedules.py, 0.16 in cuda_graphs.py.
+    to_order = getattr(schedules, "convert_schedule_table_to_order", None) or pytest.importorskip(
+        "megatron.core.transformer.cuda_graphs").convert_schedule_table_to_order
     s = InterleavedSchedule(pp, vp, m, n)
     table = schedules.get_schedule_table(m, vp, s.n)
     for rank, ops in enumerate(step_programs(s, Placement.NONE)):
-        want = schedules.convert_schedule_table_to_order(warmup_count(s, rank), vp, table)
+        want = to_order(warmup_count(s, rank), vp, table)
         got = [op.chunk + 1 if op.kind == "F" else -(op.chunk + 1)
                for op in ops if isinstance(op, Compute)]
         assert got == want, rank
