@@ -432,3 +432,28 @@ def test_foreign_module_forwards_are_not_chunk_forwards():
         r.chunks[r.schedule.chunk_of(v)](torch.ones(1))
         foreign(torch.ones(1))
     assert [rec.slot for rec in r.aligner.records] == [0, 2, 0, 2]
+
+
+def test_a_second_aligner_on_the_same_chunks_is_refused_until_the_first_detaches():
+    r = make_rank(pp=2, vp=2, m=2)
+    assert r.aligner.attach(r.config)
+    original = r.config.param_sync_func
+    second = TransposeAligner(r.chunks, schedule=r.schedule, pp_rank=r.rank, dp_rank=0,
+                              param_sync=r.sync, weights=r.weights, backend=FakeBackend(),
+                              config=AlignConfig())
+    with pytest.raises(RuntimeError, match="already has an aligned FP8-transpose engine"):
+        second.attach(r.config)
+    assert r.config.param_sync_func is original  # nothing half-done
+    assert [len(c._forward_pre_hooks) for c in r.chunks] == [1, 1]
+    r.aligner.detach()
+    assert second.attach(r.config)  # free again after the first detached
+    run_training_step(r)
+    assert len(second.records) == 2 and r.aligner.records == []
+    second.detach()
+
+
+def test_attach_after_an_error_in_wrapping_leaves_the_chunks_free():
+    r = make_rank(pp=2, vp=2, m=2)
+    with pytest.raises(ValueError, match="param_sync_func is None"):
+        r.aligner.attach(SimpleNamespace(param_sync_func=None))
+    assert r.aligner.attach(r.config)

@@ -31,6 +31,7 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence
 import torch
 
 from nemo_fp8_align.config import AlignConfig, Policy
+from nemo_fp8_align.engine import attachments
 from nemo_fp8_align.engine.schedule import AT_START, InterleavedSchedule
 from nemo_fp8_align.engine.telemetry import TelemetryWriter, TransposeRecord
 from nemo_fp8_align.fp8.protocol import FP8TransposeBackend
@@ -72,6 +73,8 @@ def _capturing_cuda_graph() -> bool:
 
 class TransposeAligner:
     """Builds each model chunk's FP8 transposes at its aligned schedule slot on this rank.
+
+    One aligner per model chunk: attaching a second one to a chunk raises.
 
     Args:
         model_chunks: this rank's model chunks in schedule order (the modules the schedule
@@ -153,19 +156,29 @@ class TransposeAligner:
         if not needed:
             logger.info("nemo_fp8_align: inactive, no FP8 transpose to align: %s", reason)
             return False
+        attachments.claim(self.chunks, self)  # refuses before anything is wrapped
         if model_config is not None:
-            self._wrap_config(model_config)
+            try:
+                self._wrap_config(model_config)
+            except Exception:
+                attachments.release(self.chunks, self)
+                raise
         for chunk, module in enumerate(self.chunks):
             self._handles.append(module.register_forward_pre_hook(
                 partial(self._pre_forward, chunk), prepend=True))
             self._handles.append(module.register_forward_hook(partial(self._post_forward, chunk)))
         return True
 
+    def __repr__(self) -> str:
+        return (f"TransposeAligner(pp_rank={self.pp_rank}, policy={self.config.policy.value}, "
+                f"chunks={len(self.chunks)})")
+
     def detach(self) -> None:
         """Remove every hook and restore the wrapped config functions (idempotent)."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        attachments.release(self.chunks, self)
         if self._model_config is not None:
             for name, value in self._originals.items():
                 setattr(self._model_config, name, value)
