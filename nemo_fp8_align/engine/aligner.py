@@ -32,6 +32,7 @@ import torch
 
 from nemo_fp8_align.config import AlignConfig, Policy
 from nemo_fp8_align.engine import attachments
+from nemo_fp8_align.engine.errors import StepMismatchError, TransposeVerifyError
 from nemo_fp8_align.engine.schedule import AT_START, InterleavedSchedule
 from nemo_fp8_align.engine.telemetry import TelemetryWriter, TransposeRecord
 from nemo_fp8_align.fp8.protocol import FP8TransposeBackend
@@ -44,14 +45,6 @@ logger = logging.getLogger(__name__)
 #: twice as many, the newest; the telemetry file has them all): a few MiB, where a 75k-step run
 #: kept ~100 MiB per rank without a bound.
 RECORDS_KEPT = 4096
-
-
-class StepMismatchError(RuntimeError):
-    """The running step differs from the schedule the aligner planned (raised on every rank)."""
-
-
-class TransposeVerifyError(RuntimeError):
-    """Verify mode found a cached transpose that does not match its weight's bytes."""
 
 
 class ChunkParamSync(Protocol):
