@@ -43,9 +43,9 @@ def _deferred_all_gather():
 
 
 def _no_wait():
-    from nemo_fp8_align.engine.mcore_sync import McoreParamSync
+    from nemo_fp8_align.demo.faults import inject
 
-    McoreParamSync.finish = lambda self, chunk: True
+    inject("no_wait")  # the same fault the demo's mutation tests use
 
 
 def _unchecked():
