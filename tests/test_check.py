@@ -384,3 +384,12 @@ def test_batch_size_rampup_is_rejected():
     v = only(find_violations(seed_config(rampup_batch_size=[4, 4, 1000])))
     assert v.key == "model.rampup_batch_size" and v.fix == "model.rampup_batch_size=null"
     assert find_violations(seed_config(rampup_batch_size=None)) == []
+
+
+def test_overlap_param_gather_with_optimizer_step_is_refused():
+    cfg = seed_config(optim={"name": "mcore_distributed_optim", "overlap_param_sync": True,
+                             "overlap_grad_sync": True, "align_param_gather": True,
+                             "overlap_param_gather_with_optimizer_step": True})
+    v = only(find_violations(cfg))
+    assert (v.key, v.fix) == ("model.optim.overlap_param_gather_with_optimizer_step",
+                              "model.optim.overlap_param_gather_with_optimizer_step=False")

@@ -8,7 +8,7 @@ from nemo_fp8_align.nemo.check_context import CheckContext
 from nemo_fp8_align.nemo.config_reader import ABSENT
 
 __all__ = ["APEX_OPTIM", "MCORE_OPTIM", "PER_TENSOR_RECIPES", "SUPPORTED_OPTIMIZERS",
-           "rule_align_param_gather", "rule_apex_current_scaling", "rule_bf16_edge_layers", "rule_fp8_format",
+           "rule_align_param_gather", "rule_apex_current_scaling", "rule_gather_with_optimizer", "rule_bf16_edge_layers", "rule_fp8_format",
            "rule_fp8_params", "rule_fp8_recipe", "rule_fp8_enabled", "rule_optimizer_name",
            "rule_overlap_grad_sync", "rule_overlap_param_sync", "rule_transformer_engine",
            "rule_transpose_cache"]
@@ -120,3 +120,15 @@ def rule_apex_current_scaling(ctx: CheckContext) -> None:
                       "with current scaling: 'Float8CurrentScalingQuantizer' object has no "
                       f"attribute 'scale'), or optim.name={MCORE_OPTIM} with "
                       "optim.align_param_gather=True", "delayed")
+
+
+def rule_gather_with_optimizer(ctx: CheckContext) -> None:
+    """``optim.overlap_param_gather_with_optimizer_step`` (NeMo 2.3.3, megatron-core DDP): chunk
+    0's all-gather is then launched by the optimizer step, not by the schedule's pre-loop launch
+    that opens the plugin's step; ``align_fp8_transposes`` refuses it too."""
+    key = "optim.overlap_param_gather_with_optimizer_step"
+    if ctx.model.bool_or_default(key, False, "whether the optimizer step launches the first "
+                                 "all-gather"):
+        ctx.model.add(key, True, "False (the plugin aligns with the schedule's all-gather "
+                      "launches; with this option the optimizer step launches chunk 0's, which "
+                      "the plugin does not support)", False)
