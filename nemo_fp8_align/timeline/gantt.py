@@ -24,7 +24,7 @@ def require_matplotlib():
     try:
         import matplotlib
     except ImportError as err:  # pragma: no cover - depends on the environment
-        raise ImportError("--plot needs matplotlib: pip install matplotlib") from err
+        raise ImportError("--plot needs matplotlib: pip install matplotlib (or the [plot] extra)") from err
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
