@@ -59,3 +59,12 @@ def test_plan_plot_writes_a_png(tmp_path, capsys):
     assert main(["plan", "--model", "llama3-70b", "--tp", "8", "--pp", "4", "--vp", "4",
                  "--global-batch", "4", "--plot", str(path)]) == 0
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 20000
+
+
+def test_plot_without_matplotlib_says_how_to_get_it(tmp_path, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # "not installed"
+    assert main(["plan", "--model", "llama3-70b", "--pp", "4", "--vp", "4", "--global-batch", "4",
+                 "--plot", str(tmp_path / "x.png")]) == 2
+    assert "pip install matplotlib" in capsys.readouterr().err
