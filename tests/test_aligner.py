@@ -457,3 +457,14 @@ def test_attach_after_an_error_in_wrapping_leaves_the_chunks_free():
     with pytest.raises(ValueError, match="param_sync_func is None"):
         r.aligner.attach(SimpleNamespace(param_sync_func=None))
     assert r.aligner.attach(r.config)
+
+
+def test_telemetry_is_flushed_once_per_step(tmp_path):
+    path = tmp_path / "t.jsonl"
+    r = make_rank(pp=2, vp=2, m=2, rank=1)
+    r.aligner.telemetry = TelemetryWriter(str(path))
+    r.aligner.attach(r.config)
+    run_training_step(r)
+    r.config.param_sync_func[0]()  # the next step starts: the last one's lines are on disk
+    assert len(read_records([str(path)])) == 2
+    r.aligner.detach()

@@ -16,8 +16,8 @@ given) or at the next step's start; a step that ran more or fewer forwards than 
 error raised at the same point on every rank. ``num_microbatches`` may be a function, asked at
 each step's start, so a step of another size is re-planned instead of misaligned.
 
-Policy ``lazy`` changes nothing and only observes where each chunk's transposes get built (at
-its first use), for A/B runs. Hooks are kept as handles; attach/detach are idempotent.
+Policy ``lazy`` only observes where each chunk's transposes get built (at first use), for A/B
+runs. Hooks are kept as handles; attach/detach are idempotent.
 """
 
 from __future__ import annotations
@@ -248,11 +248,15 @@ class TransposeAligner:
         if self._vmid is None:
             return
         ran, self._vmid = self._vmid, None
+        if self.telemetry is not None:
+            self.telemetry.flush()
         if ran != self.schedule.total or self._pending:
             self._mismatch(f"ran {ran} forwards" + (
                 f", chunks {sorted(self._pending)} never ran" if self._pending else ""))
 
     def _open_step(self) -> None:
+        if self.telemetry is not None:  # the last step's records, if nothing ended it
+            self.telemetry.flush()
         if self._vmid is not None and self._vmid != self.schedule.total:
             ran, self._vmid = self._vmid, None
             self._mismatch(f"ended after {ran} forwards")
@@ -315,10 +319,8 @@ class TransposeAligner:
             self._observing[chunk] = (vmid, before, self._clock())
 
     def _note_unlaunched(self) -> None:
-        """A forward with gradients but no open step: a training step whose all-gathers the
-        schedule did not launch (after a checkpoint load Megatron-LM runs one with the DDP
-        pre-hooks off and ``param_sync_func=None``). Its transposes are built at first use, as
-        without the plugin; it is counted and reported, not judged as a misaligned step."""
+        """A forward with gradients but no open step (Megatron-LM's first iteration after a
+        load: pre-hooks off, ``param_sync_func=None``): built at first use, counted, reported."""
         launching = self._model_config is None or self._model_config.param_sync_func is not None
         if self._vmid is not None or launching or not torch.is_grad_enabled():
             return
