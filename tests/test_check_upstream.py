@@ -89,9 +89,25 @@ def test_nemo_rejects_every_single_account_flag_with_interleaving() -> None:
 
 # --- resolvers --------------------------------------------------------------------------------
 
-def test_resolvers_are_registered_while_reading_and_removed_after() -> None:
+@pytest.fixture(autouse=False)
+def no_upstream_resolvers():
+    """Run as in a process that never imported NeMo: earlier tests in the same pytest process
+    (the callback and mixin tests) import it, and NeMo registers some of these resolvers at
+    import. They are taken out for the test and put back after (OmegaConf has no public getter,
+    hence its private registry)."""
+    from omegaconf.basecontainer import BaseContainer
+
+    saved = {n: BaseContainer._resolvers.pop(n) for n in RESOLVERS
+             if n in BaseContainer._resolvers}
+    yield
+    for name in RESOLVERS:
+        BaseContainer._resolvers.pop(name, None)
+    BaseContainer._resolvers.update(saved)
+
+
+def test_resolvers_are_registered_while_reading_and_removed_after(no_upstream_resolvers) -> None:
     names = [n for n in RESOLVERS if not OmegaConf.has_resolver(n)]
-    assert names  # this process registered none of them (NeMo is not imported here)
+    assert names == list(RESOLVERS)
     with upstream_resolvers() as added:
         assert added == names
         assert OmegaConf.create({"x": "${divide_ceil:7, 2}"}).x == 4
@@ -101,7 +117,8 @@ def test_resolvers_are_registered_while_reading_and_removed_after() -> None:
     assert not any(OmegaConf.has_resolver(n) for n in names)
 
 
-def test_a_resolver_registered_by_the_user_is_neither_replaced_nor_removed() -> None:
+def test_a_resolver_registered_by_the_user_is_neither_replaced_nor_removed(
+        no_upstream_resolvers) -> None:
     def mine(x: Any, y: Any) -> Any:
         return 18  # not 4 * 4: shows whose resolver the check used
 
