@@ -1,9 +1,7 @@
 """FP8 transpose backend for Transformer Engine ``Float8Tensor`` parameters.
 
-Builds the transpose cache that Hopper-class GPUs need for the backward data-gradient GEMM
-(FP8 GEMMs there accept only the TN layout), through the API of the installed TE version
-(names checked against TE's public source at the tags v1.6 ... v2.18 and
-main):
+Builds the transpose cache that Hopper-class GPUs need for the backward data-gradient GEMM (TN
+layout only), through the installed TE version's API (checked against TE's source, v1.6 - main):
 
 ================  ==============================================================================
 TE                how one weight's transpose is built
@@ -31,14 +29,10 @@ datacenter Blackwell and newer); TE 1.x always transposes. MXFP8, blockwise-FP8 
 tensors are never byte-transposed: their scales run along one axis, and TE keeps its own
 column-wise copy; they are skipped with the reason (see :attr:`TEBackend.skipped`).
 
-Optional (``kernel_writes_transpose=True``, config ``te_kernel_writes_transpose``; off by
-default): our multi-tensor kernel writes a chunk's transposes straight into the weights'
-``_transpose`` buffers (allocated where missing) in one launch and marks them valid. It is
-verified bit-exact against TE's own transpose only where a real-TE run says so
-(benchmarks/results/te_real_run_h200.md).
-
-Transformer Engine does not import without CUDA. For tests, pass an object with TE's attribute
-surface as ``te_module`` and the version as ``version`` (see :func:`load_te_api`).
+Optional, off by default (``te_kernel_writes_transpose``): our multi-tensor kernel writes a
+chunk's transposes into the ``_transpose`` buffers in one launch (bit-exact against TE 2.20.2 on
+the H200, benchmarks/results/te_real_run_h200.md). Without CUDA, TE does not import: tests pass
+an object with TE's attribute surface as ``te_module`` and a ``version`` (:func:`load_te_api`).
 """
 
 from __future__ import annotations
@@ -53,18 +47,8 @@ import torch
 
 from nemo_fp8_align.kernels import multi_transpose_
 
-__all__ = [
-    "TEBackend",
-    "make_backend",
-    "load_te_api",
-    "parse_te_version",
-    "api_generation",
-    "GEN_1_6",
-    "GEN_1_8",
-    "GEN_2_0",
-    "GEN_2_10",
-    "TE_INSTALL_HINT",
-]
+__all__ = ["TEBackend", "make_backend", "load_te_api", "parse_te_version", "api_generation",
+           "GEN_1_6", "GEN_1_8", "GEN_2_0", "GEN_2_10", "TE_INSTALL_HINT"]
 
 logger = logging.getLogger(__name__)
 
