@@ -12,7 +12,7 @@ pytest.importorskip("megatron.core")
 
 from demo_runs import demo  # noqa: E402
 
-from nemo_fp8_align.demo.faults import FAULTS, inject  # noqa: E402
+from nemo_fp8_align.demo.faults import FAULTS, HARMLESS, inject  # noqa: E402
 from nemo_fp8_align.demo.launch import DemoRankError, alignment_problems, differences  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -60,3 +60,17 @@ def test_misplaced_slots_are_seen_by_the_independent_evidence(fault):
 def test_unknown_fault_names_the_choices():
     with pytest.raises(ValueError, match="no_wait"):
         inject("no_such_fault")
+
+
+@pytest.mark.parametrize("variation", sorted(HARMLESS))
+def test_harmless_variations_pass_the_verdict(variation):
+    """Finishing a chunk's bucket groups in another order (megatron-core orders them by the
+    backward pass) changes nothing: the chunk is complete at its slot either way."""
+    assert verdict(variation) == []
+
+
+def test_the_demo_chunk_has_several_bucket_groups():
+    """So that the bucket-order variation above is not vacuous: chunk 0 is bucketed, and on the
+    first pipeline rank (embedding + layer) it spans two bucket groups."""
+    groups = {rank["pp_rank"]: rank["bucket_groups"] for rank in demo(*SHAPE, "aligned").ranks}
+    assert groups[0][0] >= 2

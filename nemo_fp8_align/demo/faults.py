@@ -16,7 +16,7 @@ from nemo_fp8_align.engine.mcore_sync import McoreParamSync
 from nemo_fp8_align.engine.schedule import AT_START, InterleavedSchedule
 from nemo_fp8_align.fp8.reference import ReferenceBackend
 
-__all__ = ["FAULTS", "inject"]
+__all__ = ["FAULTS", "HARMLESS", "inject"]
 
 Undo = Callable[[], None]
 
@@ -92,14 +92,28 @@ def transpose_twice() -> Undo:
     return _patch(ReferenceBackend, "build_transposes", build)
 
 
+def reversed_bucket_order() -> Undo:
+    """Not a fault: a chunk's bucket groups are finished in the opposite order. megatron-core
+    orders buckets by the backward pass, unlike the forward order (Megatron-LM #950 ran a chunk
+    on last step's weights that way); finishing every group at the slot must not depend on it."""
+    original = McoreParamSync._bucket_groups
+
+    def bucket_groups(self: McoreParamSync, chunk: int) -> Any:
+        return list(reversed(original(self, chunk)))
+    return _patch(McoreParamSync, "_bucket_groups", bucket_groups)
+
+
 FAULTS: Dict[str, Callable[[], Undo]] = {f.__name__: f for f in (
     no_wait, transpose_before_all_gather, slot_shift, skip_chunk, last_chunk_to_first_use,
     transpose_twice)}
+#: Variations that must change nothing the checks see.
+HARMLESS: Dict[str, Callable[[], Undo]] = {f.__name__: f for f in (reversed_bucket_order,)}
 
 
 def inject(name: str) -> Undo:
-    """Apply the named fault in this process; returns its undo."""
-    if name not in FAULTS:
+    """Apply the named fault (or harmless variation) in this process; returns its undo."""
+    known = {**FAULTS, **HARMLESS}
+    if name not in known:
         raise ValueError(f"fault={name!r} is not a known fault; choose one of: "
-                         + ", ".join(sorted(FAULTS)))
-    return FAULTS[name]()
+                         + ", ".join(sorted(known)))
+    return known[name]()

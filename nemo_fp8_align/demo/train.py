@@ -206,7 +206,8 @@ def _train(opts: DemoOptions, telemetry_path: Optional[str], out_dir: str) -> Di
     evidence, logs = start(run), []
     result: Dict[str, Any] = {"pp_rank": run.pp_rank, "dp_rank": run.dp_rank, "losses": [],
                               "grads": [], "params": [], "builds_per_step": [], "eval_builds": 0,
-                              "records": [], "unlaunched_steps": [], "unlaunched_forwards": 0}
+                              "records": [], "unlaunched_steps": [], "unlaunched_forwards": 0,
+                              "bucket_groups": [len(c.bucket_groups) for c in run.chunks]}
     for step in range(opts.steps):
         after_load = opts.resume_at == step
         if after_load:  # save, then continue in a new run loaded from the checkpoint
