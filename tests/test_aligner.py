@@ -367,6 +367,19 @@ def test_inside_cuda_graph_capture_counts_but_refuses_work(monkeypatch):
     assert r.aligner._vmid == 3  # the count stayed consistent with the schedule
 
 
+def test_a_whole_step_inside_a_capture_refuses_at_its_start(monkeypatch):
+    # megatron-core's full-iteration graphs capture the schedule's pre-loop launches too.
+    import nemo_fp8_align.engine.aligner as aligner_mod
+
+    r = make_rank(pp=2, vp=2, m=2, rank=1)
+    r.aligner.attach(r.config)
+    monkeypatch.setattr(aligner_mod, "_capturing_cuda_graph", lambda: True)
+    r.config.param_sync_func[0]()
+    with pytest.raises(RuntimeError, match=r"chunks \[0\] are due at the start of step 0"):
+        r.config.param_sync_func[1]()
+    assert r.sync.done == set() and not any(w.builds for w in r.weights[0])  # nothing ran
+
+
 class VerifyingBackend(FakeBackend):
     def transpose_mismatch(self, w):
         return None if w.valid and not getattr(w, "corrupt", False) else "bytes differ"

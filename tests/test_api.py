@@ -16,3 +16,15 @@ def test_overlap_param_gather_with_optimizer_step_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="launched by the optimizer step"):
         align_fp8_transposes([chunk, chunk], num_microbatches=4, backend=None,
                              weights_of=lambda c: [])
+
+
+@pytest.mark.parametrize("scope", ["full_iteration", ["full_iteration"],
+                                   [SimpleNamespace(name="full_iteration")]])
+def test_whole_step_cuda_graphs_are_refused_before_anything_is_wrapped(scope):
+    # megatron-core 0.16's cuda_graph_scope=full_iteration: a str, a list, or CudaGraphScope enums.
+    chunk = torch.nn.Linear(1, 1)
+    config = SimpleNamespace(cuda_graph_scope=scope, param_sync_func=[print, print])
+    with pytest.raises(ValueError, match="full_iteration.*per-layer CUDA graphs"):
+        align_fp8_transposes([chunk, chunk], num_microbatches=4, backend=None,
+                             weights_of=lambda c: [], config=config)
+    assert config.param_sync_func == [print, print] and not chunk._forward_pre_hooks

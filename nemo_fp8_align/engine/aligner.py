@@ -16,8 +16,8 @@ given) or at the next step's start; a step that ran more or fewer forwards than 
 error raised at the same point on every rank. ``num_microbatches`` may be a function, asked at
 each step's start, so a step of another size is re-planned instead of misaligned.
 
-Policy ``lazy`` only observes where each chunk's transposes get built (at first use), for A/B
-runs. Hooks are kept as handles; attach/detach are idempotent.
+Policy ``lazy`` only observes where transposes get built (first use), for A/B runs. Hooks are
+handles; attach/detach are idempotent. Inside a CUDA-graph capture no transpose is ever built.
 """
 
 from __future__ import annotations
@@ -130,7 +130,6 @@ class TransposeAligner:
         for chunk in range(schedule.vp):
             self._triggers.setdefault(schedule.trigger_vmid(self.pp_rank, chunk), []).append(chunk)
 
-    # ------------------------------------------------------------------ attach / detach
     @property
     def attached(self) -> bool:
         return bool(self._handles)
@@ -163,8 +162,7 @@ class TransposeAligner:
         return True
 
     def __repr__(self) -> str:
-        return (f"TransposeAligner(pp_rank={self.pp_rank}, policy={self.config.policy.value}, "
-                f"chunks={len(self.chunks)})")
+        return f"TransposeAligner(pp_rank={self.pp_rank}, policy={self.config.policy.value})"
 
     def detach(self) -> None:
         """Remove every hook and restore the wrapped config functions (idempotent)."""
@@ -215,7 +213,6 @@ class TransposeAligner:
             return finalize(*args, **kwargs)
         return check_then_finalize
 
-    # ------------------------------------------------------------------ schedule events
     def on_param_sync_launched(self, chunk: int) -> None:
         """The schedule has just launched ``chunk``'s all-gather.
 
@@ -230,6 +227,8 @@ class TransposeAligner:
         if self._vmid is not None:
             self._launched[chunk] = self._clock()
         if chunk == 1 and self._vmid == 0 and self.config.policy is Policy.ALIGNED:
+            if _capturing_cuda_graph():  # a whole step captured (full-iteration graphs)
+                self._refuse_inside_capture(AT_START)
             for c in self._triggers.get(AT_START, []):
                 self._handle(c, AT_START)
 
@@ -336,10 +335,12 @@ class TransposeAligner:
         bytes. The counter still advanced, so later slots stay right; work due here refuses."""
         due = [c for c in self._triggers.get(vmid, []) if c not in self._done]
         if self.config.policy is Policy.ALIGNED and due:
+            where = "the start" if vmid == AT_START else f"forward {vmid}"
             raise RuntimeError(
-                f"nemo_fp8_align: the aligned transposes of model chunks {due} are due at forward "
-                f"{vmid} of step {self._step}, which runs inside a CUDA-graph capture. Capture "
-                "the graphs outside training steps, or set fp8_transpose_align.policy=lazy.")
+                f"nemo_fp8_align: the aligned transposes of model chunks {due} are due at {where} "
+                f"of step {self._step}, which runs inside a CUDA-graph capture. Capture graphs "
+                "of layers outside training steps (not whole steps: megatron-core's "
+                "cuda_graph_scope=full_iteration), or set fp8_transpose_align.policy=lazy.")
 
     def _post_forward(self, chunk: int, module: torch.nn.Module, args: Any, output: Any) -> None:
         if chunk not in self._observing or not self._training_forward():
@@ -364,7 +365,6 @@ class TransposeAligner:
                     f"nemo_fp8_align verify: step {self._step}, pipeline rank {self.pp_rank}, "
                     f"model chunk {chunk}, FP8 weight {name}: {why}")
 
-    # ------------------------------------------------------------------ the work
     def _handle(self, chunk: int, vmid: int) -> None:
         if chunk in self._done:
             return

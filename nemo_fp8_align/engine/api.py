@@ -58,6 +58,19 @@ def _refuse_unsupported_ddp(model: Sequence[torch.nn.Module]) -> None:
             "or do not attach the plugin (policy=off).")
 
 
+def _refuse_whole_step_graphs(config: Any) -> None:
+    scopes = getattr(config, "cuda_graph_scope", None) or []
+    scopes = scopes if isinstance(scopes, (list, tuple)) else [scopes]
+    if any(getattr(s, "name", s) == "full_iteration" for s in scopes):
+        # Replays of a captured step run no Python: no hook could place, time or check a
+        # transpose, and one captured inside would replay on the capture step's bytes.
+        raise ValueError(
+            f"cuda_graph_scope={[getattr(s, 'name', s) for s in scopes]} captures whole training "
+            "steps, which nemo_fp8_align cannot align (its hooks do not run in a replay). Use "
+            "per-layer CUDA graphs (cuda_graph_scope without full_iteration), or do not attach "
+            "the plugin (policy=off).")
+
+
 def align_fp8_transposes(
     model: Sequence[torch.nn.Module], *, num_microbatches: Union[int, Callable[[], int]],
     backend: FP8TransposeBackend,
@@ -81,6 +94,7 @@ def align_fp8_transposes(
 
     _refuse_unsupported_ddp(model)
     config = config if config is not None else model[0].config
+    _refuse_whole_step_graphs(config)
     if pp_rank is None:
         pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     if dp_rank is None:
