@@ -89,12 +89,16 @@ class TransposeWatch:
         watch = self
 
         def wrapper(tensor: Any, *args: Any, **kwargs: Any) -> Any:
-            key = id(tensor)
+            key, event = id(tensor), None
             if key in watch.names:
-                watch.events.append({"kind": kind, "weight": watch.names[key],
-                                     "chunk": watch.chunk_of[key], "step": watch.step,
-                                     "phase": watch.phase, "t": time.monotonic()})
-            return original(tensor, *args, **kwargs)
+                event = {"kind": kind, "weight": watch.names[key], "chunk": watch.chunk_of[key],
+                         "step": watch.step, "phase": watch.phase, "t": time.monotonic()}
+                watch.events.append(event)
+            out = original(tensor, *args, **kwargs)
+            if event is not None and kind == "build":  # where the transpose lives (CUDA graphs
+                t = getattr(tensor, "_transpose", None)  # replay a fixed address)
+                event["ptr"] = None if t is None else t.data_ptr()
+            return out
 
         setattr(cls, name, wrapper)
         self._undo.append(lambda: setattr(cls, name, original))
@@ -194,3 +198,16 @@ def compare_policies(runs: List[Dict[str, Any]]) -> List[str]:
 def write_json(path: str, payload: Any) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(payload, f, indent=1, default=str)
+
+
+def transpose_buffer_moves(events: Sequence[Dict[str, Any]]) -> Dict[str, int]:
+    """Per weight, how many builds wrote the transpose to another address than the first one:
+    a CUDA graph captured once keeps reading the first address (informational)."""
+    first: Dict[str, Any] = {}
+    moves: Dict[str, int] = {}
+    for e in events:
+        if e["kind"] != "build" or e.get("ptr") is None:
+            continue
+        base = first.setdefault(e["weight"], e["ptr"])
+        moves[e["weight"]] = moves.get(e["weight"], 0) + (e["ptr"] != base)
+    return moves

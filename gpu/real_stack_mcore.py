@@ -380,6 +380,10 @@ def judge(o: Opts, out_dir: str) -> Dict[str, Any]:
         for runs in ranks.values() for r in runs if r["policy"] in ("aligned", "lazy")
         for rec in r.get("records", []) if rec["step"] == 1]
     del first
+    moves = {f"{name} {r['policy']}": common.transpose_buffer_moves(r.get("events", []))
+             for name, runs in ranks.items() for r in runs}
+    summary["transpose_buffer_moves"] = {k: sum(v.values()) for k, v in moves.items()}
+    summary["transpose_builds_with_address"] = sum(len(v) for v in moves.values())
     return summary
 
 
@@ -411,6 +415,8 @@ def main(runner: str = "mcore", description: str = __doc__) -> int:
         print(f"[{'PASS' if c['ok'] else 'FAIL'}] {c['check']}"
               + ("" if c["ok"] else " -- " + " | ".join(c["problems"][:3])[:1500]))
     print(f"losses per policy run: {summary['losses']}")
+    print(f"transpose buffer moves (builds at another address than the weight's first), per "
+          f"rank and run: {summary['transpose_buffer_moves']}")
     print(f"SUMMARY: {summary['passed']} passed, {summary['failed']} failed, {summary['wall_seconds']} s")
     return 0 if summary["failed"] == 0 else 1
 

@@ -3,7 +3,8 @@
 # (its core library with only the sm_90 cubins kept, gpu/strip_fatbin.py, so all of TE travels
 # in one call), megatron-core 0.16.1 and nemo_toolkit 2.3.3 from .h200/ (carried); build TE's
 # PyTorch extension and Apex's three extensions side by side; run the real-stack harnesses.
-# Usage (repo root, .h200 carried): bash gpu/run_real_stack.sh [mcore|apex|all] ; logs under $OUT
+# Usage (repo root, .h200 carried): bash gpu/run_real_stack.sh [mcore|apex|all|graphs]; logs under $OUT
+# graphs: tests/test_cuda_graphs_gpu.py (while TE builds), gpu/te_cuda_graph_probe.py, one mcore run
 #
 # .h200/ (44 MiB; `echo /.h200/ >> .git/info/exclude`) is made on the CPU machine:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -31,15 +32,20 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site3 
   "$H"/hydra_core-*.whl "$H"/omegaconf-*.whl "$H"/antlr4_python3_runtime-*.whl "$H"/wget-*.whl
 (mkdir -p /tmp/tebuild && tar xzf "$H"/transformer_engine_torch-2.20.2.tar.gz -C /tmp/tebuild &&
  cd /tmp/tebuild/transformer_engine_torch-2.20.2 &&
- PYTHONPATH=/tmp/site MAX_JOBS=$([ "$WHAT" = mcore ] && echo 16 || echo 10) NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_FRAMEWORK=pytorch \
+ PYTHONPATH=/tmp/site MAX_JOBS=$(case $WHAT in mcore|graphs) echo 16;; *) echo 10;; esac) NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_FRAMEWORK=pytorch \
    python3 -m pip install --no-index --no-deps --no-build-isolation --target /tmp/site2 . &&
  cp /tmp/site2/transformer_engine/wheel_lib/transformer_engine_torch.cpython-312-x86_64-linux-gnu.so \
    /tmp/site/transformer_engine/wheel_lib/ && echo TE_BUILD_OK) > /tmp/te_build.log 2>&1 &
 TE_PID=$!
-[ "$WHAT" != mcore ] && (mkdir -p /tmp/apex && tar xzf "$H"/apex-src.tar.gz -C /tmp/apex && cp "$H"/apex_setup_min.py /tmp/apex/ &&
+case $WHAT in mcore|graphs) ;; *) false;; esac || (mkdir -p /tmp/apex && tar xzf "$H"/apex-src.tar.gz -C /tmp/apex && cp "$H"/apex_setup_min.py /tmp/apex/ &&
  cd /tmp/apex && TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=6 python3 apex_setup_min.py build_ext --inplace &&
  echo APEX_BUILD_OK) > /tmp/apex_build.log 2>&1 &
 APEX_PID=$!
+if [ "$WHAT" = graphs ]; then  # needs no TE: runs while TE builds
+  PYTHONPATH=$REPO timeout 200 python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda_graphs_gpu.py \
+    > /tmp/rs/cuda_graphs_pytest.log 2>&1; el "pytest test_cuda_graphs_gpu.py rc=$?"
+  tail -25 /tmp/rs/cuda_graphs_pytest.log | cut -c1-400
+fi
 wait $TE_PID; el "TE extension build rc=$?"; tail -2 /tmp/te_build.log
 export PYTHONPATH=/tmp/site:/tmp/site3:$REPO
 python3 -c "import torch, transformer_engine as t, transformer_engine.pytorch, megatron.core as m; print('torch', torch.__version__, 'TE', t.__version__, 'megatron-core', m.__version__, torch.cuda.get_device_name(0))" 2>&1 | tail -2
@@ -71,6 +77,13 @@ apex_ready() {
   python3 -c "from nemo.core.optim.distributed_adam import MegatronDistributedFusedAdam; print('NeMo MegatronDistributedFusedAdam imports')" > /tmp/rs/nemo_import.log 2>&1
   tail -4 /tmp/rs/nemo_import.log | cut -c1-400; APEX_READY=1
 }
+if [ "$WHAT" = graphs ]; then
+  run te_cuda_graph_probe 120 python3 gpu/te_cuda_graph_probe.py
+  grep -E "^\[INFO\]|Traceback|Error" /tmp/rs/te_cuda_graph_probe.log | cut -c1-400 | head -40
+  run mcore_dp2_delayed 150 python3 gpu/real_stack_mcore.py --dp 2 --recipe delayed
+  grep "transpose buffer moves" /tmp/rs/mcore_dp2_delayed.log | cut -c1-1500
+  tar czf "$OUT"/real_stack.tar.gz -C /tmp rs; el "done"; exit 0
+fi
 if [ "$WHAT" != apex ]; then
   run mcore_dp2_delayed 150 python3 gpu/real_stack_mcore.py --dp 2 --recipe delayed
   left 480 && run mcore_dp2_tensorwise 120 python3 gpu/real_stack_mcore.py --dp 2 --recipe tensorwise

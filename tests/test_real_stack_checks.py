@@ -56,3 +56,11 @@ def test_policies_must_match_bit_for_bit():
     run = {"policy": "off", "losses": [1.0], "grads": ["a"], "params": ["b"]}
     assert common.compare_policies([run, dict(run, policy="aligned")]) == []
     assert common.compare_policies([run, dict(run, policy="lazy", grads=["c"])]) != []
+
+
+def test_transpose_buffer_moves_counts_builds_at_a_new_address():
+    build = {"kind": "build", "chunk": 0, "step": 0, "phase": "fwd_bwd", "t": 0.0}
+    events = [dict(build, weight="w0", ptr=100), dict(build, weight="w0", ptr=100),
+              dict(build, weight="w1", ptr=200), dict(build, weight="w1", ptr=300),
+              dict(build, kind="reset", weight="w1", ptr=None)]
+    assert common.transpose_buffer_moves(events) == {"w0": 0, "w1": 1}
