@@ -189,6 +189,36 @@ ROWS: List[Tuple[str, Callable[[], Any], Optional[Any], Expected]] = [
              "model.fp8_transpose_align.telemetry_path=/x/t.rank{rank}.jsonl")]),
     ("telemetry-path-with-rank", seed(fp8_transpose_align={"telemetry_path": "/x/t{rank}"}),
      None, []),
+    # --- the plugin block: every AlignConfig field, wrong types and values AlignConfig rejects -
+    *[(f"block-{key}-{name}", seed(fp8_transpose_align={key: value}), None,
+       [(f"model.fp8_transpose_align.{key}", f"model.fp8_transpose_align.{key}={fix}")])
+      for key, name, value, fix in [
+          ("enabled", "string", "yes", True), ("enabled", "int", 1, True),
+          ("enabled", "null", None, True),
+          ("policy", "unknown", "eager", "aligned"), ("policy", "member-name", "ALIGNED",
+                                                      "aligned"),
+          ("policy", "int", 1, "aligned"), ("policy", "null", None, "aligned"),
+          ("telemetry_path", "int", 3, "null"), ("telemetry_path", "list", ["/x"], "null"),
+          ("use_triton_kernel", "string", "no", True), ("use_triton_kernel", "int", 0, True),
+          ("te_kernel_writes_transpose", "string", "yes", False),
+          ("te_kernel_writes_transpose", "int", 1, False),
+          ("verify_every_n_steps", "negative", -1, 0),
+          ("verify_every_n_steps", "very-negative", -(10**12), 0),
+          ("verify_every_n_steps", "float", 2.5, 0), ("verify_every_n_steps", "bool", True, 0),
+          ("verify_every_n_steps", "string", "10", 0), ("verify_every_n_steps", "null", None, 0),
+      ]],
+    ("block-verify-zero-valid", seed(fp8_transpose_align={"verify_every_n_steps": 0}), None, []),
+    ("block-verify-100-valid", seed(fp8_transpose_align={"verify_every_n_steps": 100}), None, []),
+    # A value AlignConfig rejects hides no other violation, and is reported with the plugin off.
+    ("block-verify-negative-and-a-bad-split", seed(num_layers=18, fp8_transpose_align={
+        "verify_every_n_steps": -1}), None,
+     [("model.fp8_transpose_align.verify_every_n_steps",
+       "model.fp8_transpose_align.verify_every_n_steps=0"),
+      ("model.num_layers", "model.num_layers=24")]),
+    ("block-verify-negative-plugin-off", seed(fp8=False, fp8_transpose_align={
+        "enabled": False, "verify_every_n_steps": -3}), None,
+     [("model.fp8_transpose_align.verify_every_n_steps",
+       "model.fp8_transpose_align.verify_every_n_steps=0")]),
     ("rampup", seed(rampup_batch_size=[4, 4, 100]), None,
      [("model.rampup_batch_size", "model.rampup_batch_size=null")]),
     # --- shapes of the config itself ----------------------------------------------------------

@@ -182,6 +182,17 @@ def test_shipped_configs_pass_and_their_overrides_are_checked():
     assert status == EXIT_INVALID and "one of: aligned, lazy, off" in err
 
 
+def test_a_value_align_config_rejects_exits_2_with_every_violation():
+    # AlignConfig rejects verify_every_n_steps < 0: a listed violation, never a traceback, and
+    # it hides no other violation.
+    status, _, err = check(str(FP8_ALIGN), "model.fp8_transpose_align.verify_every_n_steps=-1",
+                           "model.num_layers=18")
+    assert status == EXIT_INVALID
+    assert "2 setting(s)" in err
+    assert "| fix: model.fp8_transpose_align.verify_every_n_steps=0" in err
+    assert "model.virtual_pipeline_model_parallel_size: found 2" in err  # 18 // PP 2 = 9
+
+
 def test_subprocess_exit_codes(seed_yaml):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "nemo_fp8_align.nemo.check_cli"]

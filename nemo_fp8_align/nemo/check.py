@@ -273,9 +273,23 @@ def _read_block(reader: Reader) -> AlignConfig:
             continue
         except ValidationError:
             pass
-        if _block_value_ok(sub, key, value, fields[key], getattr(schema, key)):
+        default = getattr(schema, key)
+        if (_block_value_ok(sub, key, value, fields[key], default)
+                and _align_config_accepts(sub, key, value, default)):
             values[key] = value
     return AlignConfig(**values)
+
+
+def _align_config_accepts(sub: Reader, key: str, value: Any, default: Any) -> bool:
+    """Run AlignConfig's own validation on the one field ``key``: its rules (a policy it knows,
+    ``verify_every_n_steps >= 0``, ...) live there only, and its ValueError becomes a violation
+    here, so a bad value never raises out of the check nor hides the other violations."""
+    try:
+        AlignConfig(**{key: value})
+    except ValueError as err:
+        sub.add(key, value, f"a value the plugin accepts ({err})", default)
+        return False
+    return True
 
 
 def _unknown_block_key(sub: Reader, key: str, value: Any, fields: Mapping[str, Any]) -> None:
