@@ -105,6 +105,58 @@ def test_disabled_plugin_checks_nothing(monkeypatch):
     assert not AlignedGPT(cfg.model, trainer()).fp8_align_config.active
 
 
+def test_a_block_value_align_config_rejects_hides_no_other_violation(monkeypatch):
+    monkeypatch.setattr(MegatronGPTModel, "__init__", lambda self, *a, **k: None)
+    cfg = smoke_cfg()
+    cfg.model.fp8_transpose_align.verify_every_n_steps = -1  # AlignConfig raises ValueError
+    cfg.model.optim.overlap_param_sync = False
+    with pytest.raises(FP8AlignConfigError) as err:
+        ReferenceGPT(cfg.model, trainer())
+    assert [v.key for v in err.value.violations] == [
+        "model.fp8_transpose_align.verify_every_n_steps", "model.optim.overlap_param_sync"]
+
+
+# ---------------------------------------------------------------------------------------------
+# megatron-core DDP setup: the shared-embedding bucket workaround only with the plugin active
+
+
+def spilling_ddp(param):
+    """A DDP chunk whose gradient buffer puts ``param`` past its bucket's end (the 0.12.3 bug)."""
+    buffer = SimpleNamespace(bucket_indices=[(0, 10)], param_index_map={param: (5, 20, 0)})
+    return SimpleNamespace(buffers=[buffer])
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["active", "off"])
+def test_ddp_setup_workaround_only_when_the_plugin_is_active(monkeypatch, enabled):
+    from megatron.core import parallel_state
+
+    from nemo_fp8_align.config import AlignConfig
+    from nemo_fp8_align.nemo.mixin import SharedEmbeddingBucketError
+
+    seen = []
+
+    def nemo_setup(self):  # what NeMo's does: build DDP around self.model
+        seen.append([p.shared_embedding for p in shared])
+        self.model = [spilling_ddp(shared[0]) if dp == 2 else SimpleNamespace(buffers=[])]
+
+    monkeypatch.setattr(MegatronGPTModel, "setup_mcore_distributed_parallel", nemo_setup)
+    for dp in (1, 2):
+        monkeypatch.setattr(parallel_state, "get_data_parallel_world_size",
+                            lambda with_context_parallel=False, dp=dp: dp)
+        model = bare_model(use_mcore=True)
+        model._fp8_align_config = AlignConfig(enabled=enabled)
+        shared = [next(iter(model.model[0].parameters()))]
+        shared[0].shared_embedding = True
+        if enabled and dp == 2:
+            with pytest.raises(SharedEmbeddingBucketError):
+                model.setup_mcore_distributed_parallel()
+        else:
+            model.setup_mcore_distributed_parallel()  # off: NeMo's spill is NeMo's own
+        assert shared[0].shared_embedding is True  # restored / never touched
+    # DP=1: NeMo builds its buffers with the flag hidden only while the plugin is active.
+    assert seen == [[not enabled], [True]]
+
+
 # ---------------------------------------------------------------------------------------------
 # launch notifications around NeMo's fwd_bwd_step
 

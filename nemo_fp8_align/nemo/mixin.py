@@ -273,6 +273,9 @@ class FP8TransposeAlignMixin:
 
     # ------------------------------------------------------------------ megatron-core DDP
     def setup_mcore_distributed_parallel(self) -> None:
+        if not self._fp8_align_config.active:
+            # Plugin off: NeMo's DDP setup unchanged (no bucket workaround, no bucket check).
+            return super().setup_mcore_distributed_parallel()
         from megatron.core import parallel_state
 
         chunks = self.model if isinstance(self.model, list) else [self.model]
