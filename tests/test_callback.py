@@ -7,9 +7,12 @@ megatron-core's parallel state) is replaced by a recorder. The callback on NeMo'
 MegatronGPTModel runs in tests/test_smoke_nemo.py.
 """
 
+import dataclasses
 import logging
 import os
 import pickle
+import typing
+from typing import Any
 
 import pytest
 import torch
@@ -21,7 +24,7 @@ from nemo_fp8_align.config import AlignConfig, Policy
 from nemo_fp8_align.engine.telemetry import TransposeRecord
 from nemo_fp8_align.nemo import callback as callback_module
 from nemo_fp8_align.nemo.callback import FP8TransposeAlignment
-from nemo_fp8_align.nemo.check import FP8AlignConfigError
+from nemo_fp8_align.nemo.check import FP8AlignConfigError, align_config_from
 from nemo_fp8_align.nemo.mixin import FP8Weights
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -192,6 +195,32 @@ def test_real_trainer_attaches_wraps_per_batch_logs_and_detaches(monkeypatch):
     assert logged[0][1]["fp8_align/chunk1/slot_skew"] == 0.0
     assert logged[0][1]["fp8_align/chunk0/transposes_built"] == 4.0
     assert logged[0][1]["fp8_align/records"] == 2.0
+
+
+def non_default(field: "dataclasses.Field") -> Any:
+    """A valid value of an AlignConfig field other than its default, from its type."""
+    hint = typing.get_type_hints(AlignConfig)[field.name]
+    if hint is bool:
+        return not field.default
+    if hint is int:
+        return field.default + 7
+    if hint is Policy:
+        return next(p for p in Policy if p is not field.default)
+    if typing.Optional[str] == hint:
+        return "/results/fp8_align.rank{rank}.jsonl"
+    raise AssertionError(f"AlignConfig.{field.name}: give this test a value of type {hint}")
+
+
+@pytest.mark.parametrize("name", [f.name for f in dataclasses.fields(AlignConfig)] + ["all"])
+def test_startup_check_sees_every_align_config_field_of_the_callback(name):
+    # The check runs on the model config with the block replaced by the callback's settings:
+    # every AlignConfig field must survive that round trip (one at a time, then all at once).
+    changed = {f.name: non_default(f) for f in dataclasses.fields(AlignConfig)
+               if name in (f.name, "all")}
+    cb = FP8TransposeAlignment()
+    cb.config = AlignConfig(**changed)
+    cfg = smoke_cfg().model
+    assert align_config_from(cb._cfg_with_block(cfg)) == cb.config != AlignConfig()
 
 
 def test_setup_runs_the_startup_check_with_the_callbacks_settings(monkeypatch):

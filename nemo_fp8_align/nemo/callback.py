@@ -208,14 +208,12 @@ class FP8TransposeAlignment(Callback):
         """The model config with ``fp8_transpose_align`` replaced by this callback's settings."""
         from omegaconf import OmegaConf
 
-        from nemo_fp8_align.nemo.structured import BLOCK_KEY
+        from nemo_fp8_align.nemo.structured import BLOCK_KEY, block_values
 
         merged = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
-        block = {"enabled": self.config.enabled, "policy": self.config.policy.value,
-                 "telemetry_path": self.config.telemetry_path,
-                 "use_triton_kernel": self.config.use_triton_kernel,
-                 "te_kernel_writes_transpose": self.config.te_kernel_writes_transpose}
-        OmegaConf.update(merged, BLOCK_KEY, block, merge=False, force_add=True)
+        # Every AlignConfig field, from the dataclass itself: none can be dropped here.
+        OmegaConf.update(merged, BLOCK_KEY, block_values(self.config), merge=False,
+                         force_add=True)
         return merged
 
     @override

@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from nemo_fp8_align.config import AlignConfig
 
 __all__ = ["AlignBlock", "BLOCK_KEY", "GROUP", "NAME", "block_fields", "block_schema",
-           "register_configs"]
+           "block_values", "register_configs"]
 
 #: Where the block lives under the NeMo ``model:`` node.
 BLOCK_KEY = "fp8_transpose_align"
@@ -81,6 +81,13 @@ def block_fields() -> Dict[str, Any]:
 def block_schema() -> DictConfig:
     """A fresh structured DictConfig of the block holding AlignConfig's defaults."""
     return OmegaConf.structured(AlignBlock)
+
+
+def block_values(config: AlignConfig) -> Dict[str, Any]:
+    """``config`` as the block's YAML values: every AlignConfig field (enums as their values),
+    so what :func:`nemo_fp8_align.nemo.check.align_config_from` reads back equals ``config``."""
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(AlignConfig)}
+    return {k: v.value if isinstance(v, enum.Enum) else v for k, v in values.items()}
 
 
 def register_configs() -> None:
