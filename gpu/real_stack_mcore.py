@@ -237,7 +237,7 @@ def _run_policy(o: Opts, policy: str, out_dir: str, rank: int, run_index: int) -
         backend = TEBackend()
         weights_of = backend.weights_of
     weights = [list(weights_of(c)) for c in chunks]
-    telemetry = os.path.join(out_dir, f"telemetry.run{run_index}.rank{rank}.jsonl")
+    telemetry = os.path.join(out_dir, f"telemetry.run{run_index}.rank{{rank}}.jsonl")
     aligner = align_fp8_transposes(
         chunks, num_microbatches=o.microbatches, backend=backend, weights_of=weights_of,
         config=config, align_config=AlignConfig(policy=Policy(policy), telemetry_path=telemetry))
@@ -380,10 +380,10 @@ def judge(o: Opts, out_dir: str) -> Dict[str, Any]:
         for runs in ranks.values() for r in runs if r["policy"] in ("aligned", "lazy")
         for rec in r.get("records", []) if rec["step"] == 1]
     del first
-    moves = {f"{name} {r['policy']}": common.transpose_buffer_moves(r.get("events", []))
-             for name, runs in ranks.items() for r in runs}
+    moves = {f"{name} run{i} {r['policy']}": common.transpose_buffer_moves(r.get("events", []))
+             for name, runs in ranks.items() for i, r in enumerate(runs)}
     summary["transpose_buffer_moves"] = {k: sum(v.values()) for k, v in moves.items()}
-    summary["transpose_builds_with_address"] = sum(len(v) for v in moves.values())
+    summary["weights_with_build_addresses"] = sum(len(v) for v in moves.values())
     return summary
 
 

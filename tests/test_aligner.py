@@ -2,13 +2,14 @@
 
 import json
 import logging
+from dataclasses import asdict
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from nemo_fp8_align.config import AlignConfig, Policy
-from nemo_fp8_align.engine.aligner import TransposeAligner
+from nemo_fp8_align.engine.aligner import StepMismatchError, TransposeAligner
 from nemo_fp8_align.engine.schedule import AT_START, InterleavedSchedule
 from nemo_fp8_align.engine.telemetry import TelemetryWriter, read_records
 
@@ -362,9 +363,14 @@ def test_inside_cuda_graph_capture_counts_but_refuses_work(monkeypatch):
     monkeypatch.setattr(aligner_mod, "_capturing_cuda_graph", lambda: True)
     r.chunks[0](torch.ones(1))  # forward 0: nothing due (chunk 0 was done at the start)
     r.chunks[0](torch.ones(1))  # forward 1
+    assert r.aligner._vmid == 2  # counted, nothing done
     with pytest.raises(RuntimeError, match="inside a CUDA-graph capture"):
         r.chunks[1](torch.ones(1))  # forward 2: chunk 1's slot
-    assert r.aligner._vmid == 3  # the count stayed consistent with the schedule
+    assert not any(w.builds for w in r.weights[1])
+    assert r.aligner._vmid is None  # the step is aborted: the next one starts clean
+    monkeypatch.setattr(aligner_mod, "_capturing_cuda_graph", lambda: False)
+    run_training_step(r)
+    assert [(x.step, x.chunk) for x in r.aligner.records] == [(1, 0), (1, 1)]  # step 0: none
 
 
 def test_a_whole_step_inside_a_capture_refuses_at_its_start(monkeypatch):
@@ -481,3 +487,91 @@ def test_telemetry_is_flushed_once_per_step(tmp_path):
     r.config.param_sync_func[0]()  # the next step starts: the last one's lines are on disk
     assert len(read_records([str(path)])) == 2
     r.aligner.detach()
+
+
+def test_functions_replaced_after_attach_raise_instead_of_leaving_the_aligner_blind():
+    """Megatron-LM's train() binds param_sync_func and finalize_model_grads_func right before
+    its loop: an aligner attached earlier would see no step at all, silently."""
+    from nemo_fp8_align.engine.errors import ScheduleRebindError
+
+    r = make_rank(pp=2, vp=2, m=2, rank=1)
+    r.aligner.attach(r.config)
+    r.config.param_sync_func = [r.sync.launcher(c) for c in range(2)]  # rebound, not ours
+    r.config.param_sync_func[0]()
+    r.config.param_sync_func[1]()
+    with pytest.raises(ScheduleRebindError, match="config.param_sync_func was replaced.*"
+                                                  "after 'config.finalize_model_grads_func"):
+        r.chunks[0](torch.ones(1))
+    assert r.aligner.records == [] and r.aligner.unlaunched_forwards == 0
+
+    r = make_rank(pp=2, vp=2, m=2, rank=1)
+    r.config.finalize_model_grads_func = lambda *a: None
+    r.aligner.attach(r.config)
+    run_training_step(r)
+    theirs = r.config.finalize_model_grads_func = lambda *a: None  # steps would never end
+    with pytest.raises(ScheduleRebindError, match="finalize_model_grads_func was replaced"):
+        r.config.param_sync_func[0]()
+    r.aligner.detach()  # restores what is still ours, keeps what replaced ours
+    assert r.config.finalize_model_grads_func is theirs
+    assert r.config.param_sync_func[0].__name__ == "launch"
+
+
+def test_a_forward_only_pass_setting_param_sync_func_to_none_is_not_a_rebind():
+    r = make_rank(pp=2, vp=2, m=2, rank=1)
+    r.aligner.attach(r.config)
+    run_training_step(r)
+    ours, r.config.param_sync_func = r.config.param_sync_func, None  # megatron-core, eval
+    with torch.no_grad():
+        r.chunks[0](torch.ones(1))
+    r.config.param_sync_func = ours
+    run_training_step(r)
+    assert len(r.aligner.records) == 4
+
+
+def test_an_unlaunched_step_is_verified_at_every_forward():
+    """After a load (param_sync_func None) no slot runs; verify mode checks every forward's
+    transposes after TE / the layer built (or kept) them: a stale 'valid' flag is caught."""
+    from nemo_fp8_align.engine.aligner import TransposeVerifyError
+
+    r = make_rank(pp=2, vp=2, m=2, rank=1)
+    backend = VerifyingBackend()
+    r.aligner = TransposeAligner(r.chunks, schedule=r.schedule, pp_rank=1, dp_rank=0,
+                                 param_sync=r.sync, weights=r.weights, backend=backend,
+                                 config=AlignConfig(verify_every_n_steps=5))
+    for chunk in r.chunks:
+        chunk.backend = backend
+    r.aligner.attach(r.config)
+    run_training_step(r)
+    r.aligner.on_step_end()  # megatron-core's finalize_model_grads_func
+    r.config.param_sync_func, wrapped = None, r.config.param_sync_func
+    r.chunks[0](torch.ones(1))  # all valid and right: passes
+    r.weights[0][1].valid, r.weights[0][1].corrupt = True, True  # flagged valid, bytes stale
+    with pytest.raises(TransposeVerifyError, match="model chunk 0, FP8 weight #1"):
+        r.chunks[0](torch.ones(1))
+    r.config.param_sync_func = wrapped
+
+
+def test_an_error_inside_a_step_does_not_blame_the_next_step():
+    r = make_rank(pp=2, vp=2, m=2, rank=1)
+    r.aligner.attach(r.config)
+    r.config.param_sync_func[0]()
+    r.config.param_sync_func[1]()
+    with pytest.raises(StepMismatchError, match="ran model chunk 1"):
+        r.chunks[1](torch.ones(1))  # forward 0 is chunk 0's
+    r.sync.new_step()
+    run_training_step(r)  # opens cleanly: no "ended after 0 forwards"
+    assert [(x.step, x.chunk) for x in r.aligner.records] == [(1, 0), (1, 1)]
+
+
+def test_records_of_tensor_parallel_peers_and_of_a_resumed_run_are_not_duplicates():
+    from nemo_fp8_align.engine.telemetry import record_problems
+
+    r = make_rank(pp=2, vp=2, m=2, rank=1)
+    r.aligner.attach(r.config)
+    run_training_step(r)
+    mine = [asdict(x) for x in r.aligner.records]
+    assert {x["run"] for x in mine} == {r.aligner.run_id} and mine[0]["rank"] == -1
+    tp_peer = [dict(x, rank=7) for x in mine]
+    resumed = [dict(x, run="second-try") for x in mine]
+    assert record_problems(mine + tp_peer + resumed) == []
+    assert any("2 records, expected exactly 1" in p for p in record_problems(mine + mine))

@@ -28,3 +28,18 @@ def test_whole_step_cuda_graphs_are_refused_before_anything_is_wrapped(scope):
         align_fp8_transposes([chunk, chunk], num_microbatches=4, backend=None,
                              weights_of=lambda c: [], config=config)
     assert config.param_sync_func == [print, print] and not chunk._forward_pre_hooks
+
+
+def test_a_telemetry_path_shared_by_several_ranks_is_refused(monkeypatch, tmp_path):
+    from nemo_fp8_align.config import AlignConfig
+
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a: 2)
+    chunk = torch.nn.Linear(1, 1)
+    config = SimpleNamespace(param_sync_func=[print, print])
+    with pytest.raises(ValueError, match=r"AlignConfig.telemetry_path=.* has no \{rank\} but 2 "
+                                         r"ranks.*Fix: AlignConfig.telemetry_path=<dir>"):
+        align_fp8_transposes([chunk, chunk], num_microbatches=4, backend=None,
+                             weights_of=lambda c: [], config=config,
+                             align_config=AlignConfig(telemetry_path=str(tmp_path / "t.jsonl")))
+    assert config.param_sync_func == [print, print] and not chunk._forward_pre_hooks

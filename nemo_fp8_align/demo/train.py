@@ -304,7 +304,8 @@ def run_rank(rank: int, world_size: int, port: int, opts: DemoOptions, out_dir: 
         inject(opts.fault)  # this process only, for its whole life
     try:
         with distributed(rank, world_size, opts):
-            path = os.path.join(out_dir, f"telemetry.rank{rank}.jsonl") if telemetry else None
+            # {rank}: the engine puts in the global rank (this process's rank) and checks it
+            path = os.path.join(out_dir, "telemetry.rank{rank}.jsonl") if telemetry else None
             result = _train(opts, path, out_dir)
             result["rank"] = rank
             with open(os.path.join(out_dir, f"rank{rank}.json"), "w", encoding="utf-8") as f:

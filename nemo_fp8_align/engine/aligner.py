@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import uuid
 from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence
 
@@ -32,6 +33,8 @@ import torch
 
 from nemo_fp8_align.config import AlignConfig, Policy
 from nemo_fp8_align.engine import attachments
+from nemo_fp8_align.engine import errors
+from nemo_fp8_align.engine.config_wrap import ConfigWrap
 from nemo_fp8_align.engine.errors import StepMismatchError, TransposeVerifyError
 from nemo_fp8_align.engine.schedule import AT_START, InterleavedSchedule
 from nemo_fp8_align.engine.telemetry import TelemetryWriter, TransposeRecord
@@ -108,12 +111,14 @@ class TransposeAligner:
         self.config = config
         self.telemetry = telemetry
         self.records: List[TransposeRecord] = []  # bounded: the newest RECORDS_KEPT or more
+        dist = torch.distributed
+        self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else -1
+        self.run_id = uuid.uuid4().hex[:12]  # tells a resumed job's records from the first try's
         self._clock = clock
         self._num_microbatches = num_microbatches
         self._plan(schedule)
         self._handles: List[Any] = []
-        self._model_config: Any = None
-        self._originals: Dict[str, Any] = {}
+        self._wrap: Optional[ConfigWrap] = None  # set by attach(model_config)
         self._step = -1
         self._vmid: Optional[int] = None  # forwards run in the open training step; None: closed
         self._done: set = set()  # chunks handled (aligned) or observed (lazy) this step
@@ -123,6 +128,7 @@ class TransposeAligner:
         #: Training forwards that ran with no step opened by the schedule's launches
         #: (``param_sync_func`` None: Megatron-LM's first iteration after a checkpoint load).
         self.unlaunched_forwards = 0
+        self._unlaunched: set = set()
 
     def _plan(self, schedule: InterleavedSchedule) -> None:
         self.schedule = schedule
@@ -151,7 +157,8 @@ class TransposeAligner:
         attachments.claim(self.chunks, self)  # refuses before anything is wrapped
         if model_config is not None:
             try:
-                self._wrap_config(model_config)
+                self._wrap = ConfigWrap(model_config, self.schedule.vp,
+                                        self.on_param_sync_launched, self.on_step_end)
             except Exception:
                 attachments.release(self.chunks, self)
                 raise
@@ -170,48 +177,12 @@ class TransposeAligner:
             handle.remove()
         self._handles.clear()
         attachments.release(self.chunks, self)
-        if self._model_config is not None:
-            for name, value in self._originals.items():
-                setattr(self._model_config, name, value)
-            self._model_config, self._originals = None, {}
+        if self._wrap is not None:
+            self._wrap.restore()
+            self._wrap = None
         self._vmid = None
         if self.telemetry is not None:
             self.telemetry.close()
-
-    def _wrap_config(self, model_config: Any) -> None:
-        funcs = model_config.param_sync_func
-        if funcs is None:
-            raise ValueError(
-                "config.param_sync_func is None: the aligned FP8 transposes need the schedule's "
-                "aligned all-gather launches. Set DistributedDataParallelConfig("
-                "overlap_param_gather=True, align_param_gather=True) and config.param_sync_func "
-                "= [chunk.start_param_sync for chunk in model] before attaching.")
-        per_chunk = list(funcs) if isinstance(funcs, (list, tuple)) else [funcs] * self.schedule.vp
-        if len(per_chunk) != self.schedule.vp:
-            raise ValueError(f"config.param_sync_func has {len(per_chunk)} entries for "
-                             f"{self.schedule.vp} model chunks")
-        finalize = getattr(model_config, "finalize_model_grads_func", None)
-        self._model_config = model_config
-        self._originals = {"param_sync_func": funcs, "finalize_model_grads_func": finalize}
-        model_config.param_sync_func = [self.param_sync_wrapper(c, f)
-                                        for c, f in enumerate(per_chunk)]
-        if finalize is not None:
-            model_config.finalize_model_grads_func = self._end_step_then(finalize)
-
-    def param_sync_wrapper(self, chunk: int, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """``fn`` (a chunk's all-gather launch) followed by :meth:`on_param_sync_launched`."""
-        def launch_then_notify(*args: Any, **kwargs: Any) -> Any:
-            out = fn(*args, **kwargs)
-            self.on_param_sync_launched(chunk)
-            return out
-        return launch_then_notify
-
-    def _end_step_then(self, finalize: Callable[..., Any]) -> Callable[..., Any]:
-        def check_then_finalize(*args: Any, **kwargs: Any) -> Any:
-            # Checked before finalize's own collectives, at the same point on every rank.
-            self.on_step_end()
-            return finalize(*args, **kwargs)
-        return check_then_finalize
 
     def on_param_sync_launched(self, chunk: int) -> None:
         """The schedule has just launched ``chunk``'s all-gather.
@@ -220,8 +191,10 @@ class TransposeAligner:
         chunk 1's launch, both pre-loop calls are done and no pipeline communication has
         happened yet: the slot-0 chunks (chunk 0) are handled here on every rank.
         """
-        if not self.attached:
-            return
+        if self.attached:
+            self._aborting_on_error(self._on_launch, chunk)
+
+    def _on_launch(self, chunk: int) -> None:
         if chunk == 0:
             self._open_step()
         if self._vmid is not None:
@@ -231,6 +204,15 @@ class TransposeAligner:
                 self._refuse_inside_capture(AT_START)
             for c in self._triggers.get(AT_START, []):
                 self._handle(c, AT_START)
+
+    def _aborting_on_error(self, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            fn(*args)
+        except BaseException:
+            # The step is over for this rank: the next one starts clean instead of being
+            # blamed for this one's unfinished forwards.
+            self._vmid, self._pending = None, {}
+            raise
 
     def set_next_step(self, step: int) -> None:
         """Number the next training step ``step`` in the records (e.g. the trainer's
@@ -256,6 +238,8 @@ class TransposeAligner:
     def _open_step(self) -> None:
         if self.telemetry is not None:  # the last step's records, if nothing ended it
             self.telemetry.flush()
+        if self._wrap is not None:
+            self._wrap.check()
         if self._vmid is not None and self._vmid != self.schedule.total:
             ran, self._vmid = self._vmid, None
             self._mismatch(f"ended after {ran} forwards")
@@ -268,36 +252,26 @@ class TransposeAligner:
         self._done, self._pending, self._observing, self._launched = set(), {}, {}, {}
 
     def _mismatch(self, what: str) -> None:
-        s = self.schedule
-        raise StepMismatchError(
-            f"nemo_fp8_align: training step {self._step} on pipeline rank {self.pp_rank} {what}, "
-            f"but its schedule (PP={s.pp}, VP={s.vp}, M={s.microbatches}, N={s.n}) has "
-            f"{s.total} forwards per rank. num_microbatches changed without the aligner being "
-            "told: pass num_microbatches as a function (e.g. megatron-core's "
-            "get_num_microbatches) to align_fp8_transposes, or keep M fixed.")
+        raise errors.step_mismatch(self._step, self.pp_rank, self.schedule, what)
 
     def _training_forward(self) -> bool:
         if self._vmid is None or not torch.is_grad_enabled():
             return False
         # megatron-core sets param_sync_func to None for the length of a forward-only pass.
-        return self._model_config is None or self._model_config.param_sync_func is not None
+        return self._wrap is None or self._wrap.config.param_sync_func is not None
 
     def _pre_forward(self, chunk: int, module: torch.nn.Module, args: Any) -> None:
         if not self._training_forward():
-            self._note_unlaunched()
-            return
+            self._note_unlaunched(chunk)
+        else:
+            self._aborting_on_error(self._on_forward, chunk)
+
+    def _on_forward(self, chunk: int) -> None:
         vmid = self._vmid
         if vmid >= self.schedule.total:
             self._mismatch(f"ran a forward beyond its {vmid}th (model chunk {chunk})")
-        expected = self.schedule.chunk_of(vmid)
-        if chunk != expected:
-            s = self.schedule
-            raise StepMismatchError(
-                f"nemo_fp8_align: forward {vmid} of step {self._step} on pipeline rank "
-                f"{self.pp_rank} ran model chunk {chunk}, but the interleaved schedule "
-                f"(PP={s.pp}, VP={s.vp}, M={s.microbatches}, N={s.n}) runs chunk {expected} "
-                "there. The aligner's schedule does not match the one running: check "
-                "num_microbatches and microbatch_group_size_per_vp_stage.")
+        if chunk != self.schedule.chunk_of(vmid):
+            raise errors.wrong_chunk(self._step, self.pp_rank, self.schedule, vmid, chunk)
         self._vmid = vmid + 1
         if _capturing_cuda_graph():
             self._refuse_inside_capture(vmid)
@@ -317,12 +291,15 @@ class TransposeAligner:
             before = [self.backend.has_valid_transpose(w) for w in self.weights[chunk]]
             self._observing[chunk] = (vmid, before, self._clock())
 
-    def _note_unlaunched(self) -> None:
+    def _note_unlaunched(self, chunk: int) -> None:
         """A forward with gradients but no open step (Megatron-LM's first iteration after a
         load: pre-hooks off, ``param_sync_func=None``): built at first use, counted, reported."""
-        launching = self._model_config is None or self._model_config.param_sync_func is not None
-        if self._vmid is not None or launching or not torch.is_grad_enabled():
+        if self._vmid is not None or self._wrap is None or not torch.is_grad_enabled():
             return
+        if self._wrap.config.param_sync_func is not None:  # launching, yet no step opened:
+            self._wrap.check()  # the schedule may be calling functions that are not ours
+            return
+        self._unlaunched.add(chunk)
         if self.unlaunched_forwards == 0:
             logger.warning("nemo_fp8_align: training forwards without the schedule's all-gather "
                            "launches (config.param_sync_func is None, as in Megatron-LM's first "
@@ -335,14 +312,12 @@ class TransposeAligner:
         bytes. The counter still advanced, so later slots stay right; work due here refuses."""
         due = [c for c in self._triggers.get(vmid, []) if c not in self._done]
         if self.config.policy is Policy.ALIGNED and due:
-            where = "the start" if vmid == AT_START else f"forward {vmid}"
-            raise RuntimeError(
-                f"nemo_fp8_align: the aligned transposes of model chunks {due} are due at {where} "
-                f"of step {self._step}, which runs inside a CUDA-graph capture. Capture graphs "
-                "of layers outside training steps (not whole steps: megatron-core's "
-                "cuda_graph_scope=full_iteration), or set fp8_transpose_align.policy=lazy.")
+            raise errors.inside_capture(self._step, vmid, due)
 
     def _post_forward(self, chunk: int, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if chunk in self._unlaunched:  # no launch, no slot: verified at every such forward
+            self._unlaunched.discard(chunk)
+            self._verify(chunk, always=True)
         if chunk not in self._observing or not self._training_forward():
             return
         vmid, before, t_slot = self._observing.pop(chunk)
@@ -352,10 +327,10 @@ class TransposeAligner:
                    valid=sum(after), t_slot=t_slot, t_done=self._clock(), t_first_use=t_slot)
         self._verify(chunk)
 
-    def _verify(self, chunk: int) -> None:
+    def _verify(self, chunk: int, always: bool = False) -> None:
         """Verify mode: at the chunk's first use, every weight's transpose against its bytes."""
         n = self.config.verify_every_n_steps
-        if not n or self._step % n:
+        if not n or (self._step % n and not always):
             return
         for i, weight in enumerate(self.weights[chunk]):
             why = self.backend.transpose_mismatch(weight)
@@ -392,7 +367,7 @@ class TransposeAligner:
             policy=self.config.policy.value, backend=self.backend.name, vmid=vmid,
             slot=self.schedule.slot_of(self.pp_rank, vmid),
             aligned_slot=self.schedule.aligned_slot(chunk), weights=len(self.weights[chunk]),
-            t_launch=self._launched.get(chunk), **fields)
+            t_launch=self._launched.get(chunk), rank=self.rank, run=self.run_id, **fields)
         self.records.append(record)
         if len(self.records) >= 2 * RECORDS_KEPT:  # trimmed in halves: amortised O(1) per record
             del self.records[:-RECORDS_KEPT]

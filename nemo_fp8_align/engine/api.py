@@ -22,7 +22,7 @@ from nemo_fp8_align.engine.schedule import InterleavedSchedule
 from nemo_fp8_align.engine.telemetry import TelemetryWriter
 from nemo_fp8_align.fp8.protocol import FP8TransposeBackend
 
-__all__ = ["align_fp8_transposes", "schedule_for", "telemetry_writer"]
+__all__ = ["align_fp8_transposes", "check_telemetry_path", "schedule_for", "telemetry_writer"]
 
 
 def schedule_for(config: Any, *, pp: int, vp: int, num_microbatches: int) -> InterleavedSchedule:
@@ -35,6 +35,28 @@ def schedule_for(config: Any, *, pp: int, vp: int, num_microbatches: int) -> Int
     return InterleavedSchedule(pp, vp, num_microbatches,
                                getattr(config, "microbatch_group_size_per_vp_stage", None),
                                legacy_order=legacy)
+
+
+def check_telemetry_path(path: Optional[str], key: str = "AlignConfig.telemetry_path") -> None:
+    """Fail at startup, on the rank that cannot, when ``path`` is unusable: several ranks but
+    no ``{rank}`` (all would append to one file, lines interleaved), or this rank's file not
+    writable (which the lazily opened writer would otherwise report at step 1)."""
+    if not path:
+        return
+    dist = torch.distributed
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if world > 1 and "{rank}" not in path:
+        raise ValueError(f"{key}={path!r} has no {{rank}} but {world} ranks would append to it. "
+                         f"Fix: {key}=<dir>/fp8_align.rank{{rank}}.jsonl")
+    resolved = telemetry_writer(path).path
+    try:
+        with open(resolved, "a", encoding="utf-8"):
+            pass
+    except OSError as err:
+        raise ValueError(
+            f"{key}={path!r}: cannot write {resolved!r} on this rank ({err.strerror or err}). "
+            f"Fix: a directory that exists and is writable on every node, e.g. "
+            f"{key}=/results/fp8_align.rank{{rank}}.jsonl, or {key}=null.") from None
 
 
 def telemetry_writer(path: Optional[str]) -> Optional[TelemetryWriter]:
@@ -93,6 +115,7 @@ def align_fp8_transposes(
     from megatron.core import parallel_state  # optional dependency: imported on use
 
     _refuse_unsupported_ddp(model)
+    check_telemetry_path(align_config.telemetry_path)
     config = config if config is not None else model[0].config
     _refuse_whole_step_graphs(config)
     if pp_rank is None:

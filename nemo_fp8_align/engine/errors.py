@@ -1,6 +1,9 @@
-"""Errors the aligned FP8-transpose engine raises at run time."""
+"""Errors the aligned FP8-transpose engine raises at run time, and their messages (each names
+what differed and the fix)."""
 
-__all__ = ["StepMismatchError", "TransposeVerifyError"]
+from typing import Any, List
+
+__all__ = ["ScheduleRebindError", "StepMismatchError", "TransposeVerifyError"]
 
 
 class StepMismatchError(RuntimeError):
@@ -9,3 +12,45 @@ class StepMismatchError(RuntimeError):
 
 class TransposeVerifyError(RuntimeError):
     """Verify mode found a cached transpose that does not match its weight's bytes."""
+
+
+class ScheduleRebindError(RuntimeError):
+    """The config functions the aligner wrapped were replaced after it attached."""
+
+
+def _shape(s: Any) -> str:
+    return f"PP={s.pp}, VP={s.vp}, M={s.microbatches}, N={s.n}"
+
+
+def step_mismatch(step: int, pp_rank: int, s: Any, what: str) -> StepMismatchError:
+    return StepMismatchError(
+        f"nemo_fp8_align: training step {step} on pipeline rank {pp_rank} {what}, but its "
+        f"schedule ({_shape(s)}) has {s.total} forwards per rank. num_microbatches changed "
+        "without the aligner being told: pass num_microbatches as a function (e.g. "
+        "megatron-core's get_num_microbatches) to align_fp8_transposes, or keep M fixed.")
+
+
+def wrong_chunk(step: int, pp_rank: int, s: Any, vmid: int, chunk: int) -> StepMismatchError:
+    return StepMismatchError(
+        f"nemo_fp8_align: forward {vmid} of step {step} on pipeline rank {pp_rank} ran model "
+        f"chunk {chunk}, but the interleaved schedule ({_shape(s)}) runs chunk "
+        f"{s.chunk_of(vmid)} there. The aligner's schedule does not match the one running: "
+        "check num_microbatches and microbatch_group_size_per_vp_stage.")
+
+
+def inside_capture(step: int, vmid: int, due: List[int]) -> RuntimeError:
+    where = "the start" if vmid < 0 else f"forward {vmid}"
+    return RuntimeError(
+        f"nemo_fp8_align: the aligned transposes of model chunks {due} are due at {where} of "
+        f"step {step}, which runs inside a CUDA-graph capture. Capture graphs of layers outside "
+        "training steps (not whole steps: megatron-core's cuda_graph_scope=full_iteration), or "
+        "set fp8_transpose_align.policy=lazy.")
+
+
+def rebound(name: str) -> ScheduleRebindError:
+    return ScheduleRebindError(
+        f"nemo_fp8_align: config.{name} was replaced after the aligner wrapped it, so the "
+        "aligner no longer sees the schedule (Megatron-LM's train() binds param_sync_func and "
+        "finalize_model_grads_func right before its training loop). Call align_fp8_transposes "
+        "after those functions are bound: in Megatron-LM's train(), right after "
+        "'config.finalize_model_grads_func = finalize_model_grads'.")

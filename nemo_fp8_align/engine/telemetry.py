@@ -33,6 +33,10 @@ class TransposeRecord:
     when its all-gather was complete (``None`` under ``lazy``), ``t_done`` when its transposes
     were valid (``lazy``: after the first forward), ``t_first_use`` when the chunk's first
     forward of the step began computing (after the plugin's pre-hook).
+
+    ``rank`` is the process's global rank (-1 without torch.distributed), so tensor- and
+    context-parallel peers, which share pp and dp ranks, stay apart; ``run`` is one id per
+    aligner, so a resumed job re-running steps into the same file is not a duplicate.
     """
 
     step: int
@@ -54,6 +58,8 @@ class TransposeRecord:
     t_gathered: Optional[float] = None
     t_done: Optional[float] = None
     t_first_use: Optional[float] = None
+    rank: int = -1
+    run: str = ""
 
     def to_json(self) -> str:
         # Every field is a plain value: vars() is enough, and 4x faster than asdict()'s deep copy
@@ -116,13 +122,14 @@ def record_problems(records: Iterable[Mapping], *, policy: str = "aligned") -> L
     all-gather had finished, every weight of the chunk had a valid transpose and none was built
     twice, and the timestamps run launch <= slot <= all-gather complete <= transposes valid
     (<= first use, under ``aligned``); and exactly one record per (step, chunk, pp_rank,
-    dp_rank). The demo, the NeMo smoke run, ``report`` and the step-time benchmarks all judge
+    dp_rank, rank, run). The demo, the NeMo smoke run, ``report`` and the step-time benchmarks all judge
     their telemetry with this one function.
     """
     problems: List[str] = []
     seen: Counter = Counter()
     for r in records:
-        key = (r["step"], r["chunk"], r["pp_rank"], r["dp_rank"])
+        key = (r["step"], r["chunk"], r["pp_rank"], r["dp_rank"], r.get("rank", -1),
+               r.get("run", ""))
         seen[key] += 1
         where = f"step {key[0]} chunk {key[1]} pp rank {key[2]} dp rank {key[3]}"
         want = r["aligned_slot"] + (r["pp_rank"] if policy == "lazy" else 0)
@@ -137,6 +144,6 @@ def record_problems(records: Iterable[Mapping], *, policy: str = "aligned") -> L
             problems.append(f"{where}: {valid} of {r['weights']} transposes valid, "
                             f"{r['transposed']} built (expected all valid, each built once)")
         problems.extend(f"{where}: timestamps out of order: {p}" for p in _time_problems(r, policy))
-    problems.extend(f"step/chunk/pp/dp {key}: {n} records, expected exactly 1"
+    problems.extend(f"step/chunk/pp/dp/rank/run {key}: {n} records, expected exactly 1"
                     for key, n in seen.items() if n != 1)
     return problems

@@ -116,29 +116,10 @@ def startup_check(cfg: Any, trainer: Any = None, *,
 
 
 def check_telemetry_path(path: Optional[str]) -> None:
-    """Fail at startup, on the rank that cannot, when ``telemetry_path`` is unusable: several
-    ranks but no ``{rank}`` (all would append to one file), or this rank's file not writable
-    (which the lazily opened writer would otherwise report at step 1, killing the run)."""
-    if not path:
-        return
-    import torch.distributed as dist
+    """:func:`nemo_fp8_align.engine.api.check_telemetry_path`, naming the NeMo setting."""
+    from nemo_fp8_align.engine.api import check_telemetry_path as check
 
-    from nemo_fp8_align.engine.api import telemetry_writer
-
-    key = "model.fp8_transpose_align.telemetry_path"
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    if world > 1 and "{rank}" not in path:
-        raise ValueError(f"{key}={path!r} has no {{rank}} but {world} ranks would append to it. "
-                         f"Fix: {key}=<dir>/fp8_align.rank{{rank}}.jsonl")
-    resolved = telemetry_writer(path).path
-    try:
-        with open(resolved, "a", encoding="utf-8"):
-            pass
-    except OSError as err:
-        raise ValueError(
-            f"{key}={path!r}: cannot write {resolved!r} on this rank ({err.strerror or err}). "
-            f"Fix: a directory that exists and is writable on every node, e.g. "
-            f"{key}=/results/fp8_align.rank{{rank}}.jsonl, or {key}=null.") from None
+    check(path, key="model.fp8_transpose_align.telemetry_path")
 
 
 def _data_parallel_size(cfg: Any, trainer: Any) -> Optional[int]:
