@@ -63,6 +63,17 @@ def test_evaluation_inside_training_triggers_nothing_and_stays_aligned(policy, f
     assert differences(run, demo(2, 2, 2, 4, "off")) == []
 
 
+def test_foreign_module_forwards_with_gradients_never_count():
+    """A module that is not a model chunk (a probe, a reference model) runs forward and
+    backward with gradients between the schedule's launches and the first forward, between a
+    backward and the next forward, and between steps: the real engine stays aligned and
+    exactly-once, and the run is bit-identical to the plugin off."""
+    run = demo(2, 2, 2, 4, "aligned", foreign_forwards=True)
+    assert alignment_problems(run) == []
+    assert all(rank["unlaunched_forwards"] == 0 for rank in run.ranks)
+    assert differences(run, demo(2, 2, 2, 4, "off")) == []
+
+
 def test_independent_evidence_places_builds_at_the_aligned_slot():
     """From the demo's own hooks (not the aligner's records): on every rank chunk 1 is built
     after T_1 - r forwards (slot T_1 = 2), none running; under lazy inside forward T_1."""

@@ -13,6 +13,7 @@ import os
 import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
@@ -53,6 +54,11 @@ class DemoOptions:
     #: Save a checkpoint before this step and resume from it in a new model, optimizer and
     #: aligner, Megatron-LM style (its first step without pre-hooks or launches).
     resume_at: Optional[int] = None
+    #: A module that is not a model chunk (a probe, a reference model as in NeMo-RL) runs a
+    #: forward and backward with gradients inside every forward step, before the chunk's forward
+    #: (between the schedule's launches and the first forward, and between one microbatch's
+    #: backward and the next forward), and between steps. It must never count.
+    foreign_forwards: bool = False
 
     @property
     def world_size(self) -> int:
@@ -69,7 +75,14 @@ def _batches(opts: DemoOptions, step: int, dp_rank: int) -> List[Dict[str, torch
     return out
 
 
-def _forward_step(data_iterator: Iterator[Dict[str, torch.Tensor]], model: torch.nn.Module):
+def _foreign_forward(probe: Optional[torch.nn.Module]) -> None:
+    if probe is not None and torch.is_grad_enabled():
+        probe(torch.ones(2, probe.in_features, device=probe.weight.device)).square().sum().backward()
+
+
+def _forward_step(data_iterator: Iterator[Dict[str, torch.Tensor]], model: torch.nn.Module,
+                  probe: Optional[torch.nn.Module] = None):
+    _foreign_forward(probe)
     batch = next(data_iterator)
     output = model(batch["tokens"], batch["labels"])
 
@@ -156,12 +169,16 @@ class PipelineRun:
             weights_of=lambda chunk: chunk.module.fp8_weights(), config=self.config,
             align_config=AlignConfig(policy=opts.policy, telemetry_path=telemetry_path))
         self._fwd_bwd = get_forward_backward_func()
+        hidden = opts.model.hidden_size
+        self.probe = torch.nn.Linear(hidden, hidden, device=opts.device) \
+            if opts.foreign_forwards else None
 
     def _run(self, step: int, forward_only: bool) -> List[Dict[str, torch.Tensor]]:
         data = [{k: v.to(self.opts.device) for k, v in b.items()}
                 for b in _batches(self.opts, step, self.dp_rank)]
         return self._fwd_bwd(
-            forward_step_func=_forward_step, data_iterator=[iter(data) for _ in self.chunks],
+            forward_step_func=partial(_forward_step, probe=self.probe),
+            data_iterator=[iter(data) for _ in self.chunks],
             model=self.chunks, num_microbatches=self.opts.microbatches,
             seq_length=self.opts.model.seq_length, micro_batch_size=self.opts.micro_batch_size,
             forward_only=forward_only)
@@ -223,6 +240,7 @@ def _train(opts: DemoOptions, telemetry_path: Optional[str], out_dir: str) -> Di
             result["unlaunched_steps"].append(step)
         with checkpoint.first_step_after_load(run) if after_load else nullcontext():
             _train_step(run, evidence, step, result)
+        _foreign_forward(run.probe)
         if opts.eval_after_each_step:
             records_before = len(run.aligner.records)
             built_before = [w.transposes_built for w in run.weights]
