@@ -42,7 +42,7 @@ def _optimizer_class():
         return DistributedFusedAdam, f"apex DistributedFusedAdam (NeMo's did not import: {exc!r})"
 
 
-def _optimizer(chunks: List[torch.nn.Module]):
+def _optimizer(chunks: List[torch.nn.Module], bucket_cap_mb: float):
     from megatron.core import parallel_state
 
     cls, name = _optimizer_class()
@@ -50,7 +50,7 @@ def _optimizer(chunks: List[torch.nn.Module]):
     opt = cls(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
               overlap_grad_sync=True, overlap_param_sync=True, contiguous_grad_buffer=True,
               dtype=torch.float32, param_sync_dtype=torch.bfloat16, store_params=True,
-              process_group=parallel_state.get_data_parallel_group())
+              bucket_cap_mb=bucket_cap_mb, process_group=parallel_state.get_data_parallel_group())
     # NeMo (MegatronGPTModel.configure_optimizers): one bucket per transformer layer, reversed;
     # the remaining parameters join the last bucket.
     buckets = [[p for p in layer.parameters() if p.requires_grad]
@@ -106,7 +106,10 @@ def run_policy(o: mcore.Opts, policy: str, out_dir: str, rank: int, run_index: i
     backend = TEBackend()
     weights = [list(backend.weights_of(c)) for c in chunks]  # before any hook is armed
     chunk_params = [list(c.parameters()) for c in chunks]
-    opt, opt_name = _optimizer(chunks)
+    opt, opt_name = _optimizer(chunks, o.bucket_cap_mb)
+    # Which parameters have bytes in this rank's shard (the all-gather brings the others'):
+    owned = [any(f.in_local_shard for f in opt.state[p]["fragments"])
+             for ps in (list(c.parameters()) for c in chunks) for p in ps if p.requires_grad]
     copies = CopyWatch(opt)
     config.no_sync_func = partial(opt.no_sync, greedy_grad_copy=True)
     config.grad_sync_func = opt.try_grad_sync
@@ -129,6 +132,8 @@ def run_policy(o: mcore.Opts, policy: str, out_dir: str, rank: int, run_index: i
     result: Dict[str, Any] = {"policy": policy, "pp_rank": pp_rank, "dp_rank": dp_rank,
                               "optimizer": opt_name, "weights": [len(w) for w in weights],
                               "weight_types": sorted({type(w).__name__ for ws in weights for w in ws}),
+                              "params_with_local_shard": f"{sum(owned)} of {len(owned)}",
+                              "buckets": len(opt.state["buckets"]),
                               "losses": [], "grads": [], "params": [], "step_seconds": []}
     try:
         for step in range(o.steps):

@@ -50,6 +50,7 @@ class Opts:
     micro_batch_size: int = 2
     seed: int = 1234
     cpu_dry_run: bool = False
+    bucket_cap_mb: float = 100.0  # Apex DistributedFusedAdam's bucket size (its default)
 
 
 def gpt_config(o: Opts, **extra: Any):
@@ -396,10 +397,13 @@ def main(runner: str = "mcore", description: str = __doc__) -> int:
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--recipe", default="delayed", choices=["delayed", "tensorwise"])
     ap.add_argument("--cpu-dry-run", action="store_true")
+    ap.add_argument("--bucket-cap-mb", type=float, default=100.0,
+                    help="Apex runner: DistributedFusedAdam bucket_cap_mb (small: every data-"
+                         "parallel rank's shard holds real parameters)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     o = Opts(pp=a.pp, vp=a.vp, dp=a.dp, steps=a.steps, microbatches=a.microbatches,
-             recipe=a.recipe, cpu_dry_run=a.cpu_dry_run)
+             recipe=a.recipe, cpu_dry_run=a.cpu_dry_run, bucket_cap_mb=a.bucket_cap_mb)
     os.makedirs(a.out, exist_ok=True)
     import torch.multiprocessing as mp
     t0 = time.time()

@@ -5,6 +5,7 @@
 # PyTorch extension and Apex's three extensions side by side; run the real-stack harnesses.
 # Usage (repo root, .h200 carried): bash gpu/run_real_stack.sh [mcore|apex|all|graphs]; logs under $OUT
 # graphs: tests/test_cuda_graphs_gpu.py (while TE builds), gpu/te_cuda_graph_probe.py, one mcore run
+# apex1mb: the Apex path with bucket_cap_mb=1, so both data-parallel shards hold real parameters
 #
 # .h200/ (44 MiB; `echo /.h200/ >> .git/info/exclude`) is made on the CPU machine:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -77,6 +78,12 @@ apex_ready() {
   python3 -c "from nemo.core.optim.distributed_adam import MegatronDistributedFusedAdam; print('NeMo MegatronDistributedFusedAdam imports')" > /tmp/rs/nemo_import.log 2>&1
   tail -4 /tmp/rs/nemo_import.log | cut -c1-400; APEX_READY=1
 }
+if [ "$WHAT" = apex1mb ]; then
+  apex_ready
+  run apex_dp2_delayed_1mb 200 python3 gpu/real_stack_apex.py --dp 2 --recipe delayed --bucket-cap-mb 1
+  python3 -c "import json,glob; [print(f.split('/')[-1], r['policy'], 'params with bytes in this rank\'s shard:', r.get('params_with_local_shard'), 'buckets:', r.get('buckets')) for f in sorted(glob.glob('/tmp/rs/apex_dp2_delayed_1mb/rank*.json')) for r in json.load(open(f))]"
+  tar czf "$OUT"/real_stack.tar.gz -C /tmp rs; el "done"; exit 0
+fi
 if [ "$WHAT" = graphs ]; then
   run te_cuda_graph_probe 120 python3 gpu/te_cuda_graph_probe.py
   grep -E "^\[INFO\]|Traceback|Error" /tmp/rs/te_cuda_graph_probe.log | cut -c1-400 | head -40
