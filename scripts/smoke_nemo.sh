@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # CPU smoke run of the NeMo integration (CI): NeMo 2.3.3 MegatronGPTModel, 4 gloo processes,
 # PP=2 x DP=2, VP=2, mcore_distributed_optim, mock data, 3 steps and one validation pass each
-# (five runs, about 8 minutes on 2 cores).
+# (six runs, about 9 minutes on 2 cores).
 # The transformer layers' GEMMs read reference FP8 weights (forward on the FP8 data, data
 # gradient on the cached FP8 transpose: nemo_fp8_align.compat.reference_fp8_layers), and with
 # DP=2 the all-gathers really change the parameter bytes, so a transpose built at the wrong time
 # changes the loss.
 #
 #   1. aligned: examples/megatron_gpt_pretraining.py with FP8TransposeAlignMixin, policy=aligned;
+#               it also saves NeMo's distributed checkpoint (exp_manager's checkpoint callback,
+#               torch_dist format) at the validation after step 2, then trains step 3;
 #   2. stock:   NeMo's stock flow (examples/stock_megatron_gpt_pretraining.py: MegatronGPTModel,
 #               no mixin, no plugin code) on conf/megatron_gpt_cpu.yaml; the plugin comes in only
 #               through its Lightning entry point, switched on by Hydra overrides alone; its
@@ -18,14 +20,21 @@
 #   5. fault:   as 1 with the plugin's all-gather wait removed (tests/smoke_faults: no_wait) and
 #               the GEMMs' provenance check off: the negative control. Its losses must DIFFER
 #               from 'off', or the comparison below could not catch a stale transpose.
-# Runs 1, 4 and 5 run with the all-gathers deferred to their wait (tests/smoke_faults:
+#   6. resume:  as 1, a new process resumed from 1's step-2 checkpoint the way a cluster job is
+#               (exp_manager.resume_from_checkpoint: NeMo sets trainer.ckpt_path, as
+#               resume_if_exists does with the newest '-last' one): trains step 3 only. (1
+#               cannot serve resume_if_exists: NeMo's last checkpoint would be written at the
+#               end of training, after step 3.)
+# Runs 1, 4, 5 and 6 run with the all-gathers deferred to their wait (tests/smoke_faults:
 # deferred_all_gather, a slow network), so early FP8 copies are stale deterministically.
 #
 # Checks: telemetry of 1, 2 (and 3, as lazy) judged by record_problems (aligned slot on every
 # pipeline rank, after the all-gather, every weight once per step, timestamps in order) on every
 # (step, chunk, pp rank, dp rank); 2 placed exactly as 1; the logger rows of 2 and 3 carry the
-# gathered metrics; the losses of 1, 2 and 3 equal 4's bit for bit; 5's differ; 4 wrote no
-# telemetry.
+# gathered metrics; the losses of 1, 2 and 3 equal 4's bit for bit (1's with its checkpoint
+# saved after step 2); 5's differ; 4 wrote no telemetry; 6 resumed from the step-2 checkpoint,
+# its step-3 loss equals 4's bit for bit and its telemetry passes the same checks for step 3
+# (placed as in 1, one record per chunk and rank: no hook doubled by the restore).
 # With SMOKE_NEMO_DP1=1 also (2 processes): PP=2 DP=1 plugin on/off (the bucket-bug workaround).
 #
 # Exit status is non-zero when a run fails or a check does not hold. Usage:
@@ -40,7 +49,7 @@ PYTHON="${PYTHON:-python}"
 OUT="${SMOKE_DIR:-$(mktemp -d -t nemo_fp8_align_smoke.XXXXXX)}"
 mkdir -p "$OUT"
 CHECK_ONLY="${SMOKE_NEMO_CHECK_ONLY:-0}"
-RUNS=(aligned stock lazy off fault dp1 dp1_off)
+RUNS=(aligned stock lazy off fault resume dp1 dp1_off)
 if [ "$CHECK_ONLY" != "1" ]; then
   for r in "${RUNS[@]}"; do rm -rf "${OUT:?}/$r"; done  # a reused SMOKE_DIR must not feed old runs
 fi
@@ -87,9 +96,24 @@ example() {  # example <name> <faults> <overrides...>: the project's example scr
     "report_dir=$OUT/$name" "$@"
 }
 
+saved_checkpoint() {  # saved_checkpoint <run>: the step-2 checkpoint directory it wrote
+  local found
+  found="$(find "$OUT/$1/exp" -path '*/checkpoints/*' -type d -name '*-step=2-*' \
+    ! -name '*unfinished*' | head -n 1)"
+  if [ -z "$found" ]; then
+    echo "smoke_nemo: run '$1' wrote no step-2 checkpoint under $OUT/$1/exp" >&2
+    exit 1
+  fi
+  echo "$found"
+}
+
 if [ "$CHECK_ONLY" != "1" ]; then
+  SAVING=(exp_manager.create_checkpoint_callback=true)
   example aligned deferred_all_gather "model.fp8_transpose_align.policy=aligned" \
-    "$(telemetry aligned)" "$@"
+    "$(telemetry aligned)" "${SAVING[@]}" "$@"
+  CKPT="$(saved_checkpoint aligned)"
+  example resume deferred_all_gather "model.fp8_transpose_align.policy=aligned" \
+    "$(telemetry resume)" "${SAVING[@]}" "exp_manager.resume_from_checkpoint=\"$CKPT\"" "$@"
   stock stock aligned "$@"
   stock lazy lazy "$@"
   example off deferred_all_gather "model.fp8_transpose_align.enabled=false" \

@@ -1,8 +1,9 @@
 """The NeMo smoke run's report and checks (scripts/smoke_nemo.sh): ``python smoke_nemo_check.py DIR``.
 
-Reads the runs in DIR (``aligned``, ``stock``, ``lazy``, ``off``, ``fault``; ``dp1``/``dp1_off`` when
-present), prints the alignment report and the losses, and exits 1 listing every check that does
-not hold. The tests feed it made-up runs to show each check fails when it should.
+Reads the runs in DIR (``aligned``, ``stock``, ``lazy``, ``off``, ``fault``, ``resume``;
+``dp1``/``dp1_off`` when present), prints the alignment report and the losses, and exits 1 listing
+every check that does not hold. The tests feed it made-up runs to show each check fails when it
+should.
 """
 
 import csv
@@ -16,6 +17,11 @@ from collections import defaultdict
 from nemo_fp8_align.engine.telemetry import read_records, record_problems
 
 PP, VP = 2, 2  # the smoke config's shape, not what the telemetry happens to contain
+STEPS = 3  # trainer.max_steps of every run
+SAVED_AT = 2  # 'aligned' saves NeMo's checkpoint at the validation after this step; 'resume'
+#               starts from it
+RESUMING = "Resuming training from checkpoint:"  # NeMo's exp_manager (check_resume)
+UNLAUNCHED = "without the schedule's all-gather launches"  # the aligner's warning
 
 
 class Checks:
@@ -39,6 +45,20 @@ class Checks:
         self.errors.append(f"{name}: no loss report ({report}) and no logger metrics.csv")
         return []
 
+    def step_losses(self, name):
+        """{global step after the step: loss} from the example's LossReport."""
+        report = self.path(name, "loss.jsonl")
+        if not os.path.exists(report):
+            self.errors.append(f"{name}: no loss report ({report})")
+            return {}
+        with open(report, encoding="utf-8") as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        return {r["step"]: r["loss"] for r in rows}
+
+    def log(self, name):
+        path = self.path(name, "log.txt")
+        return open(path, encoding="utf-8").read() if os.path.exists(path) else ""
+
     def logger_rows(self, name):
         paths = sorted(glob.glob(self.path(name, "exp", "**", "metrics.csv"), recursive=True))
         if not paths:
@@ -50,12 +70,17 @@ class Checks:
         return read_records(sorted(glob.glob(self.path(name, "telemetry.rank*.jsonl"))))
 
     # ------------------------------------------------------------------ checks
-    def alignment(self, name, dp_ranks, policy="aligned"):
+    def alignment(self, name, dp_ranks, policy="aligned", want_steps=None):
+        """``want_steps``: the telemetry steps the run must cover exactly (default: >= 3)."""
         rows = self.records(name)
         report(name, rows, policy)
         steps = sorted({r["step"] for r in rows})
-        if len(steps) < 3:
-            self.errors.append(f"{name}: telemetry covers {len(steps)} steps, expected >= 3")
+        if want_steps is None and len(steps) < STEPS:
+            self.errors.append(f"{name}: telemetry covers {len(steps)} steps, expected >= {STEPS}")
+        elif want_steps is not None and steps != list(want_steps):
+            self.errors.append(f"{name}: telemetry covers steps {steps}, "
+                               f"expected {list(want_steps)}")
+            steps = list(want_steps)
         self.errors.extend(f"{name}: {p}" for p in record_problems(rows, policy=policy))
         seen = {(r["step"], r["chunk"], r["pp_rank"], r["dp_rank"]) for r in rows}
         expected = {(s, c, p, d) for s in steps for c in range(VP) for p in range(PP)
@@ -96,11 +121,10 @@ class Checks:
 
     def attached_once(self, name, line):
         """The plugin said where it attached, once (global rank 0), in the run's log."""
-        path = self.path(name, "log.txt")
-        text = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
+        text = self.log(name)
         if text.count(line) != 1:
-            self.errors.append(f"{name}: {text.count(line)} lines with {line!r} in {path}, "
-                               "expected 1")
+            self.errors.append(f"{name}: {text.count(line)} lines with {line!r} in "
+                               f"{self.path(name, 'log.txt')}, expected 1")
 
     def equal_losses(self, name, baseline):
         a, b = self.losses(name), self.losses(baseline)
@@ -109,6 +133,41 @@ class Checks:
         elif a != b:
             self.errors.append(f"losses differ between run '{name}' and the plugin-off run "
                                f"'{baseline}': {a} vs {b}")
+
+    def resumed(self, name, saved, baseline):
+        """Run ``name`` started a new process from the checkpoint ``saved`` wrote at step
+        SAVED_AT (NeMo's exp_manager resume) and trained the steps after it: their losses equal
+        the uninterrupted ``baseline``'s bit for bit, and its telemetry passes the same checks
+        (one record per step, chunk and rank: no hook doubled by the restore), placed exactly
+        as ``saved`` placed those steps."""
+        if not os.path.isdir(self.path(name)):
+            self.errors.append(f"{name}: no resumed run in {self.out} (scripts/smoke_nemo.sh "
+                               f"resumes from the checkpoint '{saved}' saves at step {SAVED_AT})")
+            return
+        log = self.log(name)
+        resuming = [line for line in log.splitlines() if RESUMING in line]
+        if not resuming or not all(f"step={SAVED_AT}-" in line for line in resuming):
+            self.errors.append(f"{name}: NeMo did not resume from the step-{SAVED_AT} checkpoint "
+                               f"(lines with {RESUMING!r}: {resuming})")
+        got = self.step_losses(name)
+        want = {s: v for s, v in self.step_losses(baseline).items() if s > SAVED_AT}
+        after = list(range(SAVED_AT + 1, STEPS + 1))
+        if sorted(got) != after:
+            self.errors.append(f"{name}: losses reported for steps {sorted(got)}, expected {after} "
+                               f"(resumed after step {SAVED_AT})")
+        elif got != want:
+            self.errors.append(f"resumed losses differ from the uninterrupted run '{baseline}': "
+                               f"{got} vs {want}")
+        rows = self.alignment(name, dp_ranks=(0, 1), want_steps=range(SAVED_AT, STEPS))
+        before = [r for r in self.records(saved) if r["step"] >= SAVED_AT]
+        if placement(rows) != placement(before):
+            self.errors.append(f"{name}: the resumed steps' transposes are placed differently "
+                               f"from the same steps of the uninterrupted run '{saved}'")
+        # NeMo 2.3.3 launches the first step after a load like any other (fwd_bwd_step binds
+        # param_sync_func; nothing turns the pre-hooks off): the aligner must not have seen
+        # training forwards without launches (Megatron-LM's first step after a load).
+        print(f"\nResumed run '{name}': {len(resuming)} resume line(s) {resuming[:1]}; forwards "
+              f"without launches reported: {log.count(UNLAUNCHED)} warning line(s)")
 
     def fault_detected(self, name, baseline):
         a, b = self.losses(name), self.losses(baseline)
@@ -162,9 +221,12 @@ def main(out):
     print()
     for name in ("aligned", "stock", "lazy", "off", "fault"):
         print("losses  %-8s %s" % (name + ":", c.losses(name)))
+    if os.path.isdir(c.path("resume")):
+        print("losses  resume:   %s (by step)" % c.step_losses("resume"))
     for name in ("aligned", "stock", "lazy"):
-        c.equal_losses(name, "off")
+        c.equal_losses(name, "off")  # 'aligned' saved its checkpoint after step SAVED_AT
     c.fault_detected("fault", "off")
+    c.resumed("resume", saved="aligned", baseline="off")
     if os.path.isdir(c.path("dp1")):
         c.alignment("dp1", dp_ranks=(0,))  # PP=2 DP=1
         print("losses  dp1:      %s\nlosses  dp1_off:  %s" % (c.losses("dp1"), c.losses("dp1_off")))
@@ -176,8 +238,9 @@ def main(out):
         return 1
     print("\nsmoke_nemo: OK (mixin and stock flow + entry point: every chunk's transposes at its "
           "aligned slot on every pipeline and data-parallel rank, once per step, after its "
-          "all-gather; lazy at each rank's first use; losses identical with the plugin off; the "
-          "fault run's differ)")
+          "all-gather; lazy at each rank's first use; losses identical with the plugin off, also "
+          f"after saving a checkpoint at step {SAVED_AT} and in a new process resumed from it; "
+          "the fault run's differ)")
     return 0
 
 

@@ -1,11 +1,14 @@
 """The CI smoke run of the NeMo integration (scripts/smoke_nemo.sh).
 
 ``test_smoke_nemo``: real NeMo 2.3.3 MegatronGPTModel on CPU, 4 gloo processes, PP=2 x DP=2,
-VP=2, mcore_distributed_optim, GEMMs on reference FP8 weights, 3 steps, four runs (mixin, NeMo's
-stock flow with the entry point, plugin off, and the no-wait fault whose losses must differ):
-about 6 minutes on 2 cores. The other tests feed the script's checks made-up runs
-(``SMOKE_NEMO_CHECK_ONLY=1``) to show that they fail when a transpose is misplaced, missing or
-repeated, a loss differs, the fault goes unnoticed, or the logged metrics are not gathered.
+VP=2, mcore_distributed_optim, GEMMs on reference FP8 weights, 3 steps, six runs (mixin, which
+also saves NeMo's distributed checkpoint after step 2; NeMo's stock flow with the entry point;
+lazy; plugin off; the no-wait fault whose losses must differ; and a new process resumed from the
+step-2 checkpoint through exp_manager): about 9 minutes on 2 cores. The other tests feed the
+script's checks made-up runs (``SMOKE_NEMO_CHECK_ONLY=1``) to show that they fail when a
+transpose is misplaced, missing or repeated, a loss differs, the fault goes unnoticed, the logged
+metrics are not gathered, or the resumed run is missing, restarted from scratch, doubled a
+transpose or lost bit-identity.
 """
 
 import csv
@@ -64,7 +67,30 @@ def write_logger_csv(run, losses, metrics=None, skew="0.0"):
         writer.writerows(rows)
 
 
-def write_runs(tmp_path, mutate=None, stock_metrics=None, lazy_metrics=None):
+RESUMING = ("[NeMo I 2026-12-03 12:27:01 nemo_logging:393] Resuming training from checkpoint: "
+            "/x/checkpoints/megatron_gpt--val_loss=8.38-step=2-consumed_samples=16.0\n")
+
+
+def write_step_losses(run, losses):
+    with open(run / "loss.jsonl", "w") as f:
+        f.writelines(json.dumps({"step": step, "loss": loss}) + "\n"
+                     for step, loss in losses.items())
+
+
+def write_resume(tmp_path, losses=None, steps=(2,), mutate=None):
+    """The run resumed from the step-2 checkpoint: step 3's loss and telemetry step 2."""
+    run = tmp_path / "resume"
+    run.mkdir()
+    write_step_losses(run, losses or {3: LOSSES[2]})
+    (run / "log.txt").write_text(RESUMING)
+    for rank, (pp_rank, dp_rank) in enumerate([(0, 0), (0, 1), (1, 0), (1, 1)]):
+        rows = [record(s, pp_rank, c, dp_rank) for s in steps for c in (0, 1)]
+        rows = mutate(pp_rank, rows) if mutate else rows
+        with open(run / f"telemetry.rank{rank}.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def write_runs(tmp_path, mutate=None, stock_metrics=None, lazy_metrics=None, resume=True):
     for name in ("aligned", "stock", "lazy", "off", "fault"):
         run = tmp_path / name
         run.mkdir()
@@ -85,6 +111,8 @@ def write_runs(tmp_path, mutate=None, stock_metrics=None, lazy_metrics=None):
                 rows = mutate(pp_rank, rows)
             with open(run / f"telemetry.rank{rank}.jsonl", "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in rows)
+    if resume:
+        write_resume(tmp_path)
 
 
 def test_checks_pass_on_good_runs(tmp_path):
@@ -92,6 +120,7 @@ def test_checks_pass_on_good_runs(tmp_path):
     out = run_script(tmp_path, check_only=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "r0:[2] r1:[2]" in out.stdout
+    assert "Alignment report, run 'resume'" in out.stdout
 
 
 def misplace(pp_rank, rows):
@@ -155,6 +184,28 @@ def test_checks_fail_when_lazy_looks_aligned(tmp_path):
     assert out.returncode != 0 and "expected 1.0 under lazy" in out.stdout, out.stdout
 
 
+@pytest.mark.parametrize("resume, message", [
+    (None, "no resumed run"),
+    (dict(losses={3: LOSSES[2] + 1e-6}), "resumed losses differ from the uninterrupted run"),
+    (dict(losses=dict(enumerate(LOSSES, 1)), steps=(0, 1, 2)), "expected [3] (resumed after"),
+    (dict(mutate=repeat), "expected exactly 1"),
+    (dict(mutate=misplace), "placed differently"),
+], ids=["missing", "loss-differs", "restarted-from-scratch", "hook-doubled", "misplaced"])
+def test_checks_fail_on_a_bad_resume(tmp_path, resume, message):
+    write_runs(tmp_path, resume=False)
+    if resume is not None:
+        write_resume(tmp_path, **resume)
+    out = run_script(tmp_path, check_only=True, timeout=120)
+    assert out.returncode != 0 and message in out.stdout, out.stdout + out.stderr
+
+
+def test_checks_fail_when_the_resume_did_not_load_the_step_2_checkpoint(tmp_path):
+    write_runs(tmp_path)
+    (tmp_path / "resume" / "log.txt").write_text(RESUMING.replace("step=2", "step=3"))
+    out = run_script(tmp_path, check_only=True, timeout=120)
+    assert out.returncode != 0 and "did not resume from the step-2" in out.stdout, out.stdout
+
+
 @pytest.mark.nemo
 @pytest.mark.slow
 def test_smoke_nemo(tmp_path):
@@ -163,5 +214,5 @@ def test_smoke_nemo(tmp_path):
     out = run_script(tmp_path, check_only=False, timeout=1500)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert "smoke_nemo: OK" in out.stdout
-    for run in ("aligned", "stock"):
+    for run in ("aligned", "stock", "resume"):
         assert f"Alignment report, run '{run}'" in out.stdout

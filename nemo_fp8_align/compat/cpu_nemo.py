@@ -97,16 +97,23 @@ class NemoCpuCompat:
         # mcore_distributed_optim path never calls apex. Pretend apex is there for that one
         # check only (HAVE_APEX guards real apex calls elsewhere in the module).
         self._patch_init_with_flag(nlp_overrides.NLPDDPStrategy, nlp_overrides, "HAVE_APEX")
+        # Why: the same module imports apex's MegatronDistributedFusedAdam and, after it,
+        # McoreDistributedOptimizer (which needs no apex) in one try block, so without apex
+        # neither name exists and a checkpoint save or load (optimizer_sharded_state_dict's
+        # isinstance checks) raises NameError. Bind the megatron-core one; nothing is an
+        # instance of the apex one.
+        if not hasattr(nlp_overrides, "McoreDistributedOptimizer"):
+            from nemo.core.optim.mcore_optim import McoreDistributedOptimizer
 
-        # Why: with mcore_gpt=True, MegatronTrainerBuilder always adds DistributedCheckpointIO,
-        # whose module imports megatron-core's tensorstore strategy; tensorstore (a checkpoint
-        # format dependency) is not in the CPU environment, so the constructor raises
-        # ImportError although nothing is saved. Skip that check at construction only; saving a
-        # distributed checkpoint would still fail (the smoke run saves none).
-        dist_ckpt_io = self._module("nemo.utils.callbacks.dist_ckpt_io")
-        if not dist_ckpt_io.HAVE_MEGATRON_CORE:
-            self._patch_init_with_flag(dist_ckpt_io.DistributedCheckpointIO, dist_ckpt_io,
-                                       "HAVE_MEGATRON_CORE")
+            self._patch(nlp_overrides, "McoreDistributedOptimizer", McoreDistributedOptimizer)
+            self._patch(nlp_overrides, "MegatronDistributedFusedAdam", _NoApexClass)
+
+        # Why: NeMo's distributed checkpoints (the smoke run's save/resume pair) fail three ways
+        # in this environment (no tensorstore, no apex/TE, torch 2.13 with megatron-core
+        # 0.12.3); each fix and its reason: nemo_fp8_align.compat.dist_checkpoint.
+        from nemo_fp8_align.compat.dist_checkpoint import patch_dist_checkpointing
+
+        patch_dist_checkpointing(self._patch)
 
         # Why: build_model() tags every parameter with apex's
         # set_defaults_if_not_set_tensor_model_parallel_attributes, imported from apex only;
