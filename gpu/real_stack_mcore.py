@@ -51,6 +51,7 @@ class Opts:
     seed: int = 1234
     cpu_dry_run: bool = False
     bucket_cap_mb: float = 100.0  # Apex DistributedFusedAdam's bucket size (its default)
+    verify_every: int = 0  # the plugin's verify mode (TEBackend.transpose_mismatch), 0: off
 
 
 def gpt_config(o: Opts, **extra: Any):
@@ -241,7 +242,8 @@ def _run_policy(o: Opts, policy: str, out_dir: str, rank: int, run_index: int) -
     telemetry = os.path.join(out_dir, f"telemetry.run{run_index}.rank{{rank}}.jsonl")
     aligner = align_fp8_transposes(
         chunks, num_microbatches=o.microbatches, backend=backend, weights_of=weights_of,
-        config=config, align_config=AlignConfig(policy=Policy(policy), telemetry_path=telemetry))
+        config=config, align_config=AlignConfig(policy=Policy(policy), telemetry_path=telemetry,
+                                                verify_every_n_steps=o.verify_every))
     watch = common.TransposeWatch() if not o.cpu_dry_run else None
     if watch is not None:
         for c, ws in enumerate(weights):
@@ -397,13 +399,16 @@ def main(runner: str = "mcore", description: str = __doc__) -> int:
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--recipe", default="delayed", choices=["delayed", "tensorwise"])
     ap.add_argument("--cpu-dry-run", action="store_true")
+    ap.add_argument("--verify-every", type=int, default=0,
+                    help="the plugin's verify_every_n_steps (0: off)")
     ap.add_argument("--bucket-cap-mb", type=float, default=100.0,
                     help="Apex runner: DistributedFusedAdam bucket_cap_mb (small: every data-"
                          "parallel rank's shard holds real parameters)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     o = Opts(pp=a.pp, vp=a.vp, dp=a.dp, steps=a.steps, microbatches=a.microbatches,
-             recipe=a.recipe, cpu_dry_run=a.cpu_dry_run, bucket_cap_mb=a.bucket_cap_mb)
+             recipe=a.recipe, cpu_dry_run=a.cpu_dry_run, bucket_cap_mb=a.bucket_cap_mb,
+             verify_every=a.verify_every)
     os.makedirs(a.out, exist_ok=True)
     import torch.multiprocessing as mp
     t0 = time.time()

@@ -5,6 +5,7 @@
 # PyTorch extension and Apex's three extensions side by side; run the real-stack harnesses.
 # Usage (repo root, .h200 carried): bash gpu/run_real_stack.sh [mcore|apex|all|graphs]; logs under $OUT
 # graphs: tests/test_cuda_graphs_gpu.py (while TE builds), gpu/te_cuda_graph_probe.py, one mcore run
+# verify: the plugin's verify mode on real TE (probe --verify-only; one mcore run, verify every step)
 # apex1mb: the Apex path with bucket_cap_mb=1, so both data-parallel shards hold real parameters
 #
 # .h200/ (44 MiB; `echo /.h200/ >> .git/info/exclude`) is made on the CPU machine:
@@ -33,12 +34,12 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site3 
   "$H"/hydra_core-*.whl "$H"/omegaconf-*.whl "$H"/antlr4_python3_runtime-*.whl "$H"/wget-*.whl
 (mkdir -p /tmp/tebuild && tar xzf "$H"/transformer_engine_torch-2.20.2.tar.gz -C /tmp/tebuild &&
  cd /tmp/tebuild/transformer_engine_torch-2.20.2 &&
- PYTHONPATH=/tmp/site MAX_JOBS=$(case $WHAT in mcore|graphs) echo 16;; *) echo 10;; esac) NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_FRAMEWORK=pytorch \
+ PYTHONPATH=/tmp/site MAX_JOBS=$(case $WHAT in mcore|graphs|verify) echo 16;; *) echo 10;; esac) NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_FRAMEWORK=pytorch \
    python3 -m pip install --no-index --no-deps --no-build-isolation --target /tmp/site2 . &&
  cp /tmp/site2/transformer_engine/wheel_lib/transformer_engine_torch.cpython-312-x86_64-linux-gnu.so \
    /tmp/site/transformer_engine/wheel_lib/ && echo TE_BUILD_OK) > /tmp/te_build.log 2>&1 &
 TE_PID=$!
-case $WHAT in mcore|graphs) ;; *) false;; esac || (mkdir -p /tmp/apex && tar xzf "$H"/apex-src.tar.gz -C /tmp/apex && cp "$H"/apex_setup_min.py /tmp/apex/ &&
+case $WHAT in mcore|graphs|verify) ;; *) false;; esac || (mkdir -p /tmp/apex && tar xzf "$H"/apex-src.tar.gz -C /tmp/apex && cp "$H"/apex_setup_min.py /tmp/apex/ &&
  cd /tmp/apex && TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=6 python3 apex_setup_min.py build_ext --inplace &&
  echo APEX_BUILD_OK) > /tmp/apex_build.log 2>&1 &
 APEX_PID=$!
@@ -78,6 +79,11 @@ apex_ready() {
   python3 -c "from nemo.core.optim.distributed_adam import MegatronDistributedFusedAdam; print('NeMo MegatronDistributedFusedAdam imports')" > /tmp/rs/nemo_import.log 2>&1
   tail -4 /tmp/rs/nemo_import.log | cut -c1-400; APEX_READY=1
 }
+if [ "$WHAT" = verify ]; then
+  run te_verify_probe 60 python3 gpu/te_cuda_graph_probe.py --verify-only
+  run mcore_dp2_delayed_verify 150 python3 gpu/real_stack_mcore.py --dp 2 --recipe delayed --verify-every 1
+  tar czf "$OUT"/real_stack.tar.gz -C /tmp rs; el "done"; exit 0
+fi
 if [ "$WHAT" = apex1mb ]; then
   apex_ready
   run apex_dp2_delayed_1mb 200 python3 gpu/real_stack_apex.py --dp 2 --recipe delayed --bucket-cap-mb 1

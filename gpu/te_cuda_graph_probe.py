@@ -14,7 +14,11 @@ runs before the graphed forward/backward. Each is compared with an eager twin la
 same bytes (TE builds its transpose lazily there). Also checked per step: the transpose's address
 (a graph replays a fixed one) and its bytes against ``_data`` transposed.
 
-Usage: python gpu/te_cuda_graph_probe.py   (prints [PASS]/[FAIL]/[INFO] lines)
+Then verify mode's check on real TE (``TEBackend.transpose_mismatch``): a fresh transpose passes;
+one corrupted byte, and new ``_data`` bytes written with the cache still flagged valid (what a
+forced synchronous all-gather without post-processing leaves), are both reported.
+
+Usage: python gpu/te_cuda_graph_probe.py [--verify-only]   (prints [PASS]/[FAIL]/[INFO] lines)
 """
 
 from __future__ import annotations
@@ -54,6 +58,26 @@ def deliver(weight, values, stale_t):
         weight._transpose.copy_(stale_t)
 
 
+def verify_checks(backend, layer) -> None:
+    """TEBackend.transpose_mismatch against real Float8Tensor bytes."""
+    w = layer.weight
+    w._reset_caches()
+    backend.build_transposes([w])
+    fresh = backend.transpose_mismatch(w)
+    report("PASS" if fresh is None else "FAIL", "verify: a fresh transpose passes", str(fresh))
+    saved = w._transpose.clone()
+    w._transpose.view(torch.uint8)[0, 0] ^= 1
+    flipped = backend.transpose_mismatch(w)
+    report("PASS" if flipped else "FAIL", "verify: one flipped transpose byte is reported",
+           str(flipped))
+    w._transpose.copy_(saved)
+    with torch.no_grad():  # new bytes as a raw FP8 all-gather writes them; flag left valid
+        w._data.copy_(torch.roll(w._data, 1, dims=0))
+    stale = backend.transpose_mismatch(w)
+    report("PASS" if stale and backend.has_valid_transpose(w) else "FAIL",
+           "verify: new _data under a transpose still flagged valid is reported", str(stale))
+
+
 def main() -> int:
     import transformer_engine
     import transformer_engine.pytorch as te
@@ -84,7 +108,12 @@ def main() -> int:
         layer.weight.grad = None
         return out
 
-    for mode in ("backend", "nothing"):
+    try:
+        verify_checks(backend, make())
+    except Exception as exc:
+        traceback.print_exc()
+        report("FAIL", "verify checks raised", repr(exc)[:400])
+    for mode in (() if "--verify-only" in sys.argv else ("backend", "nothing")):
         try:
             graphed, eager = make(), make()
             w, we = graphed.weight, eager.weight
