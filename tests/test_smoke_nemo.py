@@ -4,7 +4,7 @@
 VP=2, mcore_distributed_optim, GEMMs on reference FP8 weights, 3 steps, six runs (mixin, which
 also saves NeMo's distributed checkpoint after step 2; NeMo's stock flow with the entry point;
 lazy; plugin off; the no-wait fault whose losses must differ; and a new process resumed from the
-step-2 checkpoint through exp_manager): about 9 minutes on 2 cores. The other tests feed the
+step-2 checkpoint through exp_manager): 7-9 minutes on 2 cores. The other tests feed the
 script's checks made-up runs (``SMOKE_NEMO_CHECK_ONLY=1``) to show that they fail when a
 transpose is misplaced, missing or repeated, a loss differs, the fault goes unnoticed, the logged
 metrics are not gathered, or the resumed run is missing, restarted from scratch, doubled a

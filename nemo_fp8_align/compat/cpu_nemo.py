@@ -102,7 +102,7 @@ class NemoCpuCompat:
         # neither name exists and a checkpoint save or load (optimizer_sharded_state_dict's
         # isinstance checks) raises NameError. Bind the megatron-core one; nothing is an
         # instance of the apex one.
-        if not hasattr(nlp_overrides, "McoreDistributedOptimizer"):
+        if getattr(nlp_overrides, "McoreDistributedOptimizer", None) is None:  # None: undone
             from nemo.core.optim.mcore_optim import McoreDistributedOptimizer
 
             self._patch(nlp_overrides, "McoreDistributedOptimizer", McoreDistributedOptimizer)
