@@ -35,7 +35,9 @@
 # saved after step 2); 5's differ; 4 wrote no telemetry; 6 resumed from the step-2 checkpoint,
 # its step-3 loss equals 4's bit for bit and its telemetry passes the same checks for step 3
 # (placed as in 1, one record per chunk and rank: no hook doubled by the restore).
-# With SMOKE_NEMO_DP1=1 also (2 processes): PP=2 DP=1 plugin on/off (the bucket-bug workaround).
+# With SMOKE_NEMO_DP1=1 also (2 processes): PP=2 DP=1 aligned vs lazy, sizes that trigger
+# megatron-core 0.12.3's shared-embedding bucket bug, which the plugin works around only while
+# active (with the plugin off NeMo itself stops there, so 'off' is no baseline at these sizes).
 #
 # Exit status is non-zero when a run fails or a check does not hold. Usage:
 #   scripts/smoke_nemo.sh [extra Hydra overrides for every run...]
@@ -49,7 +51,7 @@ PYTHON="${PYTHON:-python}"
 OUT="${SMOKE_DIR:-$(mktemp -d -t nemo_fp8_align_smoke.XXXXXX)}"
 mkdir -p "$OUT"
 CHECK_ONLY="${SMOKE_NEMO_CHECK_ONLY:-0}"
-RUNS=(aligned stock lazy off fault resume dp1 dp1_off)
+RUNS=(aligned stock lazy off fault resume dp1 dp1_lazy)
 if [ "$CHECK_ONLY" != "1" ]; then
   for r in "${RUNS[@]}"; do rm -rf "${OUT:?}/$r"; done  # a reused SMOKE_DIR must not feed old runs
 fi
@@ -124,7 +126,7 @@ if [ "$CHECK_ONLY" != "1" ]; then
     NPROC=2
     DP1=(model.global_batch_size=4 model.hidden_size=32 model.ffn_hidden_size=64)
     example dp1 "" "${DP1[@]}" "model.fp8_transpose_align.policy=aligned" "$(telemetry dp1)" "$@"
-    example dp1_off "" "${DP1[@]}" "model.fp8_transpose_align.enabled=false" "$@"
+    example dp1_lazy "" "${DP1[@]}" "model.fp8_transpose_align.policy=lazy" "$(telemetry dp1_lazy)" "$@"
   fi
 fi
 
