@@ -69,9 +69,9 @@ def _complete_dist_ckpt_io_imports(patch: Patch) -> None:
 
 
 def _pass_serialization_format(patch: Patch) -> None:
-    """Why: megatron-core 0.12.3's torch_dist writer (strategies/filesystem_async.py) calls
-    torch's private ``_write_item`` without the ``serialization_format`` argument torch 2.13
-    requires, so every save fails in its writer processes ("_write_item() missing 1 required
+    """Why: megatron-core 0.12.3's torch_dist writer
+    (megatron.core.dist_checkpointing.strategies.filesystem_async) calls torch's private
+    ``_write_item`` without the ``serialization_format`` argument torch 2.13 requires, so every save fails in its writer processes ("_write_item() missing 1 required
     positional argument: 'serialization_format'"). Pass torch's default,
     SerializationFormat.TORCH_SAVE (FileSystemWriter's own default, and the only format the
     torch versions megatron-core 0.12.3 was written for had). A torch/megatron-core version
@@ -97,7 +97,8 @@ def _initialise_empty_torch_adam_state_before_load(patch: Patch) -> None:
     """Why: without apex or TE, megatron-core 0.12.3's DistributedOptimizer runs torch's Adam,
     and ``sharded_state_dict(is_loading=True)`` (NeMo's load_checkpoint builds the load
     template with it) first calls ``state_dict()``, which asserts that every parameter's Adam
-    state holds one common ``step`` (distrib_optimizer.py, ``assert len(steps) == 1``). In a
+    state holds one common ``step`` (megatron.core.optimizer.distrib_optimizer,
+    ``assert len(steps) == 1``). In a
     fresh process nothing has stepped yet, the state is empty and the load fails. Initialise
     the empty state first with megatron-core's own ``init_state_fn`` (zero moments) and step 0:
     a template only; the load then overwrites the moments in place and the step from the
