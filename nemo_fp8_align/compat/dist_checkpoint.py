@@ -71,8 +71,9 @@ def _complete_dist_ckpt_io_imports(patch: Patch) -> None:
 def _pass_serialization_format(patch: Patch) -> None:
     """Why: megatron-core 0.12.3's torch_dist writer
     (megatron.core.dist_checkpointing.strategies.filesystem_async) calls torch's private
-    ``_write_item`` without the ``serialization_format`` argument torch 2.13 requires, so every save fails in its writer processes ("_write_item() missing 1 required
-    positional argument: 'serialization_format'"). Pass torch's default,
+    ``_write_item`` without the ``serialization_format`` argument torch 2.13 requires, so
+    every save fails in its writer processes ("_write_item() missing 1 required positional
+    argument: 'serialization_format'"). Pass torch's default,
     SerializationFormat.TORCH_SAVE (FileSystemWriter's own default, and the only format the
     torch versions megatron-core 0.12.3 was written for had). A torch/megatron-core version
     mismatch, not a CPU one: patched only where torch's signature requires the argument."""
