@@ -109,7 +109,7 @@ def run_policy(o: mcore.Opts, policy: str, out_dir: str, rank: int, run_index: i
     opt, opt_name = _optimizer(chunks, o.bucket_cap_mb)
     # Which parameters have bytes in this rank's shard (the all-gather brings the others'):
     owned = [any(f.in_local_shard for f in opt.state[p]["fragments"])
-             for ps in (list(c.parameters()) for c in chunks) for p in ps if p.requires_grad]
+             for ps in chunk_params for p in ps if p.requires_grad]
     copies = CopyWatch(opt)
     config.no_sync_func = partial(opt.no_sync, greedy_grad_copy=True)
     config.grad_sync_func = opt.try_grad_sync

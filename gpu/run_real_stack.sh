@@ -3,7 +3,8 @@
 # (its core library with only the sm_90 cubins kept, gpu/strip_fatbin.py, so all of TE travels
 # in one call), megatron-core 0.16.1 and nemo_toolkit 2.3.3 from .h200/ (carried); build TE's
 # PyTorch extension and Apex's three extensions side by side; run the real-stack harnesses.
-# Usage (repo root, .h200 carried): bash gpu/run_real_stack.sh [mcore|apex|all|graphs]; logs under $OUT
+# Usage (repo root, .h200 carried):
+#   bash gpu/run_real_stack.sh [mcore|apex|all|graphs|verify|apex1mb]; logs under $OUT
 # graphs: tests/test_cuda_graphs_gpu.py (while TE builds), gpu/te_cuda_graph_probe.py, one mcore run
 # verify: the plugin's verify mode on real TE (probe --verify-only; one mcore run, verify every step)
 # apex1mb: the Apex path with bucket_cap_mb=1, so both data-parallel shards hold real parameters
@@ -22,6 +23,7 @@ set -o pipefail
 export PYTHONUNBUFFERED=1 NVTE_ALLOW_NONDETERMINISTIC_ALGO=0
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/rs
 REPO=$PWD; H=$REPO/.h200; T0=$(date +%s); WHAT=${1:-all}
+case $WHAT in mcore|graphs|verify) TE_ONLY=1;; *) TE_ONLY=0;; esac  # no Apex build: all cores to TE
 el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
   "$H"/tecore/*.whl "$H"/transformer_engine-2.20.2-py3-none-any.whl "$H"/megatron_core-*.whl \
@@ -34,12 +36,12 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site3 
   "$H"/hydra_core-*.whl "$H"/omegaconf-*.whl "$H"/antlr4_python3_runtime-*.whl "$H"/wget-*.whl
 (mkdir -p /tmp/tebuild && tar xzf "$H"/transformer_engine_torch-2.20.2.tar.gz -C /tmp/tebuild &&
  cd /tmp/tebuild/transformer_engine_torch-2.20.2 &&
- PYTHONPATH=/tmp/site MAX_JOBS=$(case $WHAT in mcore|graphs|verify) echo 16;; *) echo 10;; esac) NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_FRAMEWORK=pytorch \
+ PYTHONPATH=/tmp/site MAX_JOBS=$([ $TE_ONLY = 1 ] && echo 16 || echo 10) NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_FRAMEWORK=pytorch \
    python3 -m pip install --no-index --no-deps --no-build-isolation --target /tmp/site2 . &&
  cp /tmp/site2/transformer_engine/wheel_lib/transformer_engine_torch.cpython-312-x86_64-linux-gnu.so \
    /tmp/site/transformer_engine/wheel_lib/ && echo TE_BUILD_OK) > /tmp/te_build.log 2>&1 &
 TE_PID=$!
-case $WHAT in mcore|graphs|verify) ;; *) false;; esac || (mkdir -p /tmp/apex && tar xzf "$H"/apex-src.tar.gz -C /tmp/apex && cp "$H"/apex_setup_min.py /tmp/apex/ &&
+[ $TE_ONLY = 1 ] || (mkdir -p /tmp/apex && tar xzf "$H"/apex-src.tar.gz -C /tmp/apex && cp "$H"/apex_setup_min.py /tmp/apex/ &&
  cd /tmp/apex && TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=6 python3 apex_setup_min.py build_ext --inplace &&
  echo APEX_BUILD_OK) > /tmp/apex_build.log 2>&1 &
 APEX_PID=$!
@@ -72,6 +74,7 @@ run() {  # name, timeout, command...
   tar czf "$OUT"/real_stack.tar.gz -C /tmp rs  # what comes back even if the call is cut short
 }
 left() { [ $(( $(date +%s) - T0 )) -lt "$1" ]; }  # true while fewer than $1 s have passed
+finish() { tar czf "$OUT"/real_stack.tar.gz -C /tmp rs; el "done"; exit 0; }  # a mode's last step
 apex_ready() {
   [ -n "$APEX_READY" ] && return 0
   wait $APEX_PID; el "apex build rc=$?"; tail -2 /tmp/apex_build.log
@@ -82,20 +85,20 @@ apex_ready() {
 if [ "$WHAT" = verify ]; then
   run te_verify_probe 60 python3 gpu/te_cuda_graph_probe.py --verify-only
   run mcore_dp2_delayed_verify 150 python3 gpu/real_stack_mcore.py --dp 2 --recipe delayed --verify-every 1
-  tar czf "$OUT"/real_stack.tar.gz -C /tmp rs; el "done"; exit 0
+  finish
 fi
 if [ "$WHAT" = apex1mb ]; then
   apex_ready
   run apex_dp2_delayed_1mb 200 python3 gpu/real_stack_apex.py --dp 2 --recipe delayed --bucket-cap-mb 1
   python3 -c "import json,glob; [print(f.split('/')[-1], r['policy'], 'params with bytes in this rank\'s shard:', r.get('params_with_local_shard'), 'buckets:', r.get('buckets')) for f in sorted(glob.glob('/tmp/rs/apex_dp2_delayed_1mb/rank*.json')) for r in json.load(open(f))]"
-  tar czf "$OUT"/real_stack.tar.gz -C /tmp rs; el "done"; exit 0
+  finish
 fi
 if [ "$WHAT" = graphs ]; then
   run te_cuda_graph_probe 120 python3 gpu/te_cuda_graph_probe.py
   grep -E "^\[INFO\]|Traceback|Error" /tmp/rs/te_cuda_graph_probe.log | cut -c1-400 | head -40
   run mcore_dp2_delayed 150 python3 gpu/real_stack_mcore.py --dp 2 --recipe delayed
   grep "transpose buffer moves" /tmp/rs/mcore_dp2_delayed.log | cut -c1-1500
-  tar czf "$OUT"/real_stack.tar.gz -C /tmp rs; el "done"; exit 0
+  finish
 fi
 if [ "$WHAT" != apex ]; then
   run mcore_dp2_delayed 150 python3 gpu/real_stack_mcore.py --dp 2 --recipe delayed

@@ -33,27 +33,33 @@ class Checks:
         return os.path.join(self.out, *parts)
 
     # ------------------------------------------------------------------ inputs
+    def loss_report(self, name):
+        """The example's LossReport rows ({"step", "loss"}), or None where the run wrote none."""
+        report = self.path(name, "loss.jsonl")
+        if not os.path.exists(report):
+            return None
+        with open(report, encoding="utf-8") as f:
+            return [json.loads(line) for line in f if line.strip()]
+
     def losses(self, name):
         """Per-step training losses: the example's LossReport, or the CSV logger's rows."""
-        report = self.path(name, "loss.jsonl")
-        if os.path.exists(report):
-            with open(report, encoding="utf-8") as f:
-                return [json.loads(line)["loss"] for line in f if line.strip()]
+        report = self.loss_report(name)
+        if report is not None:
+            return [r["loss"] for r in report]
         rows = self.logger_rows(name)
         if rows is not None:
             return [float(r["reduced_train_loss"]) for r in rows if r.get("reduced_train_loss")]
-        self.errors.append(f"{name}: no loss report ({report}) and no logger metrics.csv")
+        self.errors.append(f"{name}: no loss report ({self.path(name, 'loss.jsonl')}) and no "
+                           "logger metrics.csv")
         return []
 
     def step_losses(self, name):
         """{global step after the step: loss} from the example's LossReport."""
-        report = self.path(name, "loss.jsonl")
-        if not os.path.exists(report):
-            self.errors.append(f"{name}: no loss report ({report})")
+        report = self.loss_report(name)
+        if report is None:
+            self.errors.append(f"{name}: no loss report ({self.path(name, 'loss.jsonl')})")
             return {}
-        with open(report, encoding="utf-8") as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-        return {r["step"]: r["loss"] for r in rows}
+        return {r["step"]: r["loss"] for r in report}
 
     def log(self, name):
         path = self.path(name, "log.txt")
@@ -131,7 +137,7 @@ class Checks:
         if len(a) < 3 or not all(math.isfinite(x) for x in a):
             self.errors.append(f"{name}: {len(a)} finite step losses reported, expected >= 3")
         elif a != b:
-            self.errors.append(f"losses differ between run '{name}' and the plugin-off run "
+            self.errors.append(f"losses differ between run '{name}' and the baseline run "
                                f"'{baseline}': {a} vs {b}")
 
     def resumed(self, name, saved, baseline):

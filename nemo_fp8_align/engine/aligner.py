@@ -309,7 +309,8 @@ class TransposeAligner:
 
     def _refuse_inside_capture(self, vmid: int) -> None:
         """Never act inside a CUDA-graph capture: a captured transpose would replay on old
-        bytes. The counter still advanced, so later slots stay right; work due here refuses."""
+        bytes. A forward with nothing due is only counted; work due here raises (and the
+        caller's abort ends the step)."""
         due = [c for c in self._triggers.get(vmid, []) if c not in self._done]
         if self.config.policy is Policy.ALIGNED and due:
             raise errors.inside_capture(self._step, vmid, due)

@@ -1,6 +1,6 @@
 """Per-step, per-chunk telemetry: where a chunk's transposes ran, how many, whether the chunk's
 all-gather had finished first, and when (monotonic timestamps). One JSON object per
-(step, pp_rank, dp_rank, chunk)."""
+(step, pp_rank, dp_rank, chunk, rank, run)."""
 
 from __future__ import annotations
 
@@ -122,8 +122,8 @@ def record_problems(records: Iterable[Mapping], *, policy: str = "aligned") -> L
     all-gather had finished, every weight of the chunk had a valid transpose and none was built
     twice, and the timestamps run launch <= slot <= all-gather complete <= transposes valid
     (<= first use, under ``aligned``); and exactly one record per (step, chunk, pp_rank,
-    dp_rank, rank, run). The demo, the NeMo smoke run, ``report`` and the step-time benchmarks all judge
-    their telemetry with this one function.
+    dp_rank, rank, run). The demo, the NeMo smoke run, ``report`` and the step-time benchmarks
+    all judge their telemetry with this one function.
     """
     problems: List[str] = []
     seen: Counter = Counter()
