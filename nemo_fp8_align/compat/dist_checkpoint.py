@@ -99,8 +99,8 @@ def _initialise_empty_torch_adam_state_before_load(patch: Patch) -> None:
     and ``sharded_state_dict(is_loading=True)`` (NeMo's load_checkpoint builds the load
     template with it) first calls ``state_dict()``, which asserts that every parameter's Adam
     state holds one common ``step`` (megatron.core.optimizer.distrib_optimizer,
-    ``assert len(steps) == 1``). In a
-    fresh process nothing has stepped yet, the state is empty and the load fails. Initialise
+    ``assert len(steps) == 1``). In a fresh process nothing has stepped yet, the state is
+    empty and the load fails. Initialise
     the empty state first with megatron-core's own ``init_state_fn`` (zero moments) and step 0:
     a template only; the load then overwrites the moments in place and the step from the
     checkpoint (DistributedOptimizer.load_state_dict sets every ``step`` from its param groups)."""
