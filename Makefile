@@ -34,4 +34,4 @@ test: install install-mcore016
 	$(VENV16)/bin/python -m pytest -q -m "not nemo" tests/test_schedule.py tests/test_engine_mcore.py
 
 smoke: install
-	PATH=$(CURDIR)/$(VENV)/bin:$$PATH bash scripts/smoke_nemo.sh
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH bash validation/smoke_nemo.sh

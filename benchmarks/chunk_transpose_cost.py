@@ -25,7 +25,7 @@ from typing import Callable, List
 import torch
 
 from nemo_fp8_align.demo.model import DemoModelConfig, GPTChunk
-from nemo_fp8_align.fp8.reference import ReferenceBackend
+from nemo_fp8_align.backends.reference import ReferenceBackend
 
 
 def _time(fn: Callable[[], None], reps: int, warmup: int = 3) -> List[float]:

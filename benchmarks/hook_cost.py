@@ -1,6 +1,6 @@
 """The plugin's own host time per chunk per microbatch: hooks, bookkeeping, telemetry (CPU).
 
-One rank's :class:`~nemo_fp8_align.engine.aligner.TransposeAligner`, attached through its public
+One rank's :class:`~nemo_fp8_align.core.aligner.TransposeAligner`, attached through its public
 API to model chunks that do nothing (``torch.nn.Identity``), with a backend whose builds only
 flip a flag and an all-gather that is always complete, so what is timed is the plugin alone.
 A step calls the schedule's pre-loop launches, every forward in megatron-core's order and the
@@ -27,9 +27,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from nemo_fp8_align.config import AlignConfig, Policy
-from nemo_fp8_align.engine.aligner import TransposeAligner
-from nemo_fp8_align.engine.schedule import InterleavedSchedule
-from nemo_fp8_align.engine.telemetry import TelemetryWriter
+from nemo_fp8_align.core.aligner import TransposeAligner
+from nemo_fp8_align.core.schedule import InterleavedSchedule
+from nemo_fp8_align.core.telemetry import TelemetryWriter
 
 TARGET_US = 20.0
 

@@ -13,7 +13,7 @@ CPU cores give a GPU-like timeline. Per configuration, in one process group:
 For every run it reports step time min/median/max (the slowest rank per step), per-rank idle
 (step - compute - transposes), the transpose-induced extra step time and the share ``aligned``
 removes; and the timeline model's prediction of the same differences from the measured forward,
-backward and transpose durations (:mod:`nemo_fp8_align.timeline`)::
+backward and transpose durations (:mod:`nemo_fp8_align.planner`)::
 
     .venv/bin/python benchmarks/pipeline_idle_cpu.py --nice -20   # the full sweep (~35 min)
     .venv/bin/python benchmarks/pipeline_idle_cpu.py --shapes 2:4 --deltas 0.2 --steps 2 --rounds 1
@@ -45,8 +45,8 @@ from nemo_fp8_align.config import Policy  # noqa: E402
 from nemo_fp8_align.demo.model import DemoModelConfig  # noqa: E402
 from nemo_fp8_align.demo.sleep_model import SleepCosts, attach_sleep_costs  # noqa: E402
 from nemo_fp8_align.demo.train import DemoOptions, distributed  # noqa: E402
-from nemo_fp8_align.engine.schedule import InterleavedSchedule  # noqa: E402
-from nemo_fp8_align.timeline import Costs, Placement, simulate  # noqa: E402
+from nemo_fp8_align.core.schedule import InterleavedSchedule  # noqa: E402
+from nemo_fp8_align.planner import Costs, Placement, simulate  # noqa: E402
 
 TINY = DemoModelConfig(vocab_size=32, hidden_size=16, num_heads=2, seq_length=8, layers_per_chunk=1)
 

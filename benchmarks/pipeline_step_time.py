@@ -38,7 +38,7 @@ import torch.distributed as dist
 from nemo_fp8_align.config import Policy
 from nemo_fp8_align.demo.model import DemoModelConfig
 from nemo_fp8_align.demo.train import DemoOptions, PipelineRun, distributed
-from nemo_fp8_align.engine.telemetry import record_problems
+from nemo_fp8_align.core.telemetry import record_problems
 
 
 class Stopwatch:

@@ -2,17 +2,17 @@
 
 The same flow as NeMo's ``examples/nlp/language_modeling/megatron_gpt_pretraining.py``
 (``hydra_runner`` -> ``MegatronTrainerBuilder`` -> ``exp_manager`` -> model -> ``trainer.fit``),
-with the model class extended by :class:`~nemo_fp8_align.nemo.mixin.FP8TransposeAlignMixin`.
+with the model class extended by :class:`~nemo_fp8_align.integrations.nemo.mixin.FP8TransposeAlignMixin`.
 Everything is driven by Hydra overrides on a config under ``conf/``::
 
     torchrun --nproc-per-node 4 examples/megatron_gpt_pretraining.py \\
         --config-name megatron_gpt_cpu_smoke model.fp8_transpose_align.policy=aligned
 
 With ``trainer.accelerator=cpu`` the NeMo-on-CPU patches of
-:mod:`nemo_fp8_align.compat.cpu_nemo` are switched on first (tests and the CPU smoke run only):
+:mod:`support.cpu_nemo` are switched on first (tests and the CPU smoke run only):
 no Transformer Engine there, so the transformer layers compute through reference FP8 weights and
 the model class says so (:class:`MegatronGPTFP8AlignReferenceModel`). ``fp8_align_via=callback``
-attaches the plugin as the :class:`~nemo_fp8_align.nemo.callback.FP8TransposeAlignment` callback
+attaches the plugin as the :class:`~nemo_fp8_align.integrations.nemo.callback.FP8TransposeAlignment` callback
 on NeMo's plain ``MegatronGPTModel`` instead. NeMo's stock script, with no change at all, is
 ``examples/stock_megatron_gpt_pretraining.py``.
 """
@@ -34,9 +34,9 @@ from omegaconf import OmegaConf
 # Run as a script from a checkout: make the package importable without installing it.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
-from nemo_fp8_align.nemo.callback import FP8TransposeAlignment  # noqa: E402
-from nemo_fp8_align.nemo.mixin import FP8TransposeAlignMixin, FP8Weights  # noqa: E402
-from nemo_fp8_align.nemo.structured import register_configs  # noqa: E402
+from nemo_fp8_align.integrations.nemo.callback import FP8TransposeAlignment  # noqa: E402
+from nemo_fp8_align.integrations.nemo.mixin import FP8TransposeAlignMixin, FP8Weights  # noqa: E402
+from nemo_fp8_align.config_check.structured import register_configs  # noqa: E402
 
 # The model.fp8_transpose_align block is a structured config: register it before Hydra composes.
 register_configs()
@@ -48,7 +48,7 @@ class MegatronGPTFP8AlignModel(FP8TransposeAlignMixin, MegatronGPTModel):
 
 class MegatronGPTFP8AlignReferenceModel(MegatronGPTFP8AlignModel):
     """CPU runs, where Transformer Engine is absent: the aligner builds the reference FP8 weights
-    the transformer layers compute with (nemo_fp8_align.compat.reference_fp8_layers: forward GEMM
+    the transformer layers compute with (support.reference_fp8_layers: forward GEMM
     on the FP8 data, data-gradient GEMM on the cached transpose)."""
 
     fp8_align_weights = FP8Weights.REFERENCE
@@ -75,7 +75,9 @@ def main(cfg) -> None:
     logging.info(f"\n{OmegaConf.to_yaml(cfg)}")
     on_cpu = cfg.trainer.get("accelerator") == "cpu"
     if on_cpu:
-        from nemo_fp8_align.compat.cpu_nemo import enable_nemo_cpu_compat
+        # The CPU patches are test scaffolding (tests/support/), not part of the package.
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests"))
+        from support.cpu_nemo import enable_nemo_cpu_compat
 
         enable_nemo_cpu_compat()
     weights = FP8Weights.REFERENCE if on_cpu else FP8Weights.TE

@@ -6,7 +6,7 @@ the ``nemo_toolkit`` wheel; this file repeats that script's steps (``hydra_runne
 ``trainer.fit``) so the smoke run can show the plugin loading the way it does on a cluster: the
 package is installed, its Lightning ``callbacks_factory`` entry point adds an inert callback to
 the Trainer, and Hydra overrides alone (``+model.fp8_transpose_align.policy=aligned``) switch it
-on. On the CPU it runs under ``python -m nemo_fp8_align.compat.run_nemo_cpu`` (the CPU patches).
+on. On the CPU it runs under ``python -m support.run_nemo_cpu`` (the CPU patches).
 """
 
 import torch.multiprocessing as mp

@@ -1,7 +1,7 @@
 """The plugin's one typed configuration, with its one set of defaults.
 
 The same dataclass is the Hydra structured config of the ``model.fp8_transpose_align`` block
-(``nemo_fp8_align.nemo.structured``), the demo's options and the Lightning callback's arguments,
+(``nemo_fp8_align.config_check.structured``), the demo's options and the Lightning callback's arguments,
 so a default never drifts between call sites.
 """
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from nemo_fp8_align.config import AlignConfig, Policy
-from nemo_fp8_align.engine.aligner import StepMismatchError, TransposeAligner
-from nemo_fp8_align.engine.schedule import AT_START, InterleavedSchedule
-from nemo_fp8_align.engine.telemetry import TelemetryWriter, read_records
+from nemo_fp8_align.core.aligner import StepMismatchError, TransposeAligner
+from nemo_fp8_align.core.schedule import AT_START, InterleavedSchedule
+from nemo_fp8_align.core.telemetry import TelemetryWriter, read_records
 
 
 class FakeWeight:
@@ -243,7 +243,7 @@ def test_unfinished_all_gather_builds_nothing_early():
 def test_record_problems_judges_slots_per_policy_and_duplicates():
     from dataclasses import asdict
 
-    from nemo_fp8_align.engine.telemetry import record_problems
+    from nemo_fp8_align.core.telemetry import record_problems
 
     r = make_rank(rank=2)
     r.aligner.attach(r.config)
@@ -294,7 +294,7 @@ def drive_forwards(r, count, launch=True):
 
 
 def test_shorter_step_is_an_error_at_the_next_step_and_eval_never_raises():
-    from nemo_fp8_align.engine.aligner import StepMismatchError
+    from nemo_fp8_align.core.aligner import StepMismatchError
 
     r = make_rank(pp=2, vp=2, m=4)
     r.aligner.attach(r.config)
@@ -306,7 +306,7 @@ def test_shorter_step_is_an_error_at_the_next_step_and_eval_never_raises():
 
 
 def test_longer_step_is_an_error_at_the_first_extra_forward():
-    from nemo_fp8_align.engine.aligner import StepMismatchError
+    from nemo_fp8_align.core.aligner import StepMismatchError
 
     r = make_rank(pp=2, vp=2, m=2)
     r.aligner.attach(r.config)
@@ -316,7 +316,7 @@ def test_longer_step_is_an_error_at_the_first_extra_forward():
 
 
 def test_step_end_check_runs_before_finalize():
-    from nemo_fp8_align.engine.aligner import StepMismatchError
+    from nemo_fp8_align.core.aligner import StepMismatchError
 
     r = make_rank(pp=2, vp=2, m=4)
     calls = []
@@ -349,12 +349,12 @@ def test_changing_m_is_replanned_per_step():
     assert r.aligner.schedule.microbatches == 6
     from dataclasses import asdict
 
-    from nemo_fp8_align.engine.telemetry import record_problems
+    from nemo_fp8_align.core.telemetry import record_problems
     assert record_problems([asdict(x) for x in r.aligner.records]) == []
 
 
 def test_inside_cuda_graph_capture_counts_but_refuses_work(monkeypatch):
-    import nemo_fp8_align.engine.aligner as aligner_mod
+    import nemo_fp8_align.core.aligner as aligner_mod
 
     r = make_rank(pp=2, vp=2, m=2, rank=0)
     r.aligner.attach(r.config)
@@ -375,7 +375,7 @@ def test_inside_cuda_graph_capture_counts_but_refuses_work(monkeypatch):
 
 def test_a_whole_step_inside_a_capture_refuses_at_its_start(monkeypatch):
     # megatron-core's full-iteration graphs capture the schedule's pre-loop launches too.
-    import nemo_fp8_align.engine.aligner as aligner_mod
+    import nemo_fp8_align.core.aligner as aligner_mod
 
     r = make_rank(pp=2, vp=2, m=2, rank=1)
     r.aligner.attach(r.config)
@@ -393,7 +393,7 @@ class VerifyingBackend(FakeBackend):
 
 @pytest.mark.parametrize("policy", [Policy.ALIGNED, Policy.LAZY])
 def test_verify_mode_names_step_chunk_and_weight(policy):
-    from nemo_fp8_align.engine.aligner import TransposeVerifyError
+    from nemo_fp8_align.core.aligner import TransposeVerifyError
 
     r = make_rank(pp=2, vp=2, m=2, rank=1, policy=policy)
     r.aligner = TransposeAligner(r.chunks, schedule=r.schedule, pp_rank=1, dp_rank=0,
@@ -492,7 +492,7 @@ def test_telemetry_is_flushed_once_per_step(tmp_path):
 def test_functions_replaced_after_attach_raise_instead_of_leaving_the_aligner_blind():
     """Megatron-LM's train() binds param_sync_func and finalize_model_grads_func right before
     its loop: an aligner attached earlier would see no step at all, silently."""
-    from nemo_fp8_align.engine.errors import ScheduleRebindError
+    from nemo_fp8_align.errors import ScheduleRebindError
 
     r = make_rank(pp=2, vp=2, m=2, rank=1)
     r.aligner.attach(r.config)
@@ -531,7 +531,7 @@ def test_a_forward_only_pass_setting_param_sync_func_to_none_is_not_a_rebind():
 def test_an_unlaunched_step_is_verified_at_every_forward():
     """After a load (param_sync_func None) no slot runs; verify mode checks every forward's
     transposes after TE / the layer built (or kept) them: a stale 'valid' flag is caught."""
-    from nemo_fp8_align.engine.aligner import TransposeVerifyError
+    from nemo_fp8_align.core.aligner import TransposeVerifyError
 
     r = make_rank(pp=2, vp=2, m=2, rank=1)
     backend = VerifyingBackend()
@@ -564,7 +564,7 @@ def test_an_error_inside_a_step_does_not_blame_the_next_step():
 
 
 def test_records_of_tensor_parallel_peers_and_of_a_resumed_run_are_not_duplicates():
-    from nemo_fp8_align.engine.telemetry import record_problems
+    from nemo_fp8_align.core.telemetry import record_problems
 
     r = make_rank(pp=2, vp=2, m=2, rank=1)
     r.aligner.attach(r.config)
@@ -575,3 +575,23 @@ def test_records_of_tensor_parallel_peers_and_of_a_resumed_run_are_not_duplicate
     resumed = [dict(x, run="second-try") for x in mine]
     assert record_problems(mine + tp_peer + resumed) == []
     assert any("2 records, expected exactly 1" in p for p in record_problems(mine + mine))
+
+
+@pytest.mark.parametrize("detach", [False, True], ids=["never-detached", "detached"])
+def test_a_dropped_model_is_collectable(detach):
+    """The claim registry must not keep an attached model alive: a training script that drops
+    its model (detached or not) gets its memory back from the garbage collector."""
+    import gc
+    import weakref
+
+    r = make_rank()
+    assert r.aligner.attach(r.config)
+    run_training_step(r)
+    if detach:
+        r.aligner.detach()
+    chunk_refs = [weakref.ref(c) for c in r.chunks]
+    aligner_ref = weakref.ref(r.aligner)
+    del r
+    gc.collect()
+    assert all(ref() is None for ref in chunk_refs), "a model chunk outlived its last reference"
+    assert aligner_ref() is None

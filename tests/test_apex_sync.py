@@ -1,6 +1,6 @@
 """ApexParamSync against a stand-in of Apex DistributedFusedAdam's bucket state machine.
 
-Apex is not installable here: everything in this file runs against tests/standins/apex_dfa.py,
+Apex is not installable here: everything in this file runs against tests/support/standins/apex_dfa.py,
 never against Apex itself. Covered: the cases NeMo PR #9481 got wrong (the last chunk; a second
 ``_param_copy`` resetting the transpose cache; a bucket not READY at the slot), and the adapter
 driven by TransposeAligner through a simulated NeMo interleaved schedule.
@@ -10,12 +10,12 @@ import logging
 
 import pytest
 import torch
-from standins.apex_dfa import FakeFP8Backend, FakeFP8Param, StandInDistributedFusedAdam
+from support.standins.apex_dfa import FakeFP8Backend, FakeFP8Param, StandInDistributedFusedAdam
 
 from nemo_fp8_align.config import AlignConfig
-from nemo_fp8_align.engine.aligner import TransposeAligner
-from nemo_fp8_align.engine.schedule import InterleavedSchedule
-from nemo_fp8_align.nemo.apex_sync import ApexParamSync
+from nemo_fp8_align.core.aligner import TransposeAligner
+from nemo_fp8_align.core.schedule import InterleavedSchedule
+from nemo_fp8_align.sync.apex import ApexParamSync
 
 
 def make_chunks(vp, per_chunk=2, shape=(3, 4)):
@@ -100,7 +100,7 @@ def test_unlaunched_bucket_runs_one_blocking_all_gather_and_is_reported(caplog):
     values = new_values(chunks, 0)
     opt.step(values)  # launches bucket 0 (chunk 1) only; chunk 0's bucket stays SHARDED
     sync = ApexParamSync(opt, chunks)
-    with caplog.at_level(logging.WARNING, logger="nemo_fp8_align.nemo.apex_sync"):
+    with caplog.at_level(logging.WARNING, logger="nemo_fp8_align.sync.apex"):
         assert sync.finish(0) is True
     assert [e[0] for e in opt.events].count("blocking_all_gather") == 1
     assert sync.blocking_all_gathers == [1, 0]
@@ -237,9 +237,9 @@ def test_with_the_real_te_backend_on_te_like_parameters(rank):
     # whose bytes come from the stand-in optimizer; Transformer Engine itself is not involved.
     from types import SimpleNamespace
 
-    from standins.apex_dfa import FakeTEFloat8Param
+    from support.standins.apex_dfa import FakeTEFloat8Param
 
-    from nemo_fp8_align.fp8.te_backend import TEBackend
+    from nemo_fp8_align.backends.te import TEBackend
 
     api = SimpleNamespace(__version__="2.5.0", Float8Tensor=FakeTEFloat8Param,
                           is_non_tn_fp8_gemm_supported=lambda: False,

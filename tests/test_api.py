@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from nemo_fp8_align.engine.api import align_fp8_transposes  # noqa: E402
+from nemo_fp8_align.integrations.megatron import align_fp8_transposes  # noqa: E402
 
 
 def test_overlap_param_gather_with_optimizer_step_is_refused_with_the_reason():

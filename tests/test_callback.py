@@ -21,11 +21,11 @@ from lightning.pytorch.loggers import Logger
 from omegaconf import OmegaConf
 
 from nemo_fp8_align.config import AlignConfig, Policy
-from nemo_fp8_align.engine.telemetry import TransposeRecord
-from nemo_fp8_align.nemo import callback as callback_module
-from nemo_fp8_align.nemo.callback import FP8TransposeAlignment
-from nemo_fp8_align.nemo.check import FP8AlignConfigError, align_config_from
-from nemo_fp8_align.nemo.mixin import FP8Weights
+from nemo_fp8_align.core.telemetry import TransposeRecord
+from nemo_fp8_align.integrations.nemo import callback as callback_module
+from nemo_fp8_align.integrations.nemo.callback import FP8TransposeAlignment
+from nemo_fp8_align.config_check.check import FP8AlignConfigError, align_config_from
+from nemo_fp8_align.integrations.nemo.mixin import FP8Weights
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE = os.path.join(ROOT, "conf", "megatron_gpt_cpu_smoke.yaml")
@@ -242,7 +242,7 @@ def test_te_weights_require_the_te_keys(monkeypatch):
 
 
 def test_refuses_a_model_that_already_has_the_mixin(monkeypatch):
-    from nemo_fp8_align.nemo.mixin import FP8TransposeAlignMixin
+    from nemo_fp8_align.integrations.nemo.mixin import FP8TransposeAlignMixin
 
     class Both(FP8TransposeAlignMixin, NemoLikeModule):
         def __init__(self, cfg):
@@ -298,7 +298,7 @@ class FP8Layer(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        from nemo_fp8_align.fp8.reference import ReferenceFP8Weight
+        from nemo_fp8_align.backends.reference import ReferenceFP8Weight
 
         self.weight = torch.nn.Parameter(torch.randn(4, 4))
         self.fp8_weight = ReferenceFP8Weight(self.weight)
@@ -373,7 +373,7 @@ def test_entry_point_attaches_when_the_block_enables_the_plugin(monkeypatch, cap
 
 
 def test_entry_point_steps_aside_for_the_mixin_and_an_explicit_callback(monkeypatch):
-    from nemo_fp8_align.nemo.mixin import FP8TransposeAlignMixin
+    from nemo_fp8_align.integrations.nemo.mixin import FP8TransposeAlignMixin
 
     class WithMixin(FP8TransposeAlignMixin, ReferenceNemoLikeModule):
         def __init__(self, cfg):
@@ -444,7 +444,7 @@ def test_unwritable_or_shared_telemetry_path_fails_at_setup(monkeypatch, tmp_pat
     cfg.fp8_transpose_align.telemetry_path = str(tmp_path / "missing_dir" / "t.rank{rank}.jsonl")
     with pytest.raises(ValueError, match="cannot write .*missing_dir"):
         run_fit(monkeypatch, FP8TransposeAlignment(), ReferenceNemoLikeModule(cfg))
-    from nemo_fp8_align.nemo.mixin import check_telemetry_path
+    from nemo_fp8_align.integrations.nemo.mixin import check_telemetry_path
 
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 4)

@@ -10,7 +10,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from nemo_fp8_align.config import AlignConfig, Policy
-from nemo_fp8_align.nemo.check import (FP8AlignConfigError, Violation, align_config_from,
+from nemo_fp8_align.config_check.check import (FP8AlignConfigError, Violation, align_config_from,
                                        check_config, data_parallel_size_of, find_violations)
 
 
@@ -371,8 +371,8 @@ def test_violation_str():
 def test_check_imports_neither_nemo_nor_megatron():
     code = textwrap.dedent("""
         import sys
-        import nemo_fp8_align.nemo
-        from nemo_fp8_align.nemo.check import check_config
+        import nemo_fp8_align.config_check
+        from nemo_fp8_align.config_check.check import check_config
         bad = [m for m in sys.modules if m.split('.')[0] in ('nemo', 'megatron', 'torch')]
         print(bad)
         assert not bad, bad

@@ -12,8 +12,8 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import pytest
 from omegaconf import OmegaConf
 
-from nemo_fp8_align.nemo.check import find_violations
-from nemo_fp8_align.nemo.check_cli import load_config
+from nemo_fp8_align.config_check.check import find_violations
+from nemo_fp8_align.cli.check import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 UPSTREAM = ROOT / "tests" / "data" / "upstream"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_fp8_align.nemo.check_cli import EXIT_INVALID, EXIT_OK, add_check_parser, run_check
+from nemo_fp8_align.cli.check import EXIT_INVALID, EXIT_OK, add_check_parser, run_check
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -195,7 +195,7 @@ def test_a_value_align_config_rejects_exits_2_with_every_violation():
 
 def test_subprocess_exit_codes(seed_yaml):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "nemo_fp8_align.nemo.check_cli"]
+    cmd = [sys.executable, "-m", "nemo_fp8_align.cli.check"]
     ok = subprocess.run([*cmd, str(seed_yaml)], env=env, capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.strip().endswith("OK (policy=aligned)")

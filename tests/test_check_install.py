@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_fp8_align.deps import CHECK_NEEDS, DEMO_NEEDS, missing_dependency
+from nemo_fp8_align.cli.deps import CHECK_NEEDS, DEMO_NEEDS, missing_dependency
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())

@@ -23,9 +23,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import pytest
 from omegaconf import OmegaConf
 
-from nemo_fp8_align.nemo.check import find_violations
-from nemo_fp8_align.nemo.resolvers import RESOLVERS, upstream_resolvers
-from nemo_fp8_align.nemo.rules_parallel import layer_split_error
+from nemo_fp8_align.config_check.check import find_violations
+from nemo_fp8_align.config_check.resolvers import RESOLVERS, upstream_resolvers
+from nemo_fp8_align.config_check.rules.parallel import layer_split_error
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "upstream_split_verdicts.py"

@@ -13,9 +13,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 from nemo_fp8_align.config import AlignConfig, Policy
-from nemo_fp8_align.engine.schedule import InterleavedSchedule
-from nemo_fp8_align.nemo.check import align_config_from, find_violations
-from nemo_fp8_align.nemo.structured import (BLOCK_KEY, GROUP, NAME, AlignBlock, block_schema,
+from nemo_fp8_align.core.schedule import InterleavedSchedule
+from nemo_fp8_align.config_check.check import align_config_from, find_violations
+from nemo_fp8_align.config_check.structured import (BLOCK_KEY, GROUP, NAME, AlignBlock, block_schema,
                                             register_configs)
 
 CONF = Path(__file__).resolve().parents[1] / "conf"

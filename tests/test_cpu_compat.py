@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from nemo_fp8_align.compat.cpu import enable_cpu_compat
+from nemo_fp8_align.demo.cpu_redirects import enable_cpu_compat
 
 
 def test_redirects_and_undo():

@@ -22,11 +22,11 @@ import pytest
 import torch
 
 from nemo_fp8_align.config import AlignConfig
-from nemo_fp8_align.engine.aligner import TransposeAligner
-from nemo_fp8_align.engine.schedule import InterleavedSchedule
-from nemo_fp8_align.engine.telemetry import record_problems
-from nemo_fp8_align.fp8.reference import ReferenceBackend
-from nemo_fp8_align.fp8.reference_linear import ReferenceFP8Linear
+from nemo_fp8_align.core.aligner import TransposeAligner
+from nemo_fp8_align.core.schedule import InterleavedSchedule
+from nemo_fp8_align.core.telemetry import record_problems
+from nemo_fp8_align.backends.reference import ReferenceBackend
+from nemo_fp8_align.backends.reference_linear import ReferenceFP8Linear
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),

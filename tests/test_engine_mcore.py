@@ -129,7 +129,7 @@ def test_real_schedule_launches_where_the_model_says():
     (its call of param_sync_func, timestamped by the wrapper) comes after exactly as many of
     the rank's forwards as the schedule model's param_sync_launch_vmid says, and before the
     chunk's transposes."""
-    from nemo_fp8_align.engine.schedule import AT_START, InterleavedSchedule
+    from nemo_fp8_align.core.schedule import AT_START, InterleavedSchedule
 
     result = demo(2, 3, 1, 5, "aligned", n=3)
     model = InterleavedSchedule(2, 3, 5, 3)

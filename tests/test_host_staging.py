@@ -1,4 +1,4 @@
-"""The host-staging process-group backend (nemo_fp8_align/testing/host_staging.py) on the CPU:
+"""The host-staging process-group backend (validation/host_staging.py) on the CPU:
 two gloo processes, CPU tensors staged through host copies exactly as CUDA tensors are on the
 one-GPU test machine; and its refusal on a machine with several GPUs."""
 
@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from nemo_fp8_align.testing import host_staging
+from validation import host_staging
 
 
 def test_refuses_on_a_machine_with_several_gpus(monkeypatch):

@@ -24,8 +24,8 @@ gpt = pytest.importorskip(
     reason="needs nemo_toolkit 2.3.3 (MegatronGPTModel)")
 MegatronGPTModel = gpt.MegatronGPTModel
 
-from nemo_fp8_align.nemo.check import FP8AlignConfigError  # noqa: E402
-from nemo_fp8_align.nemo.mixin import FP8TransposeAlignMixin, FP8Weights, startup_check  # noqa: E402
+from nemo_fp8_align.config_check.check import FP8AlignConfigError  # noqa: E402
+from nemo_fp8_align.integrations.nemo.mixin import FP8TransposeAlignMixin, FP8Weights, startup_check  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE = os.path.join(ROOT, "conf", "megatron_gpt_cpu_smoke.yaml")
@@ -131,7 +131,7 @@ def test_ddp_setup_workaround_only_when_the_plugin_is_active(monkeypatch, enable
     from megatron.core import parallel_state
 
     from nemo_fp8_align.config import AlignConfig
-    from nemo_fp8_align.nemo.mixin import SharedEmbeddingBucketError
+    from nemo_fp8_align.integrations.nemo.mixin import SharedEmbeddingBucketError
 
     seen = []
 
@@ -266,7 +266,7 @@ def test_detach_is_idempotent():
 
 BUCKET_SCRIPT = textwrap.dedent("""
     import os, sys, torch
-    from nemo_fp8_align.compat.cpu import enable_cpu_compat
+    from nemo_fp8_align.demo.cpu_redirects import enable_cpu_compat
     enable_cpu_compat()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)
@@ -275,7 +275,7 @@ BUCKET_SCRIPT = textwrap.dedent("""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer import TransformerConfig
-    from nemo_fp8_align.nemo.mixin import (SharedEmbeddingBucketError, check_buckets,
+    from nemo_fp8_align.integrations.nemo.mixin import (SharedEmbeddingBucketError, check_buckets,
                                            shared_embedding_bucket_workaround)
 
     def build(workaround):
@@ -325,7 +325,7 @@ def test_megatron_core_0123_shared_embedding_bucket_bug_and_workaround():
 
 
 def test_nemo_cpu_patches_refuse_on_a_gpu_machine(monkeypatch):
-    from nemo_fp8_align.compat import cpu_nemo
+    from support import cpu_nemo
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(cpu_nemo, "_ACTIVE", None)
@@ -344,8 +344,8 @@ def fake_te_api(float8_cls):
 
 def test_te_weights_are_the_float8_parameters_of_each_chunk(monkeypatch):
     from nemo_fp8_align.config import AlignConfig
-    from nemo_fp8_align.fp8 import te_backend
-    from nemo_fp8_align.nemo import mixin
+    from nemo_fp8_align.backends import te as te_backend
+    from nemo_fp8_align.integrations.nemo import mixin
 
     class Float8Tensor(torch.nn.Parameter):  # stands in for TE's class
         pass
@@ -360,8 +360,8 @@ def test_te_weights_are_the_float8_parameters_of_each_chunk(monkeypatch):
 
 def test_te_weights_without_te_say_how_to_fix(monkeypatch):
     from nemo_fp8_align.config import AlignConfig
-    from nemo_fp8_align.fp8 import te_backend
-    from nemo_fp8_align.nemo import mixin
+    from nemo_fp8_align.backends import te as te_backend
+    from nemo_fp8_align.integrations.nemo import mixin
 
     def no_te():
         raise ImportError("Transformer Engine is not importable here.")
@@ -372,7 +372,7 @@ def test_te_weights_without_te_say_how_to_fix(monkeypatch):
 
 
 def test_mixin_logs_each_step_once_with_the_gathered_metrics(monkeypatch):
-    from nemo_fp8_align.engine.telemetry import TransposeRecord
+    from nemo_fp8_align.core.telemetry import TransposeRecord
 
     monkeypatch.setattr(MegatronGPTModel, "on_train_batch_end", lambda self, *a, **k: None)
     logged = []

@@ -3,7 +3,7 @@
 import pytest
 
 from nemo_fp8_align.cli import main
-from nemo_fp8_align.timeline.costs import GPUS, MODELS, Layout, chunk_costs
+from nemo_fp8_align.planner.costs import GPUS, MODELS, Layout, chunk_costs
 
 
 def test_chunk_costs_from_sizes():

@@ -1,12 +1,11 @@
-"""The judges of the real-stack harness (gpu/real_stack_common.py), on synthetic evidence: what
+"""The judges of the real-stack harness (validation/real_stack_common.py), on synthetic evidence: what
 the H200 runs report as PASS must be able to fail."""
 
 import os
 import sys
 import types
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "gpu"))
-import real_stack_common as common  # noqa: E402
+from validation import real_stack_common as common  # noqa: E402
 
 
 def _evidence(build_times, valid_at_first_use=(True, True), step=0):

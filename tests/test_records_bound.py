@@ -3,10 +3,10 @@
 import torch
 
 from nemo_fp8_align.config import AlignConfig
-from nemo_fp8_align.engine import aligner as aligner_module
-from nemo_fp8_align.engine.aligner import TransposeAligner
-from nemo_fp8_align.engine.schedule import InterleavedSchedule
-from nemo_fp8_align.fp8.reference import ReferenceBackend
+from nemo_fp8_align.core import aligner as aligner_module
+from nemo_fp8_align.core.aligner import TransposeAligner
+from nemo_fp8_align.core.schedule import InterleavedSchedule
+from nemo_fp8_align.backends.reference import ReferenceBackend
 
 
 def test_records_keep_the_newest_and_stay_bounded(monkeypatch):

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from nemo_fp8_align.fp8.reference import FP8_E4M3_MAX, ReferenceBackend, ReferenceFP8Weight
-from nemo_fp8_align.fp8.reference_linear import ReferenceFP8Linear
+from nemo_fp8_align.backends.reference import FP8_E4M3_MAX, ReferenceBackend, ReferenceFP8Weight
+from nemo_fp8_align.backends.reference_linear import ReferenceFP8Linear
 
 
 def test_quantize_and_transpose_bytes():
@@ -71,7 +71,7 @@ def test_non_2d_source_rejected():
 def test_transpose_of_bytes_the_all_gather_replaced_is_an_error():
     """The parameter receives new bytes after the transpose was built (as when the transpose is
     taken before the all-gather finished): the backward GEMM refuses to read it."""
-    from nemo_fp8_align.fp8.reference import StaleFP8Error
+    from nemo_fp8_align.backends.reference import StaleFP8Error
 
     lin = ReferenceFP8Linear(6, 4, backend=ReferenceBackend(), name="lin")
     lin.backend.build_transposes([lin.fp8_weight])  # "at the slot", from the old bytes

@@ -1,4 +1,4 @@
-"""The CPU stand-in for TE's FP8 Linear (nemo_fp8_align.compat.reference_fp8_layers), in one gloo
+"""The CPU stand-in for TE's FP8 Linear (support.reference_fp8_layers), in one gloo
 process with megatron-core's parallel state: its GEMMs read the FP8 data and the cached FP8
 transpose, so a wrong or stale transpose changes the gradient, and stale bytes raise."""
 
@@ -13,8 +13,8 @@ from megatron.core import parallel_state  # noqa: E402
 from megatron.core.model_parallel_config import ModelParallelConfig  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 
-from nemo_fp8_align.compat import reference_fp8_layers as layers  # noqa: E402
-from nemo_fp8_align.fp8.reference import StaleFP8Error  # noqa: E402
+from support import reference_fp8_layers as layers  # noqa: E402
+from nemo_fp8_align.backends.reference import StaleFP8Error  # noqa: E402
 
 
 @pytest.fixture(scope="module")

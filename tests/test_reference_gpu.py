@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from nemo_fp8_align.fp8.reference import ReferenceBackend
-from nemo_fp8_align.fp8.reference_linear import ReferenceFP8Linear
+from nemo_fp8_align.backends.reference import ReferenceBackend
+from nemo_fp8_align.backends.reference_linear import ReferenceFP8Linear
 
 pytestmark = pytest.mark.gpu
 

@@ -5,7 +5,7 @@ import itertools
 
 import pytest
 
-from nemo_fp8_align.engine.schedule import AT_START, InterleavedSchedule, ScheduleError
+from nemo_fp8_align.core.schedule import AT_START, InterleavedSchedule, ScheduleError
 
 schedules = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
 
@@ -113,7 +113,7 @@ def _megatron_accepts(monkeypatch, pp, m, n):
 
     from megatron.core import parallel_state
 
-    from nemo_fp8_align.compat.cpu import enable_cpu_compat
+    from nemo_fp8_align.demo.cpu_redirects import enable_cpu_compat
 
     monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_world_size", lambda *a, **k: pp)
     monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_rank", lambda *a, **k: 0)
@@ -165,7 +165,7 @@ def test_validation_agrees_with_megatron_core_itself(monkeypatch, pp):
 def test_schedule_for_picks_the_order_of_the_installed_config():
     from types import SimpleNamespace
 
-    from nemo_fp8_align.engine.api import schedule_for
+    from nemo_fp8_align.integrations.megatron import schedule_for
 
     new = schedule_for(SimpleNamespace(microbatch_group_size_per_vp_stage=3), pp=2, vp=2,
                        num_microbatches=6)

@@ -1,4 +1,4 @@
-"""The CI smoke run of the NeMo integration (scripts/smoke_nemo.sh).
+"""The CI smoke run of the NeMo integration (validation/smoke_nemo.sh).
 
 ``test_smoke_nemo``: real NeMo 2.3.3 MegatronGPTModel on CPU, 4 gloo processes, PP=2 x DP=2,
 VP=2, mcore_distributed_optim, GEMMs on reference FP8 weights, 3 steps, six runs (mixin, which

@@ -1,4 +1,4 @@
-"""gpu/strip_fatbin.py (used to bring Transformer Engine's core library to the H200 in one
+"""validation/strip_fatbin.py (used to bring Transformer Engine's core library to the H200 in one
 transfer): on a synthetic fatbin, only the kept SM's payload survives, byte offsets stay."""
 
 import os
@@ -7,8 +7,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "gpu"))
-import strip_fatbin  # noqa: E402
+from validation import strip_fatbin
 
 
 def _entry(sm: int, payload: bytes) -> bytes:

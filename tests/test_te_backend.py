@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from nemo_fp8_align.config import AlignConfig
-from nemo_fp8_align.fp8.protocol import FP8TransposeBackend
-from nemo_fp8_align.fp8.te_backend import (
+from nemo_fp8_align.backends.protocol import FP8TransposeBackend
+from nemo_fp8_align.backends.te import (
     GEN_1_6,
     GEN_1_8,
     GEN_2_0,

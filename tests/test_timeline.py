@@ -3,9 +3,9 @@ programs against megatron-core's own schedule order."""
 
 import pytest
 
-from nemo_fp8_align.engine.schedule import InterleavedSchedule
-from nemo_fp8_align.timeline import Costs, Placement, simulate
-from nemo_fp8_align.timeline.program import (Comm, Compute, Launch, step_programs,
+from nemo_fp8_align.core.schedule import InterleavedSchedule
+from nemo_fp8_align.planner import Costs, Placement, simulate
+from nemo_fp8_align.planner.program import (Comm, Compute, Launch, step_programs,
                                              warmup_count)
 
 PP2 = InterleavedSchedule(2, 2, 2)  # stages: s0 = r0c0, s1 = r1c0, s2 = r0c1, s3 = r1c1
@@ -147,7 +147,7 @@ def test_a_send_waits_for_its_receiver(monkeypatch):
     # receive after its own 3-unit compute.
     import importlib
 
-    sim_module = importlib.import_module("nemo_fp8_align.timeline.simulate")
+    sim_module = importlib.import_module("nemo_fp8_align.planner.simulate")
 
     channel = ("F", 0, 1)
     programs = [[Compute("F", 0, 0), Comm(((channel, 0, True),)), Compute("F", 0, 1)],

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict
 
-from nemo_fp8_align.engine.aligner import TransposeAligner
-from nemo_fp8_align.engine.mcore_sync import McoreParamSync
-from nemo_fp8_align.engine.schedule import AT_START, InterleavedSchedule
-from nemo_fp8_align.fp8.reference import ReferenceBackend
+from nemo_fp8_align.core.aligner import TransposeAligner
+from nemo_fp8_align.sync.mcore import McoreParamSync
+from nemo_fp8_align.core.schedule import AT_START, InterleavedSchedule
+from nemo_fp8_align.backends.reference import ReferenceBackend
 
 __all__ = ["FAULTS", "HARMLESS", "inject"]
 

@@ -14,14 +14,11 @@ import torch.multiprocessing as mp
 from nemo_fp8_align.config import Policy
 from nemo_fp8_align.demo.evidence import evidence_problems
 from nemo_fp8_align.demo.train import DemoOptions, run_rank
-from nemo_fp8_align.engine.schedule import InterleavedSchedule
-from nemo_fp8_align.engine.telemetry import record_problems
+from nemo_fp8_align.core.schedule import InterleavedSchedule
+from nemo_fp8_align.core.telemetry import record_problems
+from nemo_fp8_align.errors import DemoRankError
 
 __all__ = ["DemoRankError", "DemoResult", "run_demo", "alignment_problems", "differences", "format_report"]
-
-
-class DemoRankError(RuntimeError):
-    """One or more demo ranks raised; the message holds each rank's own error, one per line."""
 
 
 @dataclass

@@ -4,7 +4,7 @@ Each chunk is one virtual pipeline stage: ``layers_per_chunk`` pre-norm transfor
 (causal attention + GELU MLP), the token/position embedding on the first stage and the final
 norm, LM head and loss on the last. Activations are ``[seq, batch, hidden]``, as megatron-core's
 pipeline communication expects. Every block linear is a
-:class:`~nemo_fp8_align.fp8.reference_linear.ReferenceFP8Linear`.
+:class:`~nemo_fp8_align.backends.reference_linear.ReferenceFP8Linear`.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any, List, Optional
 import torch
 import torch.nn.functional as F
 
-from nemo_fp8_align.fp8.reference import ReferenceBackend, ReferenceFP8Weight
-from nemo_fp8_align.fp8.reference_linear import ReferenceFP8Linear
+from nemo_fp8_align.backends.reference import ReferenceBackend, ReferenceFP8Weight
+from nemo_fp8_align.backends.reference_linear import ReferenceFP8Linear
 
 __all__ = ["DemoModelConfig", "GPTChunk"]
 

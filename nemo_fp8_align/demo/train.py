@@ -104,7 +104,7 @@ def _build(opts: DemoOptions, pp_rank: int):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer import TransformerConfig
 
-    from nemo_fp8_align.fp8.reference import ReferenceBackend
+    from nemo_fp8_align.backends.reference import ReferenceBackend
 
     config = TransformerConfig(
         num_layers=opts.pp * opts.vp * opts.model.layers_per_chunk,
@@ -154,7 +154,7 @@ class PipelineRun:
         from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from nemo_fp8_align.engine.api import align_fp8_transposes
+        from nemo_fp8_align.integrations.megatron import align_fp8_transposes
 
         self.opts = opts
         self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
@@ -295,7 +295,7 @@ def distributed(rank: int, world_size: int, opts: DemoOptions) -> Iterator[None]
         torch.set_num_threads(1)
         _quiet_cpu_warnings()
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        from nemo_fp8_align.compat.cpu import enable_cpu_compat
+        from nemo_fp8_align.demo.cpu_redirects import enable_cpu_compat
         compat = enable_cpu_compat()
     try:
         from megatron.core import parallel_state

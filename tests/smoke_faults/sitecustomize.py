@@ -1,4 +1,4 @@
-"""Faults for the NeMo smoke run's spawned ranks (scripts/smoke_nemo.sh), test use only.
+"""Faults for the NeMo smoke run's spawned ranks (validation/smoke_nemo.sh), test use only.
 
 Python imports ``sitecustomize`` at start-up from the first ``sys.path`` entry holding one; the
 smoke script puts this directory on ``PYTHONPATH`` for the runs that need it, so every rank
@@ -49,7 +49,7 @@ def _no_wait():
 
 
 def _unchecked():
-    from nemo_fp8_align.fp8.reference import ReferenceFP8Weight
+    from nemo_fp8_align.backends.reference import ReferenceFP8Weight
 
     ReferenceFP8Weight.check_provenance = lambda self, use: None
 

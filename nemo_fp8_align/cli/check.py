@@ -1,0 +1,184 @@
+"""``nemo-fp8-align check CONFIG.yaml [overrides...]``: the startup check from the command line.
+
+The YAML is composed by Hydra exactly as a NeMo training script would compose it (defaults lists,
+``key=value`` / ``+key=value`` / ``++key=value`` / ``~key`` overrides, values parsed by Hydra's
+grammar so ``True`` and ``2`` are a bool and an int), with the plugin's structured config
+registered. A NeMo-Framework-Launcher training YAML (``run:``, ``trainer:``, ``exp_manager:``,
+``model:``) works as it is. Exit status: 0 and one line when the config is valid, 2 with every
+violation (or with the reason the file could not be read).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, List, Optional, Sequence, TextIO
+
+from nemo_fp8_align.cli.deps import CHECK_NEEDS, missing_dependency
+from nemo_fp8_align.errors import ConfigLoadError
+
+__all__ = ["EXIT_OK", "EXIT_INVALID", "add_check_parser", "load_config", "run_check"]
+
+EXIT_OK = 0
+EXIT_INVALID = 2
+DP_FLAG = "--data-parallel-size"
+
+
+def add_check_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``check`` subcommand to an ``argparse`` subparsers object; returns its parser.
+
+    The parser's defaults carry ``func=run_check``, so a main can dispatch with
+    ``return args.func(args)``.
+    """
+    parser = subparsers.add_parser(
+        "check", help="check a NeMo GPT config for the aligned FP8-transpose plugin",
+        description=("Report every setting of a NeMo training config that stops the aligned "
+                     "FP8-transpose plugin from working, each with the Hydra override that "
+                     "fixes it. Exit 0 when valid, 2 otherwise."))
+    parser.add_argument("config", metavar="CONFIG.yaml",
+                        help="NeMo training YAML (NeMo 1.x layout or NeMo-Framework-Launcher)")
+    parser.add_argument("overrides", nargs="*", metavar="OVERRIDE",
+                        help="Hydra overrides: a.b=c, +a.b=c, ++a.b=c, ~a.b")
+    parser.add_argument(DP_FLAG, type=int, default=None, metavar="DP",
+                        help="data-parallel size for the microbatch checks (default: from "
+                             "trainer.devices * trainer.num_nodes / (TP * PP * CP))")
+    parser.set_defaults(func=run_check)
+    return parser
+
+
+def load_config(path: Path, overrides: Sequence[str] = ()) -> Any:
+    """Compose ``path`` with Hydra and apply ``overrides``; raises :class:`ConfigLoadError`.
+
+    An override of a key the YAML does not have gets "did you mean" (the nearest key under the
+    same parent) instead of Hydra's advice to append it with ``+``.
+    """
+    if not path.is_file():
+        raise ConfigLoadError(f"{path}: no such file")
+    if path.suffix != ".yaml":
+        raise ConfigLoadError(f"{path}: Hydra reads only .yaml files; rename it to "
+                              f"{path.with_suffix('.yaml').name}")
+    try:
+        return _compose(path, overrides)
+    except Exception as err:  # noqa: BLE001 - Hydra, OmegaConf and YAML errors: report them all
+        hints = _override_key_hints(path, overrides)
+        if hints:
+            raise ConfigLoadError("\n".join(f"{path}: {hint}" for hint in hints)) from err
+        reason = str(err).strip() or type(err).__name__
+        cause = err.__cause__
+        if cause is not None and str(cause).strip() and str(cause) not in reason:
+            reason += f" ({str(cause).strip()})"
+        raise ConfigLoadError(f"{path}: could not compose the config: {reason}") from err
+
+
+def _compose(path: Path, overrides: Sequence[str]) -> Any:
+    from hydra import compose, initialize_config_dir
+
+    from nemo_fp8_align.config_check.structured import register_configs
+
+    register_configs()
+    with warnings.catch_warnings(), \
+            initialize_config_dir(config_dir=str(path.resolve().parent), version_base=None):
+        # Launcher YAMLs name /opt/NeMo/... in hydra.searchpath; absent here, and not needed.
+        warnings.filterwarnings("ignore", message="provider=hydra.searchpath")
+        return compose(config_name=path.stem, overrides=list(overrides))
+
+
+def _override_key_hints(path: Path, overrides: Sequence[str]) -> List[str]:
+    """One line per plain ``key=value`` override whose key the YAML lacks."""
+    from omegaconf import DictConfig, OmegaConf
+
+    from nemo_fp8_align.config_check.structured import BLOCK_KEY, block_fields
+
+    try:
+        base = _compose(path, ())
+    except Exception:  # noqa: BLE001 - the YAML itself does not compose: Hydra's reason stands
+        return []
+    hints = []
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        if override.startswith(("+", "~")) or not sep:
+            continue
+        missing = object()
+        if OmegaConf.select(base, key, default=missing,
+                            throw_on_resolution_failure=False) is not missing:
+            continue
+        parent, _, leaf = key.rpartition(".")
+        node = OmegaConf.select(base, parent, default=None,
+                                throw_on_resolution_failure=False) if parent else base
+        names = [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
+        if parent == f"model.{BLOCK_KEY}" and not names:
+            names = list(block_fields())
+        close = difflib.get_close_matches(leaf, names, n=1, cutoff=0.8)
+        where = f"{parent}." if parent else ""
+        if close:
+            hints.append(f"{override}: {path.name} has no key {key}; did you mean "
+                         f"{where}{close[0]}? (fix: {where}{close[0]}={value})")
+        else:
+            hints.append(f"{override}: {path.name} has no key {key}, and none spelt like it; "
+                         f"if NeMo reads such a key, add it with +{key}={value}, otherwise "
+                         "check the spelling against the YAML")
+    return hints
+
+
+def run_check(args: argparse.Namespace, *, out: Optional[TextIO] = None,
+              err: Optional[TextIO] = None) -> int:
+    """Run the check for parsed ``args``; returns the exit status (0 valid, 2 otherwise)."""
+    out = sys.stdout if out is None else out
+    err = sys.stderr if err is None else err
+    path = Path(args.config)
+    problem = _argument_problem(args) or missing_dependency("check", CHECK_NEEDS)
+    if problem is not None:
+        print(f"error: {problem}", file=err)
+        return EXIT_INVALID
+    try:
+        cfg = load_config(path, args.overrides)
+    except ConfigLoadError as error:
+        print(f"error: {error}", file=err)
+        return EXIT_INVALID
+    if len(cfg) == 0:
+        print(f"error: {path}: the file holds no settings; expected a NeMo training config "
+              "with trainer: and model:", file=err)
+        return EXIT_INVALID
+
+    from nemo_fp8_align.config_check.check import (FP8AlignConfigError, align_config_from,
+                                           data_parallel_size_of, find_violations)
+
+    violations = find_violations(cfg, data_parallel_size=args.data_parallel_size,
+                                 data_parallel_name=DP_FLAG)
+    if violations:
+        print(f"{path}: {FP8AlignConfigError(violations)}", file=err)
+        return EXIT_INVALID
+    align = align_config_from(cfg)
+    if not align.active:
+        state = "plugin inactive, nothing to check"
+    elif args.data_parallel_size is None and data_parallel_size_of(cfg) is None:
+        state = (f"policy={align.policy.value}; microbatch checks skipped: data-parallel size "
+                 "unknown, pass --data-parallel-size")
+    else:
+        state = f"policy={align.policy.value}"
+    print(f"{path}: OK ({state})", file=out)
+    return EXIT_OK
+
+
+def _argument_problem(args: argparse.Namespace) -> Optional[str]:
+    dp = args.data_parallel_size
+    if dp is not None and dp < 1:
+        return (f"{DP_FLAG} {dp}: the data-parallel size must be an int >= 1 (the number of "
+                f"data-parallel replicas); pass e.g. {DP_FLAG} 1, or leave the flag out to "
+                "derive it from trainer.devices * trainer.num_nodes / (TP * PP * CP)")
+    return None
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Stand-alone entry, ``python -m nemo_fp8_align.cli.check CONFIG.yaml ...``."""
+    parser = argparse.ArgumentParser(prog="nemo-fp8-align")
+    add_check_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["check", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

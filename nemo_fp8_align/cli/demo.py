@@ -1,0 +1,114 @@
+"""``nemo-fp8-align demo``: its flags, their validation, and the run.
+
+Every flag is checked before any process starts: a bad value ends in one line naming the flag,
+the value and the fix (exit status 2), never a traceback and never a run whose result is
+thrown away (a telemetry path that cannot be written is found before training, not after).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional
+
+from nemo_fp8_align.config import Policy
+from nemo_fp8_align.cli.deps import DEMO_NEEDS, missing_dependency
+
+__all__ = ["EXIT_BAD_INPUT", "add_demo_parser", "demo_input_problem", "telemetry_path_problem"]
+
+EXIT_BAD_INPUT = 2
+
+
+def add_demo_parser(sub: "argparse._SubParsersAction") -> None:
+    p = sub.add_parser("demo", help="train a small GPT on CPU/gloo with megatron-core's "
+                       "interleaved schedule and report where FP8 transposes ran")
+    p.add_argument("--pp", type=int, default=2, help="pipeline-parallel size (>= 2, default 2)")
+    p.add_argument("--vp", type=int, default=2,
+                   help="model chunks per pipeline rank (>= 2, default 2)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel size (>= 1, default 1)")
+    p.add_argument("--microbatches", type=int, default=4,
+                   help="microbatches per step, M (>= PP, default 4)")
+    p.add_argument("--group-size", type=int, default=None,
+                   help="microbatch_group_size_per_vp_stage N (PP <= N <= M; default: PP)")
+    p.add_argument("--steps", type=int, default=3, help="training steps (>= 1, default 3)")
+    p.add_argument("--policy", choices=[x.value for x in Policy], default=Policy.ALIGNED.value)
+    p.add_argument("--telemetry", metavar="PATH", default=None,
+                   help="write one JSON line per (step, pp_rank, dp_rank, chunk) here")
+    p.set_defaults(func=run_demo_command)
+
+
+def demo_input_problem(args: argparse.Namespace) -> Optional[str]:
+    """One line naming the first bad flag, its value and the fix; None when all are valid.
+
+    The microbatch rules are megatron-core's interleaved schedule's: M >= PP, PP <= N <= M,
+    and M mod N either 0 or at least PP.
+    """
+    pp, vp, dp, m, n, steps = (args.pp, args.vp, args.dp, args.microbatches, args.group_size,
+                               args.steps)
+    if pp < 2:
+        return f"--pp {pp}: the interleaved schedule needs at least 2 pipeline ranks; pass --pp 2"
+    if vp < 2:
+        return (f"--vp {vp}: interleaving needs at least 2 model chunks per pipeline rank; "
+                "pass --vp 2")
+    if dp < 1:
+        return f"--dp {dp}: the data-parallel size must be at least 1; pass --dp 1"
+    if steps < 1:
+        return (f"--steps {steps}: nothing would be trained or checked; pass --steps 1 or "
+                "more (default 3)")
+    if m < pp:
+        return (f"--microbatches {m}: the interleaved schedule needs at least --pp = {pp} "
+                f"microbatches per step; pass --microbatches {pp}")
+    group = pp if n is None else n
+    if not pp <= group <= m:
+        return (f"--group-size {n}: megatron-core needs --pp <= N <= --microbatches, here "
+                f"{pp} <= N <= {m}; pass --group-size {pp}, or leave it out (N = --pp)")
+    if 0 < m % group < pp:
+        fixed = m - m % group + (group if group == pp else pp)
+        return (f"--microbatches {m}: {m} mod N = {m % group} (N = "
+                f"{'--group-size' if n is not None else '--pp'} = {group}) is between 0 and "
+                f"--pp = {pp}, which megatron-core rejects; pass --microbatches {fixed}")
+    return telemetry_path_problem(args.telemetry)
+
+
+def telemetry_path_problem(path: Optional[str]) -> Optional[str]:
+    """Why ``--telemetry PATH`` cannot be written (None when it can): checked before the run."""
+    if path is None:
+        return None
+    if path == "" or path.endswith(os.sep):
+        return f"--telemetry {path!r}: not a file name; pass a file path, e.g. telemetry.jsonl"
+    if os.path.isdir(path):
+        return (f"--telemetry {path}: is a directory; pass a file inside it, e.g. "
+                f"{os.path.join(path, 'telemetry.jsonl')}")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return (f"--telemetry {path}: the directory {parent} does not exist; create it "
+                "(mkdir -p) or pass a path in an existing directory")
+    target = path if os.path.exists(path) else parent
+    if not os.access(target, os.W_OK):
+        return f"--telemetry {path}: {target} is not writable; pass a path you can write"
+    return None
+
+
+def run_demo_command(args: argparse.Namespace) -> int:
+    problem = demo_input_problem(args) or missing_dependency("demo", DEMO_NEEDS)
+    if problem is not None:
+        print(f"nemo-fp8-align demo: error: {problem}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    from nemo_fp8_align.demo.launch import alignment_problems, format_report, run_demo
+    from nemo_fp8_align.demo.train import DemoOptions
+
+    opts = DemoOptions(pp=args.pp, vp=args.vp, dp=args.dp, microbatches=args.microbatches,
+                       group_size=args.group_size, steps=args.steps, policy=Policy(args.policy))
+    result = run_demo(opts, args.telemetry)
+    print(format_report(result))
+    problems = alignment_problems(result)
+    for problem in problems:
+        print(f"FAILED: {problem}", file=sys.stderr)
+    if not problems and opts.policy is Policy.OFF:
+        print("OK: every FP8 weight was transposed once per step (plugin off: no telemetry).")
+    elif not problems:
+        print("OK: every chunk's transposes ran once per step per weight, after its all-gather, "
+              + ("at the same slot on every pipeline rank." if opts.policy is Policy.ALIGNED
+                 else "at each rank's first use (lazy)."))
+    return 1 if problems else 0

@@ -1,0 +1,122 @@
+"""What every startup-check rule reads: the model and trainer nodes, and the sizes derived from
+them (parallel sizes, world size, data-parallel size).
+
+A derived size is None whenever a value it needs is missing or invalid; the rule that owns that
+value reports it, so the rules built on the size simply do not run (and cannot report a
+consequence of a value that is already reported as wrong).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from omegaconf import ListConfig
+
+from nemo_fp8_align.config_check.reader import ABSENT, Reader, Violation
+
+__all__ = ["CheckContext", "device_count"]
+
+
+@dataclass
+class CheckContext:
+    """Readers of one check (sharing one violation list) and the caller's inputs.
+
+    Attributes:
+        model: reader of the model node (keys ``model.*``).
+        trainer: reader of the trainer node; None when the config has no ``trainer:`` block.
+        data_parallel_size: the data-parallel size the caller passed (unchecked), or None.
+        data_parallel_name: how the caller spells it in messages (``--data-parallel-size``
+            for the CLI).
+    """
+
+    model: Reader
+    trainer: Optional[Reader]
+    data_parallel_size: Any = None
+    data_parallel_name: str = "data_parallel_size"
+    violations: List[Violation] = field(default_factory=list)
+
+    # --- parallel sizes (None: missing or invalid, reported by the rule that owns the key) --
+
+    def pp(self) -> Optional[int]:
+        return self.model.peek_int("pipeline_model_parallel_size", 1)
+
+    def vp(self) -> Optional[int]:
+        """Model chunks per pipeline rank when interleaving; None for null, 1 (NeMo turns 1
+        into None) and invalid values."""
+        value = self.model.get("virtual_pipeline_model_parallel_size")
+        return value if type(value) is int and value >= 2 else None
+
+    def tp(self) -> Optional[int]:
+        return self.model.peek_int("tensor_model_parallel_size", 1)
+
+    def cp(self) -> Optional[int]:
+        return self.model.peek_int("context_parallel_size", 1)
+
+    def ep(self) -> Optional[int]:
+        return self.model.peek_int("expert_model_parallel_size", 1)
+
+    def etp(self) -> Optional[int]:
+        """expert_tensor_parallel_size; megatron-core's default (null) is TP."""
+        value = self.model.get("expert_tensor_parallel_size")
+        if value is ABSENT or value is None:
+            return self.tp()
+        return value if type(value) is int and value >= 1 else None
+
+    def model_parallel(self) -> Optional[int]:
+        """TP * PP * CP, the ranks one data-parallel replica spans."""
+        sizes = (self.tp(), self.pp(), self.cp())
+        if any(s is None for s in sizes):
+            return None
+        return sizes[0] * sizes[1] * sizes[2]
+
+    # --- world and data-parallel size ----------------------------------------------------
+
+    def devices(self) -> Optional[int]:
+        """Devices per node from ``trainer.devices``; None when unknown before launch."""
+        if self.trainer is None:
+            return None
+        return device_count(self.trainer.get("devices"))
+
+    def num_nodes(self) -> Optional[int]:
+        if self.trainer is None:
+            return None
+        return self.trainer.peek_int("num_nodes", 1)
+
+    def world(self) -> Optional[int]:
+        devices, nodes = self.devices(), self.num_nodes()
+        return None if devices is None or nodes is None else devices * nodes
+
+    def trainer_data_parallel(self) -> Optional[int]:
+        """devices * num_nodes / (TP * PP * CP) when the trainer says and it divides."""
+        world, mp = self.world(), self.model_parallel()
+        if world is None or mp is None or world % mp:
+            return None
+        return world // mp
+
+    def given_data_parallel(self) -> Optional[int]:
+        value = self.data_parallel_size
+        return value if type(value) is int and value >= 1 else None
+
+    def data_parallel(self) -> Optional[int]:
+        """The caller's data-parallel size if valid, else the trainer's."""
+        given = self.given_data_parallel()
+        return given if given is not None else self.trainer_data_parallel()
+
+
+def device_count(value: Any) -> Optional[int]:
+    """Devices per node of a Lightning ``devices`` value: an int >= 1, a digit string, a list
+    of device ids or a comma-separated id string; None for ``auto``/-1 and anything invalid."""
+    if type(value) is int:
+        return value if value >= 1 else None
+    if isinstance(value, (list, tuple, ListConfig)):
+        ids = list(value)
+        return len(ids) if ids and all(type(i) is int and i >= 0 for i in ids) else None
+    if isinstance(value, str):
+        text = value.strip()
+        if text.isdigit():
+            return int(text) if int(text) >= 1 else None
+        parts = [p.strip() for p in text.split(",") if p.strip()]
+        if "," in text and parts and all(p.isdigit() for p in parts):
+            return len(parts)
+    return None

@@ -1,0 +1,182 @@
+"""Startup-check rules on the world size, the data-parallel size and the microbatches. One
+function per rule, ``rule(ctx) -> None``.
+
+The data-parallel size is ``trainer.devices * trainer.num_nodes / (TP * PP * CP)`` (what
+megatron-core's ``initialize_model_parallel`` computes), or the caller's value
+(``--data-parallel-size``); when both are known they must agree. Without either, the microbatch
+rules do not run (the CLI says so on its OK line).
+"""
+
+from __future__ import annotations
+
+from math import gcd
+from typing import Optional
+
+from omegaconf import DictConfig
+
+from nemo_fp8_align.core.schedule import InterleavedSchedule, ScheduleError
+from nemo_fp8_align.config_check.context import CheckContext
+from nemo_fp8_align.config_check.reader import ABSENT, Violation, show_value
+from nemo_fp8_align.config_check.rules.parallel import divisors
+
+__all__ = ["rule_batch_sizes", "rule_data_parallel_agrees", "rule_data_parallel_value",
+           "rule_expert_world_size", "rule_fixed_microbatches", "rule_group_size",
+           "rule_microbatches", "rule_telemetry_path", "rule_trainer_devices",
+           "rule_world_size", "valid_microbatches"]
+
+
+def rule_trainer_devices(ctx: CheckContext) -> None:
+    """trainer.devices: what Lightning accepts (an int >= 1, -1 or "auto" for all, a list of
+    device ids); trainer.num_nodes: an int >= 1 (Lightning's default 1)."""
+    if ctx.trainer is None:
+        return
+    devices = ctx.trainer.get("devices")
+    unknown_ok = devices is ABSENT or devices == -1 or devices == "auto" or devices == "-1"
+    if not unknown_ok and ctx.devices() is None:
+        ctx.trainer.add("devices", devices, "an int >= 1 (the GPUs per node, e.g. 8), -1 or "
+                        "'auto' (all of them), or a list of device ids", 8)
+    ctx.trainer.int_at_least("num_nodes", 1, "nodes in the job", default=1)
+
+
+def rule_world_size(ctx: CheckContext) -> None:
+    """megatron-core raises 'world_size (W) is not divisible by TP*PP*CP'. The fix changes the
+    node count (the devices per node are the hardware's)."""
+    devices, nodes, mp = ctx.devices(), ctx.num_nodes(), ctx.model_parallel()
+    if devices is None or nodes is None or mp is None or (devices * nodes) % mp == 0:
+        return
+    step = mp // gcd(devices, mp)  # num_nodes must be a multiple of this
+    fixed = -(-nodes // step) * step
+    found = ctx.trainer.get("num_nodes")
+    ctx.trainer.add("num_nodes", found, (
+        f"devices * num_nodes = {devices} * {nodes} = {devices * nodes} GPUs to be a multiple of "
+        f"TP * PP * CP = {ctx.tp()} * {ctx.pp()} * {ctx.cp()} = {mp} (megatron-core raises "
+        f"'world_size ({devices * nodes}) is not divisible by {mp}'); num_nodes must be a "
+        f"multiple of {step}"), fixed)
+
+
+def rule_expert_world_size(ctx: CheckContext) -> None:
+    """megatron-core 0.12.3 raises unless expert TP * EP * PP divides the world size."""
+    world, ep, etp, pp = ctx.world(), ctx.ep(), ctx.etp(), ctx.pp()
+    if world is None or ep is None or etp is None or pp is None or ep == 1:
+        return
+    if world % (etp * ep * pp) == 0:
+        return
+    fits = [d for d in divisors(world) if d <= ep and world % (etp * d * pp) == 0]
+    ctx.model.add("expert_model_parallel_size", ep, (
+        f"expert TP * EP * PP = {etp} * {ep} * {pp} to divide the world size {world} "
+        "(megatron-core raises 'decoder world_size ... is not divisible by "
+        "expert_tensor_model_pipeline_parallel size')"), max(fits) if fits else 1)
+
+
+def rule_data_parallel_value(ctx: CheckContext) -> None:
+    """The caller's data-parallel size: None, or an int >= 1."""
+    value = ctx.data_parallel_size
+    if value is None or ctx.given_data_parallel() is not None:
+        return
+    ctx.violations.append(Violation(
+        ctx.data_parallel_name, show_value(value), "an int >= 1 (data-parallel replicas)",
+        f"{ctx.data_parallel_name} 1, or leave it out to derive it from trainer.devices * "
+        "trainer.num_nodes / (TP * PP * CP)"))
+
+
+def rule_data_parallel_agrees(ctx: CheckContext) -> None:
+    """A given data-parallel size must be the one the trainer's world size gives."""
+    given, derived = ctx.given_data_parallel(), ctx.trainer_data_parallel()
+    if given is None or derived is None or given == derived:
+        return
+    devices, mp = ctx.devices(), ctx.model_parallel()
+    nodes_needed = given * mp / devices
+    fix = (f"trainer.num_nodes={int(nodes_needed)}" if nodes_needed == int(nodes_needed)
+           else f"{ctx.data_parallel_name} {derived}")
+    ctx.violations.append(Violation(
+        ctx.data_parallel_name, str(given),
+        f"{derived}, the data-parallel size of the trainer: devices * num_nodes / (TP * PP * CP)"
+        f" = {devices} * {ctx.num_nodes()} / {mp} = {derived}; the microbatch checks use "
+        f"{given}", f"{fix}, or leave {ctx.data_parallel_name} out"))
+
+
+def rule_telemetry_path(ctx: CheckContext) -> None:
+    """With PP >= 2 there are always several ranks: a telemetry path without ``{rank}`` would
+    have all of them append to one file (the writer replaces ``{rank}`` by the global rank)."""
+    key = "fp8_transpose_align.telemetry_path"
+    if not isinstance(ctx.model.get("fp8_transpose_align"), DictConfig):
+        return  # absent, or not a mapping (reported with the plugin block)
+    path = ctx.model.get(key)
+    if not isinstance(path, str) or "{rank}" in path:
+        return  # absent, null, or a wrong type (reported with the plugin block)
+    stem, dot, suffix = path.rpartition(".") if "." in path.rpartition("/")[2] else (path, "", "")
+    ctx.model.add(key, path, "a path containing {rank}: every rank writes its own file, and "
+                  "without it all ranks append to one", f"{stem}.rank{{rank}}{dot}{suffix}")
+
+
+def rule_batch_sizes(ctx: CheckContext) -> None:
+    mbs = ctx.model.int_at_least("micro_batch_size", 1, "samples per microbatch")
+    gbs = ctx.model.get("global_batch_size")
+    if type(gbs) is int and gbs >= 1:
+        return
+    # A suggestion that also fits the schedule: PP microbatches of micro_batch_size * DP.
+    pp, dp = ctx.pp(), ctx.data_parallel()
+    fix = (mbs or 1) * (dp or 1) * max(pp or 1, 1)
+    if isinstance(gbs, str) and gbs.strip().isdigit() and int(gbs) >= 1:
+        fix = int(gbs)
+    ctx.model.add("global_batch_size", gbs, "an int >= 1 (samples per optimizer step)", fix)
+
+
+def rule_group_size(ctx: CheckContext) -> None:
+    ctx.model.optional_int("microbatch_group_size_per_vp_stage", 1,
+                           "N, microbatches per group; null means PP")
+
+
+def rule_fixed_microbatches(ctx: CheckContext) -> None:
+    """The aligned slots are computed for one M; a batch-size ramp-up changes M mid-run."""
+    value = ctx.model.get("rampup_batch_size")
+    if value is not ABSENT and value is not None:
+        ctx.model.add("rampup_batch_size", value,
+                      "null (a batch-size ramp-up changes the microbatch count M during "
+                      "training; the aligned slots assume one M)", None)
+
+
+def rule_microbatches(ctx: CheckContext) -> None:
+    """M = global_batch_size / (micro_batch_size * DP) must be whole (megatron-core's
+    microbatch calculator) and fit the interleaved schedule (PP <= N <= M, not 0 < M mod N <
+    PP), which :class:`InterleavedSchedule` decides."""
+    pp, vp, dp = ctx.model.get("pipeline_model_parallel_size"), ctx.vp(), ctx.data_parallel()
+    mbs, gbs = ctx.model.peek_int("micro_batch_size"), ctx.model.peek_int("global_batch_size")
+    raw_n = ctx.model.get("microbatch_group_size_per_vp_stage")
+    n = None if raw_n is ABSENT or raw_n is None else raw_n
+    if (type(pp) is not int or pp < 2 or vp is None or dp is None or mbs is None or gbs is None
+            or (n is not None and not (type(n) is int and n >= 1))):
+        return
+    per_microbatch = mbs * dp
+    m = gbs // per_microbatch
+    if gbs % per_microbatch == 0:
+        error = _schedule_error(pp, vp, m, n)
+        if error is None:
+            return
+        if n is not None and _schedule_error(pp, vp, m, None) is None:
+            ctx.model.add("microbatch_group_size_per_vp_stage", n, error, "null")
+            return
+    else:
+        error = (f"a multiple of micro_batch_size * DP = {mbs} * {dp} = {per_microbatch} "
+                 "(megatron-core's microbatch calculator requires it)")
+    found = f"{gbs} (M = {gbs} / ({mbs} * DP {dp}) = {gbs / per_microbatch:g})"
+    ctx.violations.append(Violation(
+        "model.global_batch_size", found, error,
+        f"model.global_batch_size={valid_microbatches(pp, m, n) * per_microbatch}"))
+
+
+def _schedule_error(pp: int, vp: int, m: int, n: Optional[int]) -> Optional[str]:
+    try:
+        InterleavedSchedule(pp=pp, vp=vp, microbatches=m, group_size=n)
+    except ScheduleError as err:
+        return str(err)
+    return None
+
+
+def valid_microbatches(pp: int, m: int, n: Optional[int]) -> int:
+    """The smallest M' > M the interleaved schedule accepts with group size N (default PP):
+    M' >= N, and M' mod N either 0 or at least PP."""
+    group = pp if n is None or n < pp else n
+    candidate = max(m + 1, group)
+    rem = candidate % group
+    return candidate if rem == 0 or rem >= pp else candidate - rem + pp

@@ -1,0 +1,376 @@
+"""The aligned FP8-transpose engine: hooks that build each chunk's transposes at its slot.
+
+One :class:`TransposeAligner` per rank. It learns of a training step's start from the
+schedule's pre-loop ``param_sync_func`` calls (chunk 0 then chunk 1, before any pipeline
+communication; forward-only passes make none), counts this rank's forward virtual microbatches
+with forward pre-hooks on the model chunks (one counter shared by all chunks), and at chunk c's
+trigger finishes c's all-gather and builds its transposes:
+
+* chunk 0 right after the pre-loop launch of chunk 1 (slot 0 on every rank, before the first
+  receive, which module pre-hooks alone could not reach on ranks r > 0);
+* chunk c >= 1 before forward ``v = T_c - r`` on rank r (slot T_c on every rank), which on
+  ranks r > 0 falls inside chunk c-1's forwards.
+
+A step ends at megatron-core's ``finalize_model_grads_func`` (wrapped when the model config is
+given) or at the next step's start; a step that ran more or fewer forwards than its schedule is an
+error raised at the same point on every rank. ``num_microbatches`` may be a function, asked at
+each step's start, so a step of another size is re-planned instead of misaligned.
+
+Policy ``lazy`` only observes where transposes get built (first use), for A/B runs. Hooks are
+handles; attach/detach are idempotent. Inside a CUDA-graph capture no transpose is ever built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import uuid
+from functools import partial
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence
+
+import torch
+
+from nemo_fp8_align.config import AlignConfig, Policy
+from nemo_fp8_align.core import claims
+from nemo_fp8_align import errors
+from nemo_fp8_align.core.config_wrap import ConfigWrap
+from nemo_fp8_align.errors import StepMismatchError, TransposeVerifyError
+from nemo_fp8_align.core.schedule import AT_START, InterleavedSchedule
+from nemo_fp8_align.core.telemetry import TelemetryWriter, TransposeRecord
+from nemo_fp8_align.backends.protocol import FP8TransposeBackend
+
+__all__ = ["ChunkParamSync", "StepMismatchError", "TransposeAligner", "TransposeVerifyError"]
+
+logger = logging.getLogger(__name__)
+
+#: Records kept in memory per aligner (``TransposeAligner.records`` holds between this many and
+#: twice as many, the newest; the telemetry file has them all): a few MiB, where a 75k-step run
+#: kept ~100 MiB per rank without a bound.
+RECORDS_KEPT = 4096
+
+
+class ChunkParamSync(Protocol):
+    """How the aligner completes one model chunk's parameter all-gather."""
+
+    def finish(self, chunk: int) -> bool:
+        """Wait for ``chunk``'s in-flight all-gather (issuing no new collective); return
+        whether the chunk's parameters now hold this step's values."""
+        ...
+
+    def finished(self, chunk: int) -> bool:
+        """Observe, without waiting, whether ``chunk``'s all-gather has completed."""
+        ...
+
+
+def _capturing_cuda_graph() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class TransposeAligner:
+    """Builds each model chunk's FP8 transposes at its aligned schedule slot on this rank.
+
+    One aligner per model chunk: attaching a second one to a chunk raises.
+
+    Args:
+        model_chunks: this rank's model chunks in schedule order (the modules the schedule
+            calls, e.g. megatron-core DDP wrappers); hooks go on these outer modules so they
+            run before DDP's own pre-hooks on inner modules.
+        schedule: the step's interleaved schedule (the same on every rank).
+        pp_rank, dp_rank: this rank's pipeline and data-parallel ranks.
+        param_sync: finishes a chunk's all-gather (:class:`ChunkParamSync`).
+        weights: per chunk, the FP8 weights whose transposes the backend builds.
+        backend: the FP8 backend owning those weights.
+        config: policy and telemetry settings.
+        telemetry: optional writer; records are also kept in :attr:`records`.
+        clock: timestamps; ``time.monotonic`` is one clock for every process of a host.
+        num_microbatches: optional function returning the coming step's M (e.g. megatron-core's
+            ``get_num_microbatches``); asked at every step's start, the schedule is re-planned
+            when it changed.
+    """
+
+    def __init__(self, model_chunks: Sequence[torch.nn.Module], *, schedule: InterleavedSchedule,
+                 pp_rank: int, dp_rank: int, param_sync: ChunkParamSync,
+                 weights: Sequence[Sequence[Any]], backend: FP8TransposeBackend,
+                 config: AlignConfig, telemetry: Optional[TelemetryWriter] = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 num_microbatches: Optional[Callable[[], int]] = None) -> None:
+        if len(model_chunks) != schedule.vp or len(weights) != schedule.vp:
+            raise ValueError(
+                f"virtual_pipeline_model_parallel_size={schedule.vp} but got "
+                f"{len(model_chunks)} model chunks and {len(weights)} weight lists on this rank")
+        if not 0 <= pp_rank < schedule.pp:
+            raise ValueError(f"pp_rank={pp_rank} outside [0, pipeline_model_parallel_size="
+                             f"{schedule.pp})")
+        self.chunks = list(model_chunks)
+        self.pp_rank = pp_rank
+        self.dp_rank = dp_rank
+        self.param_sync = param_sync
+        self.weights = [list(w) for w in weights]
+        self.backend = backend
+        self.config = config
+        self.telemetry = telemetry
+        self.records: List[TransposeRecord] = []  # bounded: the newest RECORDS_KEPT or more
+        dist = torch.distributed
+        self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else -1
+        self.run_id = uuid.uuid4().hex[:12]  # tells a resumed job's records from the first try's
+        self._clock = clock
+        self._num_microbatches = num_microbatches
+        self._plan(schedule)
+        self._handles: List[Any] = []
+        self._wrap: Optional[ConfigWrap] = None  # set by attach(model_config)
+        self._step = -1
+        self._vmid: Optional[int] = None  # forwards run in the open training step; None: closed
+        self._done: set = set()  # chunks handled (aligned) or observed (lazy) this step
+        self._pending: Dict[int, Dict[str, Any]] = {}  # aligned records awaiting first use
+        self._observing: Dict[int, tuple] = {}  # lazy: (valid before, t) of a first forward
+        self._launched: Dict[int, float] = {}
+        #: Training forwards that ran with no step opened by the schedule's launches
+        #: (``param_sync_func`` None: Megatron-LM's first iteration after a checkpoint load).
+        self.unlaunched_forwards = 0
+        self._unlaunched: set = set()
+
+    def _plan(self, schedule: InterleavedSchedule) -> None:
+        self.schedule = schedule
+        self._triggers: Dict[int, List[int]] = {}
+        for chunk in range(schedule.vp):
+            self._triggers.setdefault(schedule.trigger_vmid(self.pp_rank, chunk), []).append(chunk)
+
+    @property
+    def attached(self) -> bool:
+        return bool(self._handles)
+
+    def attach(self, model_config: Any = None) -> bool:
+        """Register the hooks (idempotent). Returns whether the engine is active.
+
+        With ``model_config`` (megatron-core's ``TransformerConfig`` the schedule reads), its
+        ``param_sync_func`` entries and ``finalize_model_grads_func`` are wrapped; callers that
+        re-bind those every step (NeMo) call :meth:`on_param_sync_launched` and
+        :meth:`on_step_end` themselves instead.
+        """
+        if self.attached or not self.config.active:
+            return self.attached
+        needed, reason = self.backend.transpose_needed()
+        if not needed:
+            logger.info("nemo_fp8_align: inactive, no FP8 transpose to align: %s", reason)
+            return False
+        claims.claim(self.chunks, self)  # refuses before anything is wrapped
+        if model_config is not None:
+            try:
+                self._wrap = ConfigWrap(model_config, self.schedule.vp,
+                                        self.on_param_sync_launched, self.on_step_end)
+            except Exception:
+                claims.release(self.chunks, self)
+                raise
+        for chunk, module in enumerate(self.chunks):
+            self._handles.append(module.register_forward_pre_hook(
+                partial(self._pre_forward, chunk), prepend=True))
+            self._handles.append(module.register_forward_hook(partial(self._post_forward, chunk)))
+        return True
+
+    def __repr__(self) -> str:
+        return f"TransposeAligner(pp_rank={self.pp_rank}, policy={self.config.policy.value})"
+
+    def detach(self) -> None:
+        """Remove every hook and restore the wrapped config functions (idempotent)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        claims.release(self.chunks, self)
+        if self._wrap is not None:
+            self._wrap.restore()
+            self._wrap = None
+        self._vmid = None
+        if self.telemetry is not None:
+            self.telemetry.close()
+
+    def on_param_sync_launched(self, chunk: int) -> None:
+        """The schedule has just launched ``chunk``'s all-gather.
+
+        Chunk 0's launch opens a training step (forward-only passes launch nothing); after
+        chunk 1's launch, both pre-loop calls are done and no pipeline communication has
+        happened yet: the slot-0 chunks (chunk 0) are handled here on every rank.
+        """
+        if self.attached:
+            self._aborting_on_error(self._on_launch, chunk)
+
+    def _on_launch(self, chunk: int) -> None:
+        if chunk == 0:
+            self._open_step()
+        if self._vmid is not None:
+            self._launched[chunk] = self._clock()
+        if chunk == 1 and self._vmid == 0 and self.config.policy is Policy.ALIGNED:
+            if _capturing_cuda_graph():  # a whole step captured (full-iteration graphs)
+                self._refuse_inside_capture(AT_START)
+            for c in self._triggers.get(AT_START, []):
+                self._handle(c, AT_START)
+
+    def _aborting_on_error(self, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            fn(*args)
+        except BaseException:
+            # The step is over for this rank: the next one starts clean instead of being
+            # blamed for this one's unfinished forwards.
+            self._vmid, self._pending = None, {}
+            raise
+
+    def set_next_step(self, step: int) -> None:
+        """Number the next training step ``step`` in the records (e.g. the trainer's
+        ``global_step`` after a resume, so telemetry steps continue instead of restarting)."""
+        if self._vmid is not None:
+            raise RuntimeError(f"set_next_step({step}) inside training step {self._step}: call it "
+                               "between steps")
+        self._step = step - 1
+
+    def on_step_end(self) -> None:
+        """The training step's forwards and backwards are over (megatron-core calls
+        ``finalize_model_grads_func`` here). Raises :class:`StepMismatchError` if the step
+        ran another number of forwards than planned, or a chunk never ran."""
+        if self._vmid is None:
+            return
+        ran, self._vmid = self._vmid, None
+        if self.telemetry is not None:
+            self.telemetry.flush()
+        if ran != self.schedule.total or self._pending:
+            self._mismatch(f"ran {ran} forwards" + (
+                f", chunks {sorted(self._pending)} never ran" if self._pending else ""))
+
+    def _open_step(self) -> None:
+        if self.telemetry is not None:  # the last step's records, if nothing ended it
+            self.telemetry.flush()
+        if self._wrap is not None:
+            self._wrap.check()
+        if self._vmid is not None and self._vmid != self.schedule.total:
+            ran, self._vmid = self._vmid, None
+            self._mismatch(f"ended after {ran} forwards")
+        if self._num_microbatches is not None:
+            m = int(self._num_microbatches())
+            if m != self.schedule.microbatches:  # raises ScheduleError for a shape mcore rejects
+                self._plan(dataclasses.replace(self.schedule, microbatches=m))
+        self._step += 1
+        self._vmid = 0
+        self._done, self._pending, self._observing, self._launched = set(), {}, {}, {}
+
+    def _mismatch(self, what: str) -> None:
+        raise errors.step_mismatch(self._step, self.pp_rank, self.schedule, what)
+
+    def _training_forward(self) -> bool:
+        if self._vmid is None or not torch.is_grad_enabled():
+            return False
+        # megatron-core sets param_sync_func to None for the length of a forward-only pass.
+        return self._wrap is None or self._wrap.config.param_sync_func is not None
+
+    def _pre_forward(self, chunk: int, module: torch.nn.Module, args: Any) -> None:
+        if not self._training_forward():
+            self._note_unlaunched(chunk)
+        else:
+            self._aborting_on_error(self._on_forward, chunk)
+
+    def _on_forward(self, chunk: int) -> None:
+        vmid = self._vmid
+        if vmid >= self.schedule.total:
+            self._mismatch(f"ran a forward beyond its {vmid}th (model chunk {chunk})")
+        if chunk != self.schedule.chunk_of(vmid):
+            raise errors.wrong_chunk(self._step, self.pp_rank, self.schedule, vmid, chunk)
+        self._vmid = vmid + 1
+        if _capturing_cuda_graph():
+            self._refuse_inside_capture(vmid)
+            return
+        if self.config.policy is Policy.ALIGNED:
+            for c in self._triggers.get(vmid, []):
+                self._handle(c, vmid)
+            if chunk not in self._done:
+                # Safety net (never taken when the schedule matches): correctness first, the
+                # telemetry will show the misplaced slot.
+                self._handle(chunk, vmid)
+            if chunk in self._pending:
+                self._emit(chunk, t_first_use=self._clock(), **self._pending.pop(chunk))
+                self._verify(chunk)
+        elif chunk not in self._done:  # lazy: remember the cache state before first use
+            self._done.add(chunk)
+            before = [self.backend.has_valid_transpose(w) for w in self.weights[chunk]]
+            self._observing[chunk] = (vmid, before, self._clock())
+
+    def _note_unlaunched(self, chunk: int) -> None:
+        """A forward with gradients but no open step (Megatron-LM's first iteration after a
+        load: pre-hooks off, ``param_sync_func=None``): built at first use, counted, reported."""
+        if self._vmid is not None or self._wrap is None or not torch.is_grad_enabled():
+            return
+        if self._wrap.config.param_sync_func is not None:  # launching, yet no step opened:
+            self._wrap.check()  # the schedule may be calling functions that are not ours
+            return
+        self._unlaunched.add(chunk)
+        if self.unlaunched_forwards == 0:
+            logger.warning("nemo_fp8_align: training forwards without the schedule's all-gather "
+                           "launches (config.param_sync_func is None, as in Megatron-LM's first "
+                           "iteration after a checkpoint load): their FP8 transposes are built at "
+                           "first use; alignment resumes at the next launched step")
+        self.unlaunched_forwards += 1
+
+    def _refuse_inside_capture(self, vmid: int) -> None:
+        """Never act inside a CUDA-graph capture: a captured transpose would replay on old
+        bytes. A forward with nothing due is only counted; work due here raises (and the
+        caller's abort ends the step)."""
+        due = [c for c in self._triggers.get(vmid, []) if c not in self._done]
+        if self.config.policy is Policy.ALIGNED and due:
+            raise errors.inside_capture(self._step, vmid, due)
+
+    def _post_forward(self, chunk: int, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if chunk in self._unlaunched:  # no launch, no slot: verified at every such forward
+            self._unlaunched.discard(chunk)
+            self._verify(chunk, always=True)
+        if chunk not in self._observing or not self._training_forward():
+            return
+        vmid, before, t_slot = self._observing.pop(chunk)
+        after = [self.backend.has_valid_transpose(w) for w in self.weights[chunk]]
+        self._emit(chunk, vmid=vmid, transposed=sum(a and not b for b, a in zip(before, after)),
+                   after_all_gather=self.param_sync.finished(chunk), seconds=None,
+                   valid=sum(after), t_slot=t_slot, t_done=self._clock(), t_first_use=t_slot)
+        self._verify(chunk)
+
+    def _verify(self, chunk: int, always: bool = False) -> None:
+        """Verify mode: at the chunk's first use, every weight's transpose against its bytes."""
+        n = self.config.verify_every_n_steps
+        if not n or (self._step % n and not always):
+            return
+        for i, weight in enumerate(self.weights[chunk]):
+            why = self.backend.transpose_mismatch(weight)
+            if why is not None:
+                name = getattr(weight, "name", "") or f"#{i}"
+                raise TransposeVerifyError(
+                    f"nemo_fp8_align verify: step {self._step}, pipeline rank {self.pp_rank}, "
+                    f"model chunk {chunk}, FP8 weight {name}: {why}")
+
+    def _handle(self, chunk: int, vmid: int) -> None:
+        if chunk in self._done:
+            return
+        self._done.add(chunk)
+        t_slot = self._clock()
+        after_all_gather = self.param_sync.finish(chunk)
+        t_gathered = self._clock() if after_all_gather else None
+        built = 0
+        if after_all_gather:
+            built = self.backend.build_transposes(self.weights[chunk])
+        else:
+            # A transpose of bytes the all-gather has not delivered is a wrong gradient: leave
+            # the build to first use (after DDP's own wait) and let the telemetry show it.
+            logger.warning("nemo_fp8_align: step %d chunk %d: all-gather not complete at the "
+                           "aligned slot; transposes left to first use", self._step, chunk)
+        t_done = self._clock()
+        self._pending[chunk] = dict(
+            vmid=vmid, transposed=built, after_all_gather=after_all_gather,
+            seconds=t_done - t_slot, t_slot=t_slot, t_gathered=t_gathered, t_done=t_done,
+            valid=sum(self.backend.has_valid_transpose(w) for w in self.weights[chunk]))
+
+    def _emit(self, chunk: int, *, vmid: int, **fields: Any) -> None:
+        record = TransposeRecord(
+            step=self._step, pp_rank=self.pp_rank, dp_rank=self.dp_rank, chunk=chunk,
+            policy=self.config.policy.value, backend=self.backend.name, vmid=vmid,
+            slot=self.schedule.slot_of(self.pp_rank, vmid),
+            aligned_slot=self.schedule.aligned_slot(chunk), weights=len(self.weights[chunk]),
+            t_launch=self._launched.get(chunk), rank=self.rank, run=self.run_id, **fields)
+        self.records.append(record)
+        if len(self.records) >= 2 * RECORDS_KEPT:  # trimmed in halves: amortised O(1) per record
+            del self.records[:-RECORDS_KEPT]
+        if self.telemetry is not None:
+            self.telemetry.write(record)

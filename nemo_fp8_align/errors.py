@@ -1,0 +1,95 @@
+"""The exceptions nemo_fp8_align raises, in one place, and the run-time messages (each names
+what differed and the fix).
+
+Startup: ``ScheduleError`` (a pipeline shape megatron-core would reject),
+``SharedEmbeddingBucketError`` (megatron-core 0.12.3's bucket bug under NeMo), ``ConfigLoadError``,
+``PlanInputError`` and ``TelemetryError`` (the command line's inputs); the config check's
+``FP8AlignConfigError`` lives with its ``Violation`` (``nemo_fp8_align.config_check``). Run time:
+``StepMismatchError``, ``ScheduleRebindError``, ``TransposeVerifyError``, ``StaleFP8Error`` (the
+reference backend read stale bytes) and ``DemoRankError`` (demo ranks failed). All are importable
+from ``nemo_fp8_align``.
+"""
+
+from typing import Any, List
+
+__all__ = ["ConfigLoadError", "DemoRankError", "PlanInputError", "ScheduleError",
+           "ScheduleRebindError", "SharedEmbeddingBucketError", "StaleFP8Error",
+           "StepMismatchError", "TelemetryError", "TransposeVerifyError"]
+
+
+class ScheduleError(ValueError):
+    """A pipeline shape megatron-core's interleaved schedule would reject."""
+
+
+class PlanInputError(ValueError):
+    """A plan input that does not describe a runnable configuration."""
+
+
+class SharedEmbeddingBucketError(RuntimeError):
+    """megatron-core 0.12.3 put a parameter into two buckets of one gradient buffer."""
+
+
+class ConfigLoadError(Exception):
+    """The config file is missing, unreadable, or Hydra could not compose it."""
+
+
+class StaleFP8Error(RuntimeError):
+    """An FP8 copy or transpose was read that does not match the parameter's current bytes."""
+
+
+class TelemetryError(ValueError):
+    """Telemetry that cannot be read as this project's records."""
+
+
+class DemoRankError(RuntimeError):
+    """One or more demo ranks raised; the message holds each rank's own error, one per line."""
+
+
+class StepMismatchError(RuntimeError):
+    """The running step differs from the schedule the aligner planned (raised on every rank)."""
+
+
+class TransposeVerifyError(RuntimeError):
+    """Verify mode found a cached transpose that does not match its weight's bytes."""
+
+
+class ScheduleRebindError(RuntimeError):
+    """The config functions the aligner wrapped were replaced after it attached."""
+
+
+def _shape(s: Any) -> str:
+    return f"PP={s.pp}, VP={s.vp}, M={s.microbatches}, N={s.n}"
+
+
+def step_mismatch(step: int, pp_rank: int, s: Any, what: str) -> StepMismatchError:
+    return StepMismatchError(
+        f"nemo_fp8_align: training step {step} on pipeline rank {pp_rank} {what}, but its "
+        f"schedule ({_shape(s)}) has {s.total} forwards per rank. num_microbatches changed "
+        "without the aligner being told: pass num_microbatches as a function (e.g. "
+        "megatron-core's get_num_microbatches) to align_fp8_transposes, or keep M fixed.")
+
+
+def wrong_chunk(step: int, pp_rank: int, s: Any, vmid: int, chunk: int) -> StepMismatchError:
+    return StepMismatchError(
+        f"nemo_fp8_align: forward {vmid} of step {step} on pipeline rank {pp_rank} ran model "
+        f"chunk {chunk}, but the interleaved schedule ({_shape(s)}) runs chunk "
+        f"{s.chunk_of(vmid)} there. The aligner's schedule does not match the one running: "
+        "check num_microbatches and microbatch_group_size_per_vp_stage.")
+
+
+def inside_capture(step: int, vmid: int, due: List[int]) -> RuntimeError:
+    where = "the start" if vmid < 0 else f"forward {vmid}"
+    return RuntimeError(
+        f"nemo_fp8_align: the aligned transposes of model chunks {due} are due at {where} of "
+        f"step {step}, which runs inside a CUDA-graph capture. Capture graphs of layers outside "
+        "training steps (not whole steps: megatron-core's cuda_graph_scope=full_iteration), or "
+        "set fp8_transpose_align.policy=lazy.")
+
+
+def rebound(name: str) -> ScheduleRebindError:
+    return ScheduleRebindError(
+        f"nemo_fp8_align: config.{name} was replaced after the aligner wrapped it, so the "
+        "aligner no longer sees the schedule (Megatron-LM's train() binds param_sync_func and "
+        "finalize_model_grads_func right before its training loop). Call align_fp8_transposes "
+        "after those functions are bound: in Megatron-LM's train(), right after "
+        "'config.finalize_model_grads_func = finalize_model_grads'.")

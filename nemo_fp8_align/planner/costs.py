@@ -1,0 +1,139 @@
+"""From a model, a parallel layout and a GPU to the per-chunk durations the timeline needs.
+
+Defaults are calibrated from this project's own H200 measurements (``benchmarks/results/``)
+where one exists, and say "assumed" where none does:
+
+* compute: 470 TFLOP/s achieved over forward+backward, the rate of the reference FP8 chunk
+  (2 layers, hidden 4096, seq 2048, micro-batch 2: 10.1 TFLOP in 21.6 ms,
+  ``chunk_transpose_cost_h200.md``); the FP8 GEMMs alone reach 1.2-1.45 PFLOP/s;
+* transposes: 3.46 TB/s (read + write), Transformer Engine 2.20.2's own transpose on the H200;
+* overlap penalty: 1.31, from the H200 probe (453 MB of GPT-3-175B TP8 weights beside FP8
+  forward GEMMs at 2048 tokens: sequential 1738 us, side stream 1842 us, transposes 339 us:
+  (1842 - (1738 - 339)) / 339);
+* data-parallel all-gather and pipeline p2p: 40 GB/s per GPU, *assumed* (a 400 Gb/s NIC).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+from nemo_fp8_align.planner.simulate import Costs
+from nemo_fp8_align.errors import PlanInputError
+
+__all__ = ["ModelShape", "GpuProfile", "Layout", "MODELS", "GPUS", "chunk_costs", "PlanInputError",
+           "OVERLAP_PENALTY_H200"]
+
+OVERLAP_PENALTY_H200 = (1842.0 - (1738.0 - 339.0)) / 339.0
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    gated_mlp: bool
+    seq: int
+
+    def weights_per_layer(self) -> int:
+        """FP8 GEMM weights of one transformer layer (all tensor-parallel ranks together)."""
+        head_dim = self.hidden // self.heads
+        qkv = self.hidden * (self.hidden + 2 * self.kv_heads * head_dim)
+        mlp = (3 if self.gated_mlp else 2) * self.hidden * self.ffn
+        return qkv + self.hidden * self.hidden + mlp
+
+
+#: Public architecture numbers (GPT-3 paper; Llama 2 / Llama 3 model cards).
+MODELS: Dict[str, ModelShape] = {
+    "gpt3-175b": ModelShape(96, 12288, 96, 96, 49152, False, 2048),
+    "llama2-70b": ModelShape(80, 8192, 64, 8, 28672, True, 4096),
+    "llama3-70b": ModelShape(80, 8192, 64, 8, 28672, True, 8192),
+    "llama3-405b": ModelShape(126, 16384, 128, 8, 53248, True, 8192),
+}
+
+
+@dataclass(frozen=True)
+class GpuProfile:
+    name: str
+    tflops: float  #: achieved forward+backward model TFLOP/s
+    transpose_tbps: float  #: FP8 transpose, (read + write) TB/s
+    needs_transpose: Tuple[bool, str]
+    source: str
+
+
+_HOPPER = (True, "Hopper FP8 GEMMs take only the TN layout: the backward dgrad GEMM needs a "
+                 "transposed copy of every FP8 weight")
+GPUS: Dict[str, GpuProfile] = {
+    "h200": GpuProfile("h200", 470.0, 3.46, _HOPPER,
+                       "measured on one H200 by this project"),
+    # H100 SXM: the same FP8 tensor cores as the H200, HBM3 at 3.35 instead of 4.8 TB/s.
+    "h100": GpuProfile("h100", 470.0, 3.46 * 3.35 / 4.8, _HOPPER,
+                       "H200 measurements, transposes scaled by HBM bandwidth 3.35/4.8 (not "
+                       "measured on an H100)"),
+    "b200": GpuProfile("b200", 0.0, 0.0, (False, "datacenter Blackwell (sm_100) FP8 GEMMs accept "
+                                                "non-TN layouts: no transpose is built"), "-"),
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    vp: int
+    dp: int
+    micro_batch: int
+    global_batch: int
+
+    def microbatches(self) -> int:
+        per_step = self.micro_batch * self.dp
+        if self.global_batch % per_step:
+            raise PlanInputError(
+                f"--global-batch {self.global_batch} is not a multiple of micro-batch x DP = "
+                f"{self.micro_batch} x {self.dp} = {per_step} (set a global batch that is)")
+        return self.global_batch // per_step
+
+    def layers_per_chunk(self, model: ModelShape) -> int:
+        stages = self.pp * self.vp
+        if model.layers % stages:
+            raise PlanInputError(
+                f"--vp {self.vp}: {model.layers} layers are not divisible by PP x VP = {self.pp} x "
+                f"{self.vp} = {stages} (choose PP and VP whose product divides the layer count)")
+        return model.layers // stages
+
+
+def chunk_costs(model: ModelShape, layout: Layout, gpu: GpuProfile, *,
+                tflops: Optional[float] = None, transpose_tbps: Optional[float] = None,
+                allgather_gbps: float = 40.0, p2p_gbps: float = 40.0,
+                overlap_penalty: float = OVERLAP_PENALTY_H200) -> Tuple[Costs, Dict[str, float]]:
+    """Per-chunk durations on one GPU, and the figures they came from."""
+    for name, value in (("--tp", layout.tp), ("--pp", layout.pp), ("--vp", layout.vp),
+                        ("--dp", layout.dp), ("--micro-batch", layout.micro_batch)):
+        if value < 1:
+            raise PlanInputError(f"{name} {value}: must be >= 1")
+    if model.hidden % layout.tp or model.hidden % model.heads:
+        raise PlanInputError(f"hidden size {model.hidden} must be divisible by --tp {layout.tp} "
+                             f"and by the head count {model.heads}")
+    for name, value in (("--tflops", tflops), ("--transpose-tbps", transpose_tbps),
+                        ("--allgather-gbps", allgather_gbps), ("--p2p-gbps", p2p_gbps),
+                        ("--overlap-penalty", overlap_penalty)):
+        if value is not None and value <= 0:
+            raise PlanInputError(f"{name} {value}: must be > 0")
+    rate = (tflops if tflops is not None else gpu.tflops) * 1e12
+    tbps = (transpose_tbps if transpose_tbps is not None else gpu.transpose_tbps) * 1e12
+    layers = layout.layers_per_chunk(model)
+    weights = layers * model.weights_per_layer() / layout.tp  # FP8: one byte each
+    tokens = layout.micro_batch * model.seq
+    # Forward FLOPs: 2 per weight per token, plus causal attention (QK^T and AV, half the square).
+    fwd_flops = layers * (2 * tokens * model.weights_per_layer()
+                          + 2 * layout.micro_batch * model.seq ** 2 * model.hidden) / layout.tp
+    forward = fwd_flops / rate  # the rate holds over forward + backward (backward = 2 forwards)
+    transpose = 2 * weights / tbps
+    gathered = weights * (layout.dp - 1) / layout.dp
+    activation = tokens * model.hidden * 2 / layout.tp  # bf16, sequence parallel
+    costs = Costs(forward=forward, backward=2 * forward, transpose=transpose,
+                  allgather=gathered / (allgather_gbps * 1e9), p2p=activation / (p2p_gbps * 1e9),
+                  overlap_penalty=overlap_penalty)
+    return costs, {"layers_per_chunk": layers, "weight_bytes": weights,
+                   "fwd_tflop": fwd_flops / 1e12, "tflops": rate / 1e12, "transpose_tbps": tbps / 1e12}

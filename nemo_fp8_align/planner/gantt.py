@@ -1,0 +1,77 @@
+"""PNG Gantt charts of simulated timelines (matplotlib, an optional dependency)."""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+from nemo_fp8_align.planner.simulate import Timeline
+
+__all__ = ["COLOURS", "plot_timelines", "require_matplotlib", "warmup_window"]
+
+#: kind -> (colour, legend label); drawn in this order, so transposes end up on top of waits.
+COLOURS = {
+    "forward": ("#4c72b0", "forward"),
+    "backward": ("#55a868", "backward"),
+    "p2p_wait": ("#e0e0e0", "idle (pipeline wait)"),
+    "gather_wait": ("#f0a030", "all-gather wait"),
+    "transpose": ("#d62728", "FP8 transposes"),
+    "overlap_penalty": ("#9467bd", "side-stream slowdown"),
+}
+
+
+def require_matplotlib():
+    """``matplotlib.pyplot`` with the Agg backend, or an ImportError saying how to install it."""
+    try:
+        import matplotlib
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ImportError("--plot needs matplotlib: pip install matplotlib (or the [plot] extra)") from err
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def warmup_window(tl: Timeline) -> float:
+    """End of the interesting part of a long step: every rank's first backward, plus two
+    forward+backward pairs (the transposes all happen before it)."""
+    first_bwd = max(min(i.start for i in tl.of_kind("backward", r)) for r in range(tl.schedule.pp))
+    return min(tl.step_time, first_bwd + 2 * (tl.costs.forward + tl.costs.backward))
+
+
+def plot_timelines(timelines: Sequence[Timeline], titles: Sequence[str], path: str,
+                   unit: float = 1e-3, unit_name: str = "ms",
+                   window: Optional[float] = None) -> None:
+    """One panel per timeline, one above the other, on a shared time axis (ranks x time);
+    ``window`` (seconds) shows only the step's beginning."""
+    plt = require_matplotlib()
+    from matplotlib.patches import Patch
+
+    pp = timelines[0].schedule.pp
+    fig, axes = plt.subplots(len(timelines), 1, sharex=True,
+                             figsize=(12, 1.2 + 0.55 * pp * len(timelines)), squeeze=False)
+    for ax, tl, title in zip(axes[:, 0], timelines, titles):
+        for kind, (colour, _) in COLOURS.items():
+            for rank in range(pp):
+                bars = [(i.start / unit, (i.end - i.start) / unit)
+                        for i in tl.of_kind(kind, rank)]
+                if bars:  # thin white edges keep neighbouring ops apart while they are wide
+                    wide = window is not None or len(tl.of_kind("forward", rank)) <= 64
+                    ax.broken_barh(bars, (rank - 0.4, 0.8), facecolors=colour,
+                                   edgecolors="white" if wide and kind in ("forward", "backward")
+                                   else colour, linewidth=0.4 if wide else 0)
+        if window is None or tl.step_time <= window:
+            ax.axvline(tl.step_time / unit, color="black", linewidth=1)
+        ax.set_yticks(range(pp))
+        ax.set_yticklabels([f"rank {r}" for r in range(pp)])
+        ax.set_ylim(pp - 0.5, -0.5)
+        shown = "" if window is None else f" (first {window / unit:.0f} {unit_name} shown)"
+        ax.set_title(f"{title}: step {tl.step_time / unit:.2f} {unit_name}{shown}", fontsize=10,
+                     loc="left")
+        if window is not None:
+            ax.set_xlim(0, window / unit)
+    axes[-1, 0].set_xlabel(f"time from step start ({unit_name})")
+    handles: List = [Patch(color=c, label=label) for c, label in COLOURS.values()]
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
