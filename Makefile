@@ -4,10 +4,12 @@
 PY ?= python3
 VENV ?= .venv
 VENV16 ?= .venv-mcore016
+VENV19 ?= .venv-mcore019
+PY312 ?= $(shell ls "$$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12 2>/dev/null | tail -1 || command -v python3.12)
 PIP_FLAGS ?= -q --disable-pip-version-check
 DEMO_ARGS ?= --pp 2 --vp 2 --dp 2 --microbatches 4 --steps 3 --policy aligned --telemetry telemetry.jsonl
 
-.PHONY: install install-mcore016 demo test smoke
+.PHONY: install install-mcore016 install-mcore019 demo test smoke
 
 $(VENV)/.installed: requirements/cpu.txt requirements/nodeps.txt requirements/constraints.txt pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -23,8 +25,16 @@ $(VENV16)/.installed: requirements/mcore016.txt requirements/constraints.txt pyp
 	$(VENV16)/bin/pip install $(PIP_FLAGS) --no-deps -e .
 	touch $@
 
+$(VENV19)/.installed: requirements/mcore019.txt requirements/constraints.txt pyproject.toml
+	$(PY312) -m venv $(VENV19)
+	$(VENV19)/bin/pip install $(PIP_FLAGS) -c requirements/constraints.txt -r requirements/mcore019.txt
+	$(VENV19)/bin/pip install $(PIP_FLAGS) --no-deps megatron-core==0.19.2
+	$(VENV19)/bin/pip install $(PIP_FLAGS) --no-deps -e .
+	touch $@
+
 install: $(VENV)/.installed
 install-mcore016: $(VENV16)/.installed
+install-mcore019: $(VENV19)/.installed
 
 demo: install
 	$(VENV)/bin/nemo-fp8-align demo $(DEMO_ARGS)
