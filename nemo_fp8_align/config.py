@@ -39,8 +39,8 @@ class AlignConfig:
         use_triton_kernel: on CUDA, build a chunk's transposes with the multi-tensor Triton
             kernel (one launch per chunk) instead of one torch copy per weight. Ignored on CPU.
         te_kernel_writes_transpose: let the Triton kernel write straight into Transformer
-            Engine's ``Float8Tensor._transpose`` buffers. Off until verified on real TE:
-            otherwise TE's own API builds TE transposes.
+            Engine's ``Float8Tensor._transpose`` buffers. Off by default: TE's own transpose
+            is nearly as fast (docs/runs.md), so TE's API builds TE transposes.
         verify_every_n_steps: verify mode. Every this many training steps, each FP8 weight's
             cached transpose is compared byte for byte with its current FP8 data at the chunk's
             first use; a mismatch raises, naming the step, chunk and weight. ``0`` (the

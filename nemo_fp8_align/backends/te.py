@@ -30,8 +30,8 @@ tensors are never byte-transposed: their scales run along one axis, and TE keeps
 column-wise copy; they are skipped with the reason (see :attr:`TEBackend.skipped`).
 
 Optional, off by default (``te_kernel_writes_transpose``): our multi-tensor kernel writes a
-chunk's transposes into the ``_transpose`` buffers in one launch (bit-exact against TE 2.20.2 on
-the H200, benchmarks/results/te_real_run_h200.md). Without CUDA, TE does not import: tests pass
+chunk's transposes into the ``_transpose`` buffers in one launch (bit-exact against TE's own
+transpose: validation/te_real_run.py checks it). Without CUDA, TE does not import: tests pass
 an object with TE's attribute surface as ``te_module`` and a ``version`` (:func:`load_te_api`).
 """
 

@@ -26,10 +26,8 @@ How one launch covers many tensors:
   compiled only into launches that have such a tensor (with it, the packed path lost about 5
   points of bandwidth to registers and shared memory). Either way the result is bit-exact: bytes are
   only moved, never converted.
-* Measured on one H200 (benchmarks/results/transpose_h200.md): 92.4-92.6% of the device copy
-  bandwidth on GPT-3-175B TP=8 layer sets (1, 2, 4 layers), 93-99% on Llama-70B TP=8 sets,
-  11-12x torch's generic transpose; Transformer Engine 2.20's own per-tensor transpose reached
-  about 83% there.
+* Its bandwidth against the device copy ceiling, torch's generic transpose and Transformer
+  Engine's own transpose: benchmarks/results/transpose_h200.md (benchmarks/bench_transpose.py).
 
 Import-guarded: :func:`available` is ``False`` when Triton or CUDA is missing, and nothing here
 touches Triton until a kernel is needed.
@@ -121,7 +119,8 @@ class KernelConfig(Tuple[int, int, int, int, int, int]):
     persistent = property(lambda self: self[5])
 
 
-#: Chosen from the H200 sweep recorded in benchmarks/results/transpose_h200.md.
+#: The fastest tile configuration of benchmarks/bench_transpose.py's sweep on Hopper
+#: (benchmarks/results/transpose_h200.md).
 DEFAULT_CONFIG = KernelConfig(256, 128, 8, 1, 1, 0)
 
 # ---------------------------------------------------------------------------------------------

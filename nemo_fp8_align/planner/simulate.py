@@ -14,8 +14,8 @@ Rules (one rank = one compute stream):
   kernels); what did not fit is built just before the chunk's first backward;
 * ``overlap``: from the aligned slot, the transposes run on a side stream: they use the rank's
   p2p waits for free, and whatever is left slows the next compute by ``overlap_penalty`` times
-  its own duration (measured on the H200: > 1, the side-stream transposes slow the GEMMs by
-  more than they cost when run alone).
+  its own duration (> 1 where side-stream transposes slow the GEMMs by more than they cost
+  alone; the default's source is in :mod:`nemo_fp8_align.planner.costs`).
 """
 
 from __future__ import annotations

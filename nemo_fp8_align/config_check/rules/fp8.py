@@ -107,9 +107,8 @@ def rule_align_param_gather(ctx: CheckContext) -> None:
 
 def rule_apex_current_scaling(ctx: CheckContext) -> None:
     """NeMo 2.3.3's MegatronDistributedFusedAdam with FP8 parameters and current scaling stops
-    at its first step ("'Float8CurrentScalingQuantizer' object has no attribute 'scale'"): seen
-    on the H200 with Transformer Engine 2.20.2, with and without the plugin
-    (benchmarks/results/real_stack_h200.md)."""
+    at its first step ("'Float8CurrentScalingQuantizer' object has no attribute 'scale'"), with
+    Transformer Engine 2.20.2 and with or without the plugin (docs/upstream.md)."""
     if ctx.model.get("optim.name") != APEX_OPTIM:
         return
     recipes = [ctx.model.get(node + "fp8_recipe") for node in _RECIPE_NODES]
