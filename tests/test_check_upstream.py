@@ -98,7 +98,7 @@ def test_layer_split_rules_agree_with_megatron_core(version: str) -> None:
     assert run.returncode == 0, run.stderr[-2000:]
     verdicts = json.loads(run.stdout)
     assert verdicts["version"] == version
-    assert len(verdicts["cases"]) == 2168  # the number README.md states
+    assert len(verdicts["cases"]) == 2168  # the number docs/configuration.md states
     missed: List[Any] = []
     unexplained: List[Any] = []
     cases = verdicts["cases"]
