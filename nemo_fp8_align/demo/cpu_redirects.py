@@ -4,7 +4,7 @@ megatron-core assumes CUDA in a handful of places that do not affect what this p
 (where tensors live, stream syncs, type-string checks). :func:`enable_cpu_compat` redirects
 exactly those to the CPU, for the CPU demo, the CPU smoke run and the tests. It refuses to run
 when CUDA is available: on a GPU nothing here may change behaviour. Verified on megatron-core
-0.12.3 and 0.16.1 with torch 2.13 (CPU build).
+0.12.3 and 0.16.1 with torch 2.13 (CPU build) and 0.19.2 with torch 2.13 (CUDA build, no GPU).
 """
 
 from __future__ import annotations
@@ -58,6 +58,21 @@ def _skip_empty(original: Callable[..., Any]) -> Callable[..., Any]:
     return quantize_param_shard
 
 
+class _HostStream:
+    """Stands in for ``torch.cuda.current_stream()`` on the CPU, where every op is synchronous:
+    megatron-core 0.19's ``start_grad_sync`` asks for the current stream unconditionally (to wait
+    for CUDA-graph replay events, which a CPU run never records)."""
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
 class CpuCompat:
     """Handle of the active redirections; :meth:`undo` restores everything (idempotent)."""
 
@@ -72,6 +87,7 @@ class CpuCompat:
     def apply(self) -> "CpuCompat":
         self._patch(torch.cuda, "current_device", lambda: "cpu")
         self._patch(torch.cuda, "synchronize", lambda *a, **k: None)
+        self._patch(torch.cuda, "current_stream", lambda *a, **k: _HostStream())
         self._patch(torch.Tensor, "cuda", lambda self, *a, **k: self)
         self._patch(torch.Tensor, "type", _tensor_type_as_cuda(torch.Tensor.type))
         for module_name in ("megatron.core.optimizer.distrib_optimizer",):
