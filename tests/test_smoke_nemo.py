@@ -20,7 +20,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "scripts", "smoke_nemo.sh")
+SCRIPT = os.path.join(ROOT, "validation", "smoke_nemo.sh")
 LOSSES = [8.367643356323242, 8.349407196044922, 8.36095142364502]
 FAULT_LOSSES = [8.367643356323242, 8.349411010742188, 8.360960960388184]
 METRIC_KEYS = ["fp8_align/records"] + [f"fp8_align/chunk{c}/{k}" for c in (0, 1)
