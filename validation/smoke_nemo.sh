@@ -132,4 +132,4 @@ if [ "$CHECK_ONLY" != "1" ]; then
   fi
 fi
 
-"$PYTHON" "$ROOT/scripts/smoke_nemo_check.py" "$OUT"
+"$PYTHON" "$ROOT/validation/smoke_nemo_check.py" "$OUT"
