@@ -1,0 +1,238 @@
+"""From the ranks' files of benchmarks/pipeline_step_time_mps.py to numbers and a report: step
+time min/median/max per (policy, transposes), each rank's busy and idle time, the transposes'
+own GPU time, the telemetry's verdict, and the planner (nemo_fp8_align's timeline model) fed
+the measured per-chunk forward, backward, transpose and p2p durations: its lazy-minus-aligned
+saving against the measured one."""
+
+from __future__ import annotations
+
+import statistics
+from datetime import datetime, timezone
+from typing import Any, Dict, List, Optional
+
+__all__ = ["analyse", "markdown", "predict"]
+
+
+def _stats(xs: List[float]) -> Dict[str, float]:
+    if not xs:
+        return {"n": 0}
+    return {"n": len(xs), "min": min(xs), "median": statistics.median(xs), "max": max(xs)}
+
+
+def _planner():
+    try:  # layout of issue 16
+        from nemo_fp8_align.core.schedule import InterleavedSchedule
+        from nemo_fp8_align.planner import Costs, Placement, simulate
+    except ImportError:
+        from nemo_fp8_align.engine.schedule import InterleavedSchedule
+        from nemo_fp8_align.timeline import Costs, Placement, simulate
+    return InterleavedSchedule, Costs, Placement, simulate
+
+
+def predict(pp: int, vp: int, m: int, forward_ms: float, backward_ms: float, transpose_ms: float,
+            p2p_ms: float) -> Dict[str, float]:
+    """The planner's step time (ms, schedule only: no optimizer step) per placement."""
+    InterleavedSchedule, Costs, Placement, simulate = _planner()
+    sched = InterleavedSchedule(pp, vp, m)
+    costs = Costs(forward=forward_ms / 1e3, backward=backward_ms / 1e3,
+                  transpose=transpose_ms / 1e3, p2p=p2p_ms / 1e3)
+    return {p.value: simulate(sched, p, costs).step_time * 1e3
+            for p in (Placement.NONE, Placement.LAZY, Placement.ALIGNED)}
+
+
+def _timed(seg: Dict[str, Any], discard: int) -> List[Dict[str, Any]]:
+    return seg["rows"][discard:]
+
+
+def _group(ranks: List[Dict[str, Any]], policy: str, impl: str, discard: int) -> Dict[str, Any]:
+    """Every timed step of (policy, impl), all rounds; per step the slowest rank's time."""
+    n_seg = len(ranks[0]["segments"])
+    steps, per_round, per_rank = [], {}, {r["rank"]: {"busy": [], "idle": [], "transposes": [],
+                                                        "forward": [], "backward": [],
+                                                        "optimizer": []} for r in ranks}
+    problems: List[str] = []
+    for s in range(n_seg):
+        segs = [r["segments"][s] for r in ranks]
+        if segs[0]["policy"] != policy or segs[0]["transposes"] != impl:
+            continue
+        for r, seg in zip(ranks, segs):
+            problems += [f"rank {r['rank']} round {seg['round']}: {p}" for p in seg["problems"]]
+        rows = [_timed(seg, discard) for seg in segs]
+        seg_steps = [max(rr[k]["step"] for rr in rows) for k in range(len(rows[0]))]
+        steps += seg_steps
+        per_round[segs[0]["round"]] = statistics.median(seg_steps)
+        for r, rr in zip(ranks, rows):
+            d = per_rank[r["rank"]]
+            for row in rr:
+                trans = sum(v for k, vs in row.items() if k.startswith("transpose_") for v in vs)
+                busy = sum(row.get("forward", [])) + sum(row.get("backward", [])) + row["optimizer"]
+                d["busy"].append(busy)
+                d["idle"].append(row["step"] - busy)
+                d["transposes"].append(trans)
+                d["forward"] += row.get("forward", [])
+                d["backward"] += row.get("backward", [])
+                d["optimizer"].append(row["optimizer"])
+    return {"policy": policy, "transposes": impl, "step": _stats(steps), "per_round": per_round,
+            "problems": problems,
+            "ranks": {k: {n: (statistics.median(v) if v else None) for n, v in d.items()}
+                      for k, d in per_rank.items()},
+            "transpose_per_chunk_ms": _per_chunk(ranks, policy, impl, discard)}
+
+
+def _per_chunk(ranks, policy, impl, discard) -> Optional[float]:
+    """Median over steps of one chunk's transposes on one rank, averaged over ranks and chunks."""
+    vals = []
+    for r in ranks:
+        for seg in r["segments"]:
+            if seg["policy"] != policy or seg["transposes"] != impl:
+                continue
+            for row in _timed(seg, discard):
+                vals += [sum(vs) for k, vs in row.items() if k.startswith("transpose_c")]
+    return statistics.median(vals) if vals else None
+
+
+def analyse(b: Any, ranks: List[Dict[str, Any]], failed: Optional[str], wall_s: float,
+            argv: List[str]) -> Dict[str, Any]:
+    errors = [f"rank {r['rank']}: {r['error']}" for r in ranks if r.get("error")]
+    out: Dict[str, Any] = {"bench": {k: getattr(b, k) for k in b.__dataclass_fields__},
+                           "argv": argv, "wall_s": round(wall_s, 1), "failed": failed,
+                           "errors": errors, "date": datetime.now(timezone.utc).isoformat(
+                               timespec="seconds"), "configs": []}
+    good = len(ranks) == b.ranks and not errors and all("segments" in r for r in ranks)
+    out["ok"] = good
+    if not good:
+        return out
+    r0 = next(r for r in ranks if r["rank"] == 0)
+    out["versions"], out["p2p"] = r0["versions"], r0["p2p"]
+    out["shares"] = [r["share_percent"] for r in ranks]
+    out["weight_types"] = sorted({t for r in ranks for t in r["weight_types"]})
+    out["weights_per_chunk"] = r0["weights_per_chunk"]
+    mode = r0["p2p"].get("mode", "host")
+    p2p_ms = r0["p2p"].get(mode, {}).get("median_ms", 0.0)
+    for impl in b.transposes:
+        groups = {p: _group(ranks, p, impl, b.discard) for p in b.policies}
+        cfg: Dict[str, Any] = {"transposes": impl, "groups": groups}
+        if "off" in groups:
+            base = groups["off"]["step"]["median"]
+            for g in groups.values():
+                g["ratio_vs_off"] = g["step"]["median"] / base
+        if {"lazy", "aligned"} <= set(groups):
+            lazy, aligned = groups["lazy"], groups["aligned"]
+            paired = [lazy["per_round"][k] - aligned["per_round"][k]
+                      for k in sorted(lazy["per_round"]) if k in aligned["per_round"]]
+            fwd = statistics.mean(v["forward"] for g in groups.values() for v in g["ranks"].values())
+            bwd = statistics.mean(v["backward"] for g in groups.values() for v in g["ranks"].values())
+            delta = lazy["transpose_per_chunk_ms"] or 0.0
+            pred = predict(b.pp, b.vp, b.microbatches, fwd, bwd, delta, p2p_ms)
+            opt = statistics.median(max(v["optimizer"] for v in g["ranks"].values())
+                                    for g in groups.values())
+            measured = lazy["step"]["median"] - aligned["step"]["median"]
+            predicted = pred["lazy"] - pred["aligned"]
+            cfg["saving"] = {
+                "measured_ms": measured, "paired_per_round_ms": _stats(paired),
+                "predicted_ms": predicted,
+                "error_pct": 100 * (predicted - measured) / measured if measured else None,
+                "planner_inputs_ms": {"forward": fwd, "backward": bwd, "transpose": delta,
+                                      "p2p": p2p_ms, "p2p_mode": mode, "allgather": 0.0},
+                "predicted_step_ms": {k: v + opt for k, v in pred.items()},
+                "optimizer_ms": opt,
+                "lazy_adds_predicted_ms": pred["lazy"] - pred["none"],
+                "share_removed_predicted": predicted / (pred["lazy"] - pred["none"])
+                if pred["lazy"] > pred["none"] else None,
+                "share_removed_measured": measured / (pred["lazy"] - pred["none"])
+                if pred["lazy"] > pred["none"] else None}
+        out["configs"].append(cfg)
+    out["observed"] = _observed(ranks)
+    out["ok"] = not any(g["problems"] for c in out["configs"] for g in c["groups"].values())
+    return out
+
+
+def _observed(ranks: List[Dict[str, Any]]) -> Dict[str, str]:
+    """The ``report`` command's table for round 0's lazy and aligned records (all ranks)."""
+    try:
+        from nemo_fp8_align.cli.report import format_report
+    except ImportError:  # layout before issue 16
+        from nemo_fp8_align.report_cli import format_report
+    out = {}
+    for policy in ("lazy", "aligned"):
+        recs = [x for r in ranks for seg in r["segments"] if seg["policy"] == policy
+                and seg["transposes"] == "te" for x in seg["records"]]
+        if recs:
+            text, problems = format_report(recs)
+            out[policy] = text + (f"FAILED: {len(problems)} problems\n" if problems else "OK\n")
+    return out
+
+
+def _f(x: Optional[float], nd: int = 2) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def markdown(s: Dict[str, Any]) -> str:
+    b = s["bench"]
+    lines = [f"# Pipeline step time on one GPU split by CUDA MPS ({s['date']})", "",
+             f"Command: `python3 benchmarks/pipeline_step_time_mps.py {' '.join(s['argv'])}`", ""]
+    if not s.get("versions"):
+        lines += ["**The run did not complete.**", "", "```", str(s.get("failed")),
+                  *[e[-2500:] for e in s["errors"]], "```"]
+        return "\n".join(lines) + "\n"
+    v, p = s["versions"], s["p2p"]
+    lines += [f"- PP={b['pp']} VP={b['vp']} DP={b['dp']}, M={b['microbatches']} microbatches, "
+              f"hidden {b['hidden']}, {b['heads']} heads, {b['layers_per_chunk']} layer(s) per "
+              f"chunk, sequence {b['seq']}, micro-batch {b['micro_batch_size']}, FP8 recipe "
+              f"{b['recipe']}; weights {', '.join(s['weight_types'])}, "
+              f"{s['weights_per_chunk']} per chunk",
+              f"- {v.get('gpu')}; torch {v['torch']}, Transformer Engine {v.get('te')}, "
+              f"megatron-core {v['megatron_core']}; MPS shares (active thread %) per rank: "
+              f"{s['shares']}",
+              f"- {b['rounds']} rounds x {len(b['policies']) * len(b['transposes'])} segments of "
+              f"{b['steps_per_segment']} steps (first {b['discard']} of each discarded), order "
+              f"rotated each round, after {b['warmup']} warm-up steps; wall {s['wall_s']} s"]
+    for mode in ("host", "ipc"):
+        if mode in p:
+            q = p[mode]
+            lines.append(f"- p2p {mode}: one-way {q['bytes'] / 2**20:.1f} MiB in "
+                         f"{_f(q['min_ms'], 3)} / {_f(q['median_ms'], 3)} / {_f(q['max_ms'], 3)} "
+                         "ms (min/median/max)")
+    lines.append(f"- p2p mode used: **{p.get('mode')}** (IPC probe: "
+                 f"{p.get('probe', {}).get('errors') or 'ok'})")
+    for cfg in s["configs"]:
+        impl = "TE's transpose" if cfg["transposes"] == "te" else \
+            "slow variant: generic torch transpose"
+        lines += ["", f"## Transposes: {impl}", "",
+                  "| policy | steps | min ms | median ms | max ms | vs off | transposes ms/step "
+                  "per rank | busy / idle ms per rank (median) | telemetry |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for g in cfg["groups"].values():
+            st, rk = g["step"], g["ranks"]
+            lines.append(
+                f"| {g['policy']} | {st['n']} | {_f(st.get('min'))} | {_f(st.get('median'))} | "
+                f"{_f(st.get('max'))} | {_f(g.get('ratio_vs_off'), 4)} | "
+                + " ".join(_f(rk[r]["transposes"]) for r in sorted(rk)) + " | "
+                + " ".join(f"{_f(rk[r]['busy'], 1)}/{_f(rk[r]['idle'], 1)}" for r in sorted(rk))
+                + f" | {'OK' if not g['problems'] else str(len(g['problems'])) + ' problems'} |")
+        sv = cfg.get("saving")
+        if sv:
+            pi, ps = sv["planner_inputs_ms"], sv["paired_per_round_ms"]
+            lines += ["", f"- lazy - aligned, measured (medians): **{_f(sv['measured_ms'], 3)} ms**;"
+                      f" per round (paired segment medians) min/median/max {_f(ps.get('min'), 3)} /"
+                      f" {_f(ps.get('median'), 3)} / {_f(ps.get('max'), 3)} ms",
+                      f"- planner, fed forward {_f(pi['forward'], 3)} ms, backward "
+                      f"{_f(pi['backward'], 3)} ms, transposes {_f(pi['transpose'], 3)} ms per "
+                      f"chunk, p2p {_f(pi['p2p'], 3)} ms ({pi['p2p_mode']}): lazy - aligned "
+                      f"**{_f(sv['predicted_ms'], 3)} ms** (error vs measured "
+                      f"{_f(sv['error_pct'], 0)}%)",
+                      "- planner step times + measured optimizer step "
+                      f"({_f(sv['optimizer_ms'])} ms): " + ", ".join(
+                          f"{k} {_f(x)} ms" for k, x in sv["predicted_step_ms"].items()),
+                      f"- lazy transposes add {_f(sv['lazy_adds_predicted_ms'], 3)} ms (planner, vs "
+                      f"none); aligned removes {_f(100 * (sv['share_removed_predicted'] or 0), 0)}%"
+                      f" of it (planner), {_f(100 * (sv['share_removed_measured'] or 0), 0)}% "
+                      f"(measured saving / planner's lazy extra); (PP-1)/PP = "
+                      f"{100 * (b['pp'] - 1) / b['pp']:.0f}%"]
+        probs = [x for g in cfg["groups"].values() for x in g["problems"]]
+        if probs:
+            lines += ["", "Telemetry problems (first 10):", ""] + [f"- {x}" for x in probs[:10]]
+    for policy, text in s.get("observed", {}).items():
+        lines += ["", f"Observed placement (`report`'s table, round 0, {policy}):", "", "```",
+                  text.rstrip(), "```"]
+    return "\n".join(lines) + "\n"
