@@ -105,6 +105,7 @@ def analyse(b: Any, ranks: List[Dict[str, Any]], failed: Optional[str], wall_s: 
     r0 = next(r for r in ranks if r["rank"] == 0)
     out["versions"], out["p2p"] = r0["versions"], r0["p2p"]
     out["shares"] = [r["share_percent"] for r in ranks]
+    out["rounds_run"] = r0.get("rounds_run")
     out["weight_types"] = sorted({t for r in ranks for t in r["weight_types"]})
     out["weights_per_chunk"] = r0["weights_per_chunk"]
     mode = r0["p2p"].get("mode", "host")
@@ -184,7 +185,7 @@ def markdown(s: Dict[str, Any]) -> str:
               f"- {v.get('gpu')}; torch {v['torch']}, Transformer Engine {v.get('te')}, "
               f"megatron-core {v['megatron_core']}; MPS shares (active thread %) per rank: "
               f"{s['shares']}",
-              f"- {b['rounds']} rounds x {len(b['policies']) * len(b['transposes'])} segments of "
+              f"- {s.get('rounds_run')} rounds (of {b['rounds']} asked) x {len(b['policies']) * len(b['transposes'])} segments of "
               f"{b['steps_per_segment']} steps (first {b['discard']} of each discarded), order "
               f"rotated each round, after {b['warmup']} warm-up steps; wall {s['wall_s']} s"]
     for mode in ("host", "ipc"):

@@ -66,6 +66,7 @@ class Bench:
     discard: int = 2
     warmup: int = 3
     p2p: str = "auto"  # auto (IPC if every rank can open it) | host
+    time_budget: int = 0  # seconds for the rounds; fewer rounds (>= 2) if the warm-up says so
     cpu_dry_run: bool = False
 
     @property
@@ -261,10 +262,11 @@ def _run(rank: int, b: Bench, cuda: bool, out: str, result: Dict[str, Any]) -> N
         row.update(step=marks.ms(start, end), optimizer=marks.ms(opt0, end))
         return row
 
-    for k in range(b.warmup):
-        step(k)
+    warm = [step(k)["step"] for k in range(b.warmup)]
+    rounds = _rounds_that_fit(b, warm)
+    result["rounds_run"] = rounds
     segments: List[Dict[str, Any]] = []
-    for r in range(b.rounds):
+    for r in range(rounds):
         for policy, impl in b.segments(r):
             slow["on"] = impl == "torch"
             aligner = _attach(b, policy, chunks, config, backend, weights_of)
@@ -279,6 +281,17 @@ def _run(rank: int, b: Bench, cuda: bool, out: str, result: Dict[str, Any]) -> N
     dist.barrier()
     ps.destroy_model_parallel()
     dist.destroy_process_group()
+
+
+def _rounds_that_fit(b: Bench, warm_ms: List[float]) -> int:
+    """The rounds to run: ``b.rounds``, or fewer (at least 2) where the last warm-up step says
+    they would not fit ``b.time_budget``; the same number on every rank (a MIN all-reduce)."""
+    if b.time_budget <= 0 or not warm_ms:
+        return b.rounds
+    per_round_s = warm_ms[-1] / 1e3 * 1.3 * len(b.segments(0)) * b.steps_per_segment
+    fit = torch.tensor([max(2, min(b.rounds, int(b.time_budget / per_round_s)))])
+    dist.all_reduce(fit, op=dist.ReduceOp.MIN)
+    return int(fit)
 
 
 def _versions(cuda: bool) -> Dict[str, str]:
@@ -348,7 +361,8 @@ def parse(argv: List[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     d = Bench()
     for name in ("pp", "vp", "dp", "microbatches", "hidden", "heads", "layers_per_chunk", "seq",
-                 "micro_batch_size", "vocab", "rounds", "steps_per_segment", "discard", "warmup"):
+                 "micro_batch_size", "vocab", "rounds", "steps_per_segment", "discard", "warmup",
+                 "time_budget"):
         ap.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     ap.add_argument("--recipe", default=d.recipe, choices=["delayed", "tensorwise"])
     ap.add_argument("--policies", default=",".join(d.policies))

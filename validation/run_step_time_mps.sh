@@ -1,0 +1,62 @@
+#!/bin/bash
+# One device call for issue 20: install Transformer Engine 2.20.2 (core library stripped to sm_90,
+# validation/strip_fatbin.py), megatron-core 0.19.2 and 0.16.1 from .h200/ (carried), build TE's
+# PyTorch extension, start CUDA MPS, and run benchmarks/pipeline_step_time_mps.py per
+# configuration while time is left. Results (Markdown + JSON per run) under $OUT.
+# Usage (from a copy of the repo whose parent holds .h200/, e.g. .gpuwork/repo):
+#   bash validation/run_step_time_mps.sh [BUDGET_SECONDS]
+# .h200/ is made on the CPU machine as validation/run_real_stack.sh's header says, but with only
+# transformer-engine-cu13 (library stripped, gzipped), transformer-engine, pydantic,
+# pydantic-core, annotated-types, typing-inspection, megatron-core 0.19.2 (.h200/) and 0.16.1
+# (.h200/m16/), and transformer_engine_torch-2.20.2.tar.gz (/work/shared/gpu).
+# If .h200/te_torch_ext.so.gz exists (an extension built by an earlier call) it is used as is.
+set -o pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/bench
+REPO=$PWD; H=$(cd "${H200:-$REPO/../../.h200}" && pwd); T0=$(date +%s); BUDGET=${1:-560}
+el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
+left() { [ $(( $(date +%s) - T0 + $1 )) -lt "$BUDGET" ]; }  # true if $1 more seconds fit
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+  "$H"/tecore/*.whl "$H"/transformer_engine-2.20.2-py3-none-any.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/m19 "$H"/megatron_core-0.19.2-*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/m16 "$H"/m16/megatron_core-0.16.1-*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site3 "$H"/pydantic-*.whl \
+  "$H"/pydantic_core-*.whl "$H"/annotated_types-*.whl "$H"/typing_inspection-*.whl || exit 1
+gunzip -c "$H"/libte_sm90.so.gz > /tmp/site/transformer_engine/wheel_lib/libtransformer_engine.so
+echo "libtransformer_engine.so sha256 want $(cat "$H"/libte_sm90.sha256) got $(sha256sum /tmp/site/transformer_engine/wheel_lib/libtransformer_engine.so | cut -c1-64)"
+EXT=transformer_engine_torch.cpython-312-x86_64-linux-gnu.so
+if [ -f "$H"/te_torch_ext.so.gz ]; then
+  gunzip -c "$H"/te_torch_ext.so.gz > /tmp/site/transformer_engine/wheel_lib/$EXT; el "TE extension from .h200"
+else
+  (mkdir -p /tmp/tebuild && tar xzf "$H"/transformer_engine_torch-2.20.2.tar.gz -C /tmp/tebuild &&
+   cd /tmp/tebuild/transformer_engine_torch-2.20.2 &&
+   PYTHONPATH=/tmp/site MAX_JOBS=16 NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_FRAMEWORK=pytorch \
+     python3 -m pip install --no-index --no-deps --no-build-isolation --target /tmp/site2 . &&
+   cp /tmp/site2/transformer_engine/wheel_lib/$EXT /tmp/site/transformer_engine/wheel_lib/ &&
+   echo TE_BUILD_OK) > /tmp/bench/te_build.log 2>&1
+  el "TE extension build: $(tail -1 /tmp/bench/te_build.log)"
+  gzip -c /tmp/site/transformer_engine/wheel_lib/$EXT > "$OUT"/te_torch_ext.so.gz  # for a later call
+fi
+export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
+mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+nvidia-cuda-mps-control -d && el "MPS daemon started"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader
+bench() {  # name, mcore dir, limit s, args...
+  local name=$1 mc=$2 limit=$3; shift 3
+  left "$limit" || { el "SKIPPED $name (needs $limit s)"; return; }
+  el "start $name"
+  PYTHONPATH=$mc:/tmp/site:/tmp/site3:$REPO timeout -k 10 "$limit" python3 \
+    benchmarks/pipeline_step_time_mps.py --name "$name" --out /tmp/bench/"$name" "$@" \
+    > /tmp/bench/"$name".log 2>&1
+  el "end $name rc=$?"
+  grep -E "^\| |^- (lazy|planner|p2p)|did not complete|Error|error" /tmp/bench/"$name".log | grep -v Warn | cut -c1-400 | head -30
+  tar czf "$OUT"/bench.tar.gz -C /tmp bench 2>/dev/null  # what comes back even if cut short
+}
+COMMON="--time-budget 100 --vp 2 --microbatches 8 --hidden 4096 --heads 32 --seq 1024 --micro-batch-size 2 --transposes te,torch"
+bench mcore0192_pp2 /tmp/m19 170 --pp 2 $COMMON
+bench mcore0192_pp4 /tmp/m19 200 --pp 4 $COMMON --time-budget 130
+bench mcore0161_pp2 /tmp/m16 150 --pp 2 $COMMON --rounds 5
+bench mcore0161_pp4 /tmp/m16 170 --pp 4 $COMMON --rounds 5
+echo quit | nvidia-cuda-mps-control
+tar czf "$OUT"/bench.tar.gz -C /tmp bench 2>/dev/null
+el "done"
