@@ -1,6 +1,6 @@
 """From the ranks' files of benchmarks/pipeline_step_time_mps.py to numbers and a report: step
 time min/median/max per (policy, transposes), each rank's busy and idle time, the transposes'
-own GPU time, the telemetry's verdict, and the planner (nemo_fp8_align's timeline model) fed
+own GPU time, the telemetry's verdict, and the planner (nemo_fp8_align.planner) fed
 the measured per-chunk forward, backward, transpose and p2p durations: its lazy-minus-aligned
 saving against the measured one."""
 
@@ -20,12 +20,8 @@ def _stats(xs: List[float]) -> Dict[str, float]:
 
 
 def _planner():
-    try:  # layout of issue 16
-        from nemo_fp8_align.core.schedule import InterleavedSchedule
-        from nemo_fp8_align.planner import Costs, Placement, simulate
-    except ImportError:
-        from nemo_fp8_align.engine.schedule import InterleavedSchedule
-        from nemo_fp8_align.timeline import Costs, Placement, simulate
+    from nemo_fp8_align.core.schedule import InterleavedSchedule
+    from nemo_fp8_align.planner import Costs, Placement, simulate
     return InterleavedSchedule, Costs, Placement, simulate
 
 
@@ -150,10 +146,7 @@ def analyse(b: Any, ranks: List[Dict[str, Any]], failed: Optional[str], wall_s: 
 
 def _observed(ranks: List[Dict[str, Any]]) -> Dict[str, str]:
     """The ``report`` command's table for round 0's lazy and aligned records (all ranks)."""
-    try:
-        from nemo_fp8_align.cli.report import format_report
-    except ImportError:  # layout before issue 16
-        from nemo_fp8_align.report_cli import format_report
+    from nemo_fp8_align.cli.report import format_report
     out = {}
     for policy in ("lazy", "aligned"):
         recs = [x for r in ranks for seg in r["segments"] if seg["policy"] == policy

@@ -81,11 +81,7 @@ class Bench:
 
 def _real_stack():
     """The model pieces of the real-stack harness (same GPT, optimizer, data)."""
-    try:
-        from validation import real_stack_mcore as rs
-    except ImportError:  # layout before issue 16
-        sys.path.insert(0, os.path.join(HERE, "..", "gpu"))
-        import real_stack_mcore as rs
+    from validation import real_stack_mcore as rs
     return rs
 
 
@@ -219,7 +215,7 @@ def _run(rank: int, b: Bench, cuda: bool, out: str, result: Dict[str, Any]) -> N
         torch.cuda.set_device(0)
     else:
         torch.set_num_threads(1)
-        from nemo_fp8_align.compat.cpu import enable_cpu_compat
+        from nemo_fp8_align.demo.cpu_redirects import enable_cpu_compat
         enable_cpu_compat()
     dist.init_process_group(mps_p2p.enable_mps_backend(), rank=rank, world_size=b.ranks)
     ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=b.pp,
@@ -306,9 +302,9 @@ def _versions(cuda: bool) -> Dict[str, str]:
 
 def _backend(cuda: bool):
     if not cuda:
-        from nemo_fp8_align.fp8.reference import ReferenceBackend
+        from nemo_fp8_align.backends.reference import ReferenceBackend
         return ReferenceBackend(), (lambda chunk: [])
-    from nemo_fp8_align.fp8.te_backend import TEBackend
+    from nemo_fp8_align.backends.te import TEBackend
     backend = TEBackend()
     return backend, backend.weights_of
 
@@ -317,7 +313,7 @@ def _attach(b: Bench, policy: str, chunks, config, backend, weights_of):
     if policy == "off":
         return None
     from nemo_fp8_align.config import AlignConfig, Policy
-    from nemo_fp8_align.engine.api import align_fp8_transposes
+    from nemo_fp8_align.integrations.megatron import align_fp8_transposes
     return align_fp8_transposes(chunks, num_microbatches=b.microbatches, backend=backend,
                                 weights_of=weights_of, config=config,
                                 align_config=AlignConfig(policy=Policy(policy)))
@@ -326,7 +322,7 @@ def _attach(b: Bench, policy: str, chunks, config, backend, weights_of):
 def _judge(b: Bench, policy: str, records: List[Dict[str, Any]]) -> List[str]:
     if policy == "off" or b.cpu_dry_run:
         return []
-    from nemo_fp8_align.engine.telemetry import record_problems
+    from nemo_fp8_align.core.telemetry import record_problems
     problems = record_problems(records, policy=policy)
     want = b.steps_per_segment * b.vp
     if len(records) != want:
