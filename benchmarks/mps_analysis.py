@@ -10,7 +10,7 @@ import statistics
 from datetime import datetime, timezone
 from typing import Any, Dict, List, Optional
 
-__all__ = ["analyse", "markdown", "predict"]
+__all__ = ["analyse", "markdown", "predict", "predict_per_rank", "per_rank_costs"]
 
 
 def _stats(xs: List[float]) -> Dict[str, float]:
@@ -36,6 +36,92 @@ def predict(pp: int, vp: int, m: int, forward_ms: float, backward_ms: float, tra
             for p in (Placement.NONE, Placement.LAZY, Placement.ALIGNED)}
 
 
+def per_rank_costs(b: Any, ranks: List[Dict[str, Any]], policy: str, impl: str,
+                   discard: int) -> Dict[tuple, Dict[str, float]]:
+    """Per (pp rank, chunk), medians in ms: forward, backward, the chunk's transposes, and the
+    first forward's extra (its duration minus the chunk's median forward minus the transposes
+    built inside it): host-side work at a chunk's first use in a step (DDP's and TE's hooks,
+    the FP8 scale update) during which this rank's GPU stream waits for the host."""
+    InterleavedSchedule = _planner()[0]
+    sched = InterleavedSchedule(b.pp, b.vp, b.microbatches)
+    chunk_of = [sched.forward_table[v][1] for v in range(sched.total)]
+    first = {c: chunk_of.index(c) for c in range(b.vp)}
+    out = {}
+    for r in ranks:
+        acc = {c: {"forward": [], "backward": [], "transpose": [], "first_extra": []}
+               for c in range(b.vp)}
+        for seg in r["segments"]:
+            if seg["policy"] != policy or seg["transposes"] != impl:
+                continue
+            for row in _timed(seg, discard):
+                fwd, bwd = row.get("forward", []), row.get("backward", [])
+                if len(fwd) != sched.total or len(bwd) != sched.total:
+                    continue
+                for c in range(b.vp):
+                    mine = [d for v, d in enumerate(fwd) if chunk_of[v] == c]
+                    trans = sum(row.get(f"transpose_c{c}", []))
+                    inside = trans if policy != "aligned" else 0.0
+                    a = acc[c]
+                    a["forward"] += mine
+                    a["backward"] += [d for k, d in enumerate(bwd) if b.vp - 1 - chunk_of[k] == c]
+                    a["transpose"].append(trans)
+                    a["first_extra"].append(fwd[first[c]] - inside - statistics.median(mine))
+        for c, a in acc.items():
+            if a["forward"]:
+                out[(r["pp_rank"], c)] = {k: statistics.median(v) for k, v in a.items()}
+    return out
+
+
+def predict_per_rank(b: Any, costs: Dict[tuple, Dict[str, float]], p2p_ms: float,
+                     host_overlap: bool) -> Dict[str, float]:
+    """The planner's step time (ms) with each rank's and chunk's own durations instead of one
+    set for all. ``host_overlap``: each chunk's first forward also carries its measured host
+    extra (``first_extra``, read from aligned segments), and lazily built transposes, queued inside that forward, run on
+    the GPU while the host does that work: they cost max(transposes, extra), not the sum.
+
+    Uses the planner's private simulator class (``planner.simulate._Sim``): a benchmark-only
+    extension; the planner itself takes one set of durations (see benchmarks/results)."""
+    import importlib
+    InterleavedSchedule, Costs, Placement, _ = _planner()
+    sim = importlib.import_module("nemo_fp8_align.planner.simulate")
+    from nemo_fp8_align.planner.program import Compute, Transpose
+
+    table = {k: Costs(forward=v["forward"] / 1e3, backward=v["backward"] / 1e3,
+                      transpose=v["transpose"] / 1e3, p2p=p2p_ms / 1e3) for k, v in costs.items()}
+    extra = {k: max(0.0, v["first_extra"]) / 1e3 if host_overlap else 0.0
+             for k, v in costs.items()}
+
+    class PerRank(sim._Sim):
+        def __init__(self, tl: Any) -> None:
+            super().__init__(tl)
+            self.base, self.seen = tl.costs, set()
+
+        def step(self, rank: Any) -> bool:
+            op = rank.ops[rank.pc]
+            key = (rank.rank, getattr(op, "chunk", -1))
+            self.c = table.get(key, self.base) if isinstance(op, (Compute, Transpose)) else self.base
+            if key in self.seen or not isinstance(op, (Compute, Transpose)):
+                return super().step(rank)
+            if isinstance(op, Transpose) and self.tl.placement is Placement.LAZY:
+                self.seen.add(key)  # the transposes fill the first forward's host wait
+                span = max(self.c.transpose, extra[key])
+                self.add(rank, "transpose", rank.t, rank.t + span, op.chunk)
+                rank.t += span
+                return True
+            if isinstance(op, Compute) and op.kind == "F":
+                self.seen.add(key)
+                rank.t += extra[key]
+            return super().step(rank)
+
+    out = {}
+    for placement in (Placement.NONE, Placement.LAZY, Placement.ALIGNED):
+        tl = sim.Timeline(InterleavedSchedule(b.pp, b.vp, b.microbatches), placement,
+                          Costs(forward=1e-3, backward=2e-3, p2p=p2p_ms / 1e3))
+        PerRank(tl).run()
+        out[placement.value] = tl.step_time * 1e3
+    return out
+
+
 def _timed(seg: Dict[str, Any], discard: int) -> List[Dict[str, Any]]:
     return seg["rows"][discard:]
 
@@ -43,7 +129,7 @@ def _timed(seg: Dict[str, Any], discard: int) -> List[Dict[str, Any]]:
 def _group(ranks: List[Dict[str, Any]], policy: str, impl: str, discard: int) -> Dict[str, Any]:
     """Every timed step of (policy, impl), all rounds; per step the slowest rank's time."""
     n_seg = len(ranks[0]["segments"])
-    steps, per_round, per_rank = [], {}, {r["rank"]: {"busy": [], "idle": [], "transposes": [],
+    steps, schedule, per_round, per_rank = [], [], {}, {r["rank"]: {"busy": [], "idle": [], "transposes": [],
                                                         "forward": [], "backward": [],
                                                         "optimizer": []} for r in ranks}
     problems: List[str] = []
@@ -56,6 +142,8 @@ def _group(ranks: List[Dict[str, Any]], policy: str, impl: str, discard: int) ->
         rows = [_timed(seg, discard) for seg in segs]
         seg_steps = [max(rr[k]["step"] for rr in rows) for k in range(len(rows[0]))]
         steps += seg_steps
+        schedule += [max(rr[k]["step"] - rr[k]["optimizer"] for rr in rows)
+                     for k in range(len(rows[0]))]
         per_round[segs[0]["round"]] = statistics.median(seg_steps)
         for r, rr in zip(ranks, rows):
             d = per_rank[r["rank"]]
@@ -68,7 +156,8 @@ def _group(ranks: List[Dict[str, Any]], policy: str, impl: str, discard: int) ->
                 d["forward"] += row.get("forward", [])
                 d["backward"] += row.get("backward", [])
                 d["optimizer"].append(row["optimizer"])
-    return {"policy": policy, "transposes": impl, "step": _stats(steps), "per_round": per_round,
+    return {"policy": policy, "transposes": impl, "step": _stats(steps),
+            "schedule": _stats(schedule), "per_round": per_round,
             "problems": problems,
             "ranks": {k: {n: (statistics.median(v) if v else None) for n, v in d.items()}
                       for k, d in per_rank.items()},
@@ -138,6 +227,21 @@ def analyse(b: Any, ranks: List[Dict[str, Any]], failed: Optional[str], wall_s: 
                 if pred["lazy"] > pred["none"] else None,
                 "share_removed_measured": measured / (pred["lazy"] - pred["none"])
                 if pred["lazy"] > pred["none"] else None}
+            lazy_costs = per_rank_costs(b, ranks, "lazy", impl, b.discard)
+            # The host wait at a chunk's first forward, read where no transposes hide it:
+            # aligned segments (their transposes run before that forward) with TE's transpose.
+            host = per_rank_costs(b, ranks, "aligned", "te" if "te" in b.transposes else impl,
+                                  b.discard)
+            for k, v in lazy_costs.items():
+                v["first_extra"] = host.get(k, {}).get("first_extra", 0.0)
+            if not b.cpu_dry_run and len(lazy_costs) == b.pp * b.vp:
+                cfg["per_rank_costs"] = {f"r{k[0]}c{k[1]}": v for k, v in lazy_costs.items()}
+                for label, overlap in (("per_rank", False), ("per_rank_host_overlap", True)):
+                    pr = predict_per_rank(b, lazy_costs, p2p_ms, overlap)
+                    cfg["saving"][label] = {
+                        "step_ms": pr, "predicted_ms": pr["lazy"] - pr["aligned"],
+                        "error_pct": 100 * (pr["lazy"] - pr["aligned"] - measured) / measured
+                        if measured else None}
         out["configs"].append(cfg)
     out["observed"] = _observed(ranks)
     out["ok"] = not any(g["problems"] for c in out["configs"] for g in c["groups"].values())
@@ -192,15 +296,19 @@ def markdown(s: Dict[str, Any]) -> str:
     for cfg in s["configs"]:
         impl = "TE's transpose" if cfg["transposes"] == "te" else \
             "slow variant: generic torch transpose"
-        lines += ["", f"## Transposes: {impl}", "",
-                  "| policy | steps | min ms | median ms | max ms | vs off | transposes ms/step "
-                  "per rank | busy / idle ms per rank (median) | telemetry |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += ["", f"## Transposes: {impl}", "", "Step: forward/backward schedule plus "
+                  "optimizer step, slowest rank, CUDA events; schedule only: without the "
+                  "optimizer step (which includes a host-staged grad-norm all-reduce, so a wait "
+                  "for the other ranks: counted as busy here).", "",
+                  "| policy | steps | min ms | median ms | max ms | vs off | schedule only "
+                  "(min/median/max) | transposes ms/step per rank | busy / idle ms per rank "
+                  "(median) | telemetry |", "|---|---|---|---|---|---|---|---|---|---|"]
         for g in cfg["groups"].values():
             st, rk = g["step"], g["ranks"]
             lines.append(
                 f"| {g['policy']} | {st['n']} | {_f(st.get('min'))} | {_f(st.get('median'))} | "
                 f"{_f(st.get('max'))} | {_f(g.get('ratio_vs_off'), 4)} | "
+                + "/".join(_f(g["schedule"].get(k), 1) for k in ("min", "median", "max")) + " | "
                 + " ".join(_f(rk[r]["transposes"]) for r in sorted(rk)) + " | "
                 + " ".join(f"{_f(rk[r]['busy'], 1)}/{_f(rk[r]['idle'], 1)}" for r in sorted(rk))
                 + f" | {'OK' if not g['problems'] else str(len(g['problems'])) + ' problems'} |")
@@ -218,11 +326,24 @@ def markdown(s: Dict[str, Any]) -> str:
                       "- planner step times + measured optimizer step "
                       f"({_f(sv['optimizer_ms'])} ms): " + ", ".join(
                           f"{k} {_f(x)} ms" for k, x in sv["predicted_step_ms"].items()),
+                      *[f"- planner with each rank's and chunk's own durations"
+                        + (" and the first forwards' host wait (lazy transposes fill it)"
+                           if k == "per_rank_host_overlap" else "")
+                        + f": lazy - aligned **{_f(sv[k]['predicted_ms'], 3)} ms** (error "
+                        f"{_f(sv[k]['error_pct'], 0)}%); steps " + ", ".join(
+                            f"{n} {_f(x)}" for n, x in sv[k]["step_ms"].items())
+                        for k in ("per_rank", "per_rank_host_overlap") if k in sv],
                       f"- lazy transposes add {_f(sv['lazy_adds_predicted_ms'], 3)} ms (planner, vs "
                       f"none); aligned removes {_f(100 * (sv['share_removed_predicted'] or 0), 0)}%"
                       f" of it (planner), {_f(100 * (sv['share_removed_measured'] or 0), 0)}% "
                       f"(measured saving / planner's lazy extra); (PP-1)/PP = "
                       f"{100 * (b['pp'] - 1) / b['pp']:.0f}%"]
+        if cfg.get("per_rank_costs"):
+            lines += ["", "Per rank and chunk (medians, ms; F, B, T from lazy segments, the first "
+                      "forward's extra from aligned segments with TE's transpose): " + "; ".join(
+                f"{k} F {_f(v['forward'])} B {_f(v['backward'])} T {_f(v['transpose'])} "
+                f"first-forward extra {_f(v['first_extra'])}"
+                for k, v in cfg["per_rank_costs"].items())]
         probs = [x for g in cfg["groups"].values() for x in g["problems"]]
         if probs:
             lines += ["", "Telemetry problems (first 10):", ""] + [f"- {x}" for x in probs[:10]]

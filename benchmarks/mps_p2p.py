@@ -29,7 +29,8 @@ import torch.distributed as dist
 
 from validation.host_staging import HostStagingProcessGroup, _StagedWork
 
-__all__ = ["BACKEND_NAME", "enable_mps_backend", "probe_ipc", "pingpong", "settings"]
+__all__ = ["BACKEND_NAME", "enable_mps_backend", "measure_modes", "probe_ipc", "pingpong",
+           "settings"]
 
 BACKEND_NAME = "mps_fast"
 #: p2p mode ("ipc" | "host"), ring slots per channel; set before the first send.
@@ -206,3 +207,21 @@ def pingpong(peer: int, nbytes: int, iters: int = 30, warmup: int = 5) -> Dict[s
             times.append((time.perf_counter() - t0) * 1e3 / 2)
     return {"mode": settings["p2p"], "bytes": nbytes, "min_ms": min(times),
             "median_ms": statistics.median(times), "max_ms": max(times)}
+
+
+def measure_modes(mine: bool, peer: int, nbytes: int, try_ipc: bool) -> Dict[str, Any]:
+    """Collective: host-staged p2p timed (by the ranks with ``mine``, against ``peer``), then the
+    IPC probe, then IPC p2p timed if every rank could open IPC memory; leaves the mode set."""
+    out: Dict[str, Any] = {}
+    settings["p2p"] = "host"
+    if mine:
+        out["host"] = pingpong(peer, nbytes)
+    dist.barrier()
+    probe = probe_ipc() if try_ipc else {"p2p": "host", "errors": ["--p2p host"]}
+    out["probe"] = probe
+    if probe["p2p"] == "ipc":
+        if mine:
+            out["ipc"] = pingpong(peer, nbytes)
+        dist.barrier()
+    out["mode"] = settings["p2p"]
+    return out

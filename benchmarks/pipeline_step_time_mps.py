@@ -44,6 +44,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
 import mps_p2p  # noqa: E402
+from mps_timing import Marks, instrument  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +65,7 @@ class Bench:
     rounds: int = 5
     steps_per_segment: int = 12
     discard: int = 2
-    warmup: int = 3
+    warmup: int = 8
     p2p: str = "auto"  # auto (IPC if every rank can open it) | host
     time_budget: int = 0  # seconds for the rounds; fewer rounds (>= 2) if the warm-up says so
     cpu_dry_run: bool = False
@@ -125,72 +126,6 @@ def _model(b: Bench, pp_rank: int):
     return config, chunks, rs._optimizer(o, chunks)
 
 
-class Marks:
-    """Paired time marks: CUDA events on the GPU, the host clock on the CPU dry run."""
-
-    def __init__(self, cuda: bool) -> None:
-        self.cuda, self.open, self.pairs = cuda, {}, []
-
-    def now(self) -> Any:
-        if not self.cuda:
-            return time.perf_counter()
-        e = torch.cuda.Event(enable_timing=True)
-        e.record()
-        return e
-
-    def ms(self, a: Any, b: Any) -> float:
-        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
-
-    def collect(self) -> Dict[str, List[float]]:
-        """Durations (ms) by label since the last call (the caller has synchronised)."""
-        out: Dict[str, List[float]] = {}
-        for label, a, b in self.pairs:
-            out.setdefault(label, []).append(round(self.ms(a, b), 4))
-        self.pairs.clear()
-        return out
-
-
-def _instrument(marks: Marks, chunk_of: Dict[int, int], slow: Dict[str, bool]) -> None:
-    """CUDA events around the schedule's forward_step / backward_step (module globals, looked up
-    at each call) and around every TE transpose build; the slow variant swaps the build."""
-    from megatron.core.pipeline_parallel import schedules
-
-    def timed(fn, label):
-        def wrapper(*args, **kwargs):
-            start = marks.now()
-            out = fn(*args, **kwargs)
-            marks.pairs.append((label, start, marks.now()))
-            return out
-        return wrapper
-
-    schedules.forward_step = timed(schedules.forward_step, "forward")
-    schedules.backward_step = timed(schedules.backward_step, "backward")
-    if marks.cuda is False:
-        return
-    from transformer_engine.pytorch.tensor.storage.float8_tensor_storage import Float8TensorStorage
-
-    from nemo_fp8_align.kernels import multi_transpose_
-    fast = Float8TensorStorage._create_transpose
-
-    def torch_transpose(self) -> None:  # the reference backend's generic torch transpose
-        data = self._data
-        if data is None:
-            return
-        data = data.contiguous().view(torch.uint8).reshape(-1, data.shape[-1])
-        out = self._transpose
-        if out is None or tuple(out.shape) != (data.shape[1], data.shape[0]):
-            out = torch.empty((data.shape[1], data.shape[0]), dtype=torch.uint8, device=data.device)
-        multi_transpose_([data], [out.view(torch.uint8)], use_triton=False)
-        self._transpose, self._transpose_invalid = out, False
-
-    def build(self) -> None:
-        start = marks.now()
-        (torch_transpose if slow["on"] else fast)(self)
-        marks.pairs.append((f"transpose_c{chunk_of.get(id(self), -1)}", start, marks.now()))
-
-    Float8TensorStorage._create_transpose = build
-
-
 def _worker(rank: int, b: Bench, port: int, out: str) -> None:
     cuda = not b.cpu_dry_run
     if cuda:  # before the first CUDA call of this process: its MPS share
@@ -235,7 +170,7 @@ def _run(rank: int, b: Bench, cuda: bool, out: str, result: Dict[str, Any]) -> N
     result["weights_per_chunk"] = [len(weights_of(ch)) for ch in chunks]
     result["weight_types"] = sorted({type(w).__name__ for ch in chunks for w in weights_of(ch)})
     marks, slow = Marks(cuda), {"on": False}
-    _instrument(marks, chunk_of, slow)
+    instrument(marks, chunk_of, slow)
     fwd_bwd = get_forward_backward_func()
 
     def step(k: int) -> Dict[str, Any]:
@@ -332,25 +267,13 @@ def _judge(b: Bench, policy: str, records: List[Dict[str, Any]]) -> List[str]:
 
 def _p2p_costs(b: Bench, cuda: bool, pp_rank: int, dp_rank: int, nbytes: int) -> Dict[str, Any]:
     """Both p2p modes' one-way cost at the activation size, between pipeline ranks 0 and 1."""
-    out: Dict[str, Any] = {}
     if not cuda:
         return {"mode": "host", "probe": {"p2p": "host", "errors": ["CPU dry run"]}}
-    mine = dp_rank == 0 and pp_rank in (0, 1)
     from megatron.core import parallel_state as ps
     peer = ps.get_pipeline_model_parallel_next_rank() if pp_rank == 0 else \
         ps.get_pipeline_model_parallel_prev_rank()
-    mps_p2p.settings["p2p"] = "host"
-    if mine:
-        out["host"] = mps_p2p.pingpong(peer, nbytes)
-    dist.barrier()
-    probe = mps_p2p.probe_ipc() if b.p2p == "auto" else {"p2p": "host", "errors": ["--p2p host"]}
-    out["probe"] = probe
-    if probe["p2p"] == "ipc":
-        if mine:
-            out["ipc"] = mps_p2p.pingpong(peer, nbytes)
-        dist.barrier()
-    out["mode"] = mps_p2p.settings["p2p"]
-    return out
+    return mps_p2p.measure_modes(dp_rank == 0 and pp_rank in (0, 1), peer, nbytes,
+                                 try_ipc=b.p2p == "auto")
 
 
 def parse(argv: List[str]) -> argparse.Namespace:

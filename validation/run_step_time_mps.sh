@@ -4,7 +4,7 @@
 # PyTorch extension, start CUDA MPS, and run benchmarks/pipeline_step_time_mps.py per
 # configuration while time is left. Results (Markdown + JSON per run) under $OUT.
 # Usage (from a copy of the repo whose parent holds .h200/, e.g. .gpuwork/repo):
-#   bash validation/run_step_time_mps.sh [BUDGET_SECONDS]
+#   bash validation/run_step_time_mps.sh [BUDGET_SECONDS] [first|second]
 # .h200/ is made on the CPU machine as validation/run_real_stack.sh's header says, but with only
 # transformer-engine-cu13 (library stripped, gzipped), transformer-engine, pydantic,
 # pydantic-core, annotated-types, typing-inspection, megatron-core 0.19.2 (.h200/) and 0.16.1
@@ -52,11 +52,18 @@ bench() {  # name, mcore dir, limit s, args...
   grep -E "^\| |^- (lazy|planner|p2p)|did not complete|Error|error" /tmp/bench/"$name".log | grep -v Warn | cut -c1-400 | head -30
   tar czf "$OUT"/bench.tar.gz -C /tmp bench 2>/dev/null  # what comes back even if cut short
 }
-COMMON="--time-budget 100 --vp 2 --microbatches 8 --hidden 4096 --heads 32 --seq 1024 --micro-batch-size 2 --transposes te,torch"
-bench mcore0192_pp2 /tmp/m19 170 --pp 2 $COMMON
-bench mcore0192_pp4 /tmp/m19 200 --pp 4 $COMMON --time-budget 130
-bench mcore0161_pp2 /tmp/m16 150 --pp 2 $COMMON --rounds 5
-bench mcore0161_pp4 /tmp/m16 170 --pp 4 $COMMON --rounds 5
+COMMON="--vp 2 --microbatches 8 --hidden 4096 --heads 32 --seq 1024 --micro-batch-size 2 --transposes te,torch"
+case ${2:-first} in
+first)  # 2026-12-03, call 1 (as run)
+  bench mcore0192_pp2 /tmp/m19 170 --pp 2 $COMMON --warmup 3 --time-budget 100
+  bench mcore0192_pp4 /tmp/m19 200 --pp 4 $COMMON --warmup 3 --time-budget 130
+  bench mcore0161_pp2 /tmp/m16 150 --pp 2 $COMMON --warmup 3 --rounds 5
+  bench mcore0161_pp4 /tmp/m16 170 --pp 4 $COMMON --warmup 3 --rounds 5;;
+second)  # call 2: >= 50 timed steps per policy, PP=4 on both versions first
+  bench mcore0192_pp4_r5 /tmp/m19 230 --pp 4 $COMMON --rounds 5
+  bench mcore0161_pp4_r5 /tmp/m16 230 --pp 4 $COMMON --rounds 5
+  bench mcore0192_pp2_r6 /tmp/m19 125 --pp 2 $COMMON --rounds 6;;
+esac
 echo quit | nvidia-cuda-mps-control
 tar czf "$OUT"/bench.tar.gz -C /tmp bench 2>/dev/null
 el "done"
