@@ -57,8 +57,8 @@ case ${2:-first} in
 first)  # 2026-12-03, call 1 (as run)
   bench mcore0192_pp2 /tmp/m19 170 --pp 2 $COMMON --warmup 3 --time-budget 100
   bench mcore0192_pp4 /tmp/m19 200 --pp 4 $COMMON --warmup 3 --time-budget 130
-  bench mcore0161_pp2 /tmp/m16 150 --pp 2 $COMMON --warmup 3 --rounds 5
-  bench mcore0161_pp4 /tmp/m16 170 --pp 4 $COMMON --warmup 3 --rounds 5;;
+  bench mcore0161_pp2 /tmp/m16 150 --pp 2 $COMMON --warmup 3 --time-budget 100 --rounds 5
+  bench mcore0161_pp4 /tmp/m16 170 --pp 4 $COMMON --warmup 3 --time-budget 100 --rounds 5;;
 second)  # call 2: >= 50 timed steps per policy, PP=4 on both versions first
   bench mcore0192_pp4_r5 /tmp/m19 230 --pp 4 $COMMON --rounds 5
   bench mcore0161_pp4_r5 /tmp/m16 230 --pp 4 $COMMON --rounds 5
