@@ -45,6 +45,7 @@ _LAZY: Dict[str, str] = {
     "FP8AlignConfigError": "config_check.check",
     # exceptions
     "ConfigLoadError": "errors",
+    "CudaGraphCaptureError": "errors",
     "DemoRankError": "errors",
     "PlanInputError": "errors",
     "ScheduleError": "errors",

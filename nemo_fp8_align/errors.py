@@ -5,15 +5,16 @@ Startup: ``ScheduleError`` (a pipeline shape megatron-core would reject),
 ``SharedEmbeddingBucketError`` (megatron-core 0.12.3's bucket bug under NeMo), ``ConfigLoadError``,
 ``PlanInputError`` and ``TelemetryError`` (the command line's inputs); the config check's
 ``FP8AlignConfigError`` lives with its ``Violation`` (``nemo_fp8_align.config_check``). Run time:
-``StepMismatchError``, ``ScheduleRebindError``, ``TransposeVerifyError``, ``StaleFP8Error`` (the
-reference backend read stale bytes) and ``DemoRankError`` (demo ranks failed). All are importable
+``StepMismatchError``, ``ScheduleRebindError``, ``TransposeVerifyError``, ``CudaGraphCaptureError``,
+``StaleFP8Error`` (the reference backend read stale bytes) and ``DemoRankError`` (demo ranks
+failed). All are importable
 from ``nemo_fp8_align``.
 """
 
-from typing import Any, List
+from typing import Any, Dict, List
 
-__all__ = ["ConfigLoadError", "DemoRankError", "PlanInputError", "ScheduleError",
-           "ScheduleRebindError", "SharedEmbeddingBucketError", "StaleFP8Error",
+__all__ = ["ConfigLoadError", "CudaGraphCaptureError", "DemoRankError", "PlanInputError",
+           "ScheduleError", "ScheduleRebindError", "SharedEmbeddingBucketError", "StaleFP8Error",
            "StepMismatchError", "TelemetryError", "TransposeVerifyError"]
 
 
@@ -42,7 +43,12 @@ class TelemetryError(ValueError):
 
 
 class DemoRankError(RuntimeError):
-    """One or more demo ranks raised; the message holds each rank's own error, one per line."""
+    """One or more demo ranks failed; the message holds each failed rank's own error (its first
+    line), one per line; ``reports`` maps each failed rank to its whole text, ``times`` to when
+    it raised (``time.time()``)."""
+
+    reports: Dict[int, str] = {}
+    times: Dict[int, float] = {}
 
 
 class StepMismatchError(RuntimeError):
@@ -53,6 +59,10 @@ class TransposeVerifyError(RuntimeError):
     """Verify mode found a cached transpose that does not match its weight's bytes."""
 
 
+class CudaGraphCaptureError(RuntimeError):
+    """Aligned transposes fell due inside a CUDA-graph capture (they would replay on old bytes)."""
+
+
 class ScheduleRebindError(RuntimeError):
     """The config functions the aligner wrapped were replaced after it attached."""
 
@@ -61,25 +71,36 @@ def _shape(s: Any) -> str:
     return f"PP={s.pp}, VP={s.vp}, M={s.microbatches}, N={s.n}"
 
 
-def step_mismatch(step: int, pp_rank: int, s: Any, what: str) -> StepMismatchError:
+def _why(s: Any, ran: int) -> str:
+    """The likely cause of a step of ``ran`` forwards where the schedule has ``s.total``."""
+    if ran % s.vp == 0:
+        return (f"as many as M={ran // s.vp} microbatches would run: num_microbatches changed "
+                "without the aligner being told (pass num_microbatches as a function, e.g. "
+                "megatron-core's get_num_microbatches, to align_fp8_transposes, or keep M fixed)")
+    return (f"not a whole number of microbatches (VP={s.vp} forwards each): a model chunk ran a "
+            "forward with gradients outside the schedule (e.g. an extra call of a chunk inside "
+            "forward_step_func), or one of the schedule's forwards did not reach the chunk")
+
+
+def step_mismatch(step: int, pp_rank: int, s: Any, ran: int, what: str) -> StepMismatchError:
+    """``what`` says what differed (e.g. "ran 9 forwards"); ``ran``: forwards counted."""
     return StepMismatchError(
         f"nemo_fp8_align: training step {step} on pipeline rank {pp_rank} {what}, but its "
-        f"schedule ({_shape(s)}) has {s.total} forwards per rank. num_microbatches changed "
-        "without the aligner being told: pass num_microbatches as a function (e.g. "
-        "megatron-core's get_num_microbatches) to align_fp8_transposes, or keep M fixed.")
+        f"schedule ({_shape(s)}) has {s.total} forwards per rank: {_why(s, ran)}.")
 
 
 def wrong_chunk(step: int, pp_rank: int, s: Any, vmid: int, chunk: int) -> StepMismatchError:
     return StepMismatchError(
         f"nemo_fp8_align: forward {vmid} of step {step} on pipeline rank {pp_rank} ran model "
         f"chunk {chunk}, but the interleaved schedule ({_shape(s)}) runs chunk "
-        f"{s.chunk_of(vmid)} there. The aligner's schedule does not match the one running: "
-        "check num_microbatches and microbatch_group_size_per_vp_stage.")
+        f"{s.chunk_of(vmid)} there: either an extra (or a missing) chunk forward earlier in "
+        "this step on this rank (a chunk called outside the schedule), or a schedule other than "
+        "the aligner's (check num_microbatches and microbatch_group_size_per_vp_stage).")
 
 
-def inside_capture(step: int, vmid: int, due: List[int]) -> RuntimeError:
+def inside_capture(step: int, vmid: int, due: List[int]) -> CudaGraphCaptureError:
     where = "the start" if vmid < 0 else f"forward {vmid}"
-    return RuntimeError(
+    return CudaGraphCaptureError(
         f"nemo_fp8_align: the aligned transposes of model chunks {due} are due at {where} of "
         f"step {step}, which runs inside a CUDA-graph capture. Capture graphs of layers outside "
         "training steps (not whole steps: megatron-core's cuda_graph_scope=full_iteration), or "

@@ -35,6 +35,12 @@ def add_demo_parser(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--policy", choices=[x.value for x in Policy], default=Policy.ALIGNED.value)
     p.add_argument("--telemetry", metavar="PATH", default=None,
                    help="write one JSON line per (step, pp_rank, dp_rank, chunk) here")
+    p.add_argument("--fault", metavar="NAME", default=None,
+                   help="inject a named fault in every rank (nemo_fp8_align/demo/faults.py), "
+                   "e.g. mismatch_on_one_rank: the last rank runs an extra chunk forward in step "
+                   "1; the demo then exits 1 with every rank's message")
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="process-group timeout (default: torch's 30 minutes)")
     p.set_defaults(func=run_demo_command)
 
 
@@ -68,7 +74,19 @@ def demo_input_problem(args: argparse.Namespace) -> Optional[str]:
         return (f"--microbatches {m}: {m} mod N = {m % group} (N = "
                 f"{'--group-size' if n is not None else '--pp'} = {group}) is between 0 and "
                 f"--pp = {pp}, which megatron-core rejects; pass --microbatches {fixed}")
+    if getattr(args, "fault", None) is not None and args.fault not in _fault_names():
+        return (f"--fault {args.fault}: not a known fault; pass one of "
+                + ", ".join(_fault_names()))
+    timeout = getattr(args, "timeout", None)
+    if timeout is not None and not timeout > 0:
+        return f"--timeout {timeout}: must be a number of seconds > 0; pass e.g. --timeout 60"
     return telemetry_path_problem(args.telemetry)
+
+
+def _fault_names() -> list:
+    from nemo_fp8_align.demo.faults import FAULTS, HARMLESS, RANK_ERRORS  # torch only
+
+    return sorted({**FAULTS, **HARMLESS, **RANK_ERRORS})
 
 
 def telemetry_path_problem(path: Optional[str]) -> Optional[str]:
@@ -97,10 +115,17 @@ def run_demo_command(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     from nemo_fp8_align.demo.launch import alignment_problems, format_report, run_demo
     from nemo_fp8_align.demo.train import DemoOptions
+    from nemo_fp8_align.errors import DemoRankError
 
     opts = DemoOptions(pp=args.pp, vp=args.vp, dp=args.dp, microbatches=args.microbatches,
-                       group_size=args.group_size, steps=args.steps, policy=Policy(args.policy))
-    result = run_demo(opts, args.telemetry)
+                       group_size=args.group_size, steps=args.steps, policy=Policy(args.policy),
+                       fault=args.fault, pg_timeout_s=args.timeout)
+    try:
+        result = run_demo(opts, args.telemetry)
+    except DemoRankError as err:
+        for text in err.reports.values():
+            print(f"FAILED: {text}", file=sys.stderr)
+        return 1
     print(format_report(result))
     problems = alignment_problems(result)
     for problem in problems:

@@ -12,9 +12,10 @@ trigger finishes c's all-gather and builds its transposes:
   ranks r > 0 falls inside chunk c-1's forwards.
 
 A step ends at megatron-core's ``finalize_model_grads_func`` (wrapped when the model config is
-given) or at the next step's start; a step that ran more or fewer forwards than its schedule is an
-error raised at the same point on every rank. ``num_microbatches`` may be a function, asked at
-each step's start, so a step of another size is re-planned instead of misaligned.
+given; NeMo calls :meth:`TransposeAligner.on_step_end`). An error found inside a step is kept,
+the rest of the step runs without the plugin, and every rank raises at the step end
+(:mod:`nemo_fp8_align.core.step_end`). ``num_microbatches`` may be a function, asked at each
+step's start, so a step of another size is re-planned instead of misaligned.
 
 Policy ``lazy`` only observes where transposes get built (first use), for A/B runs. Hooks are
 handles; attach/detach are idempotent. Inside a CUDA-graph capture no transpose is ever built.
@@ -37,6 +38,7 @@ from nemo_fp8_align import errors
 from nemo_fp8_align.core.config_wrap import ConfigWrap
 from nemo_fp8_align.errors import StepMismatchError, TransposeVerifyError
 from nemo_fp8_align.core.schedule import AT_START, InterleavedSchedule
+from nemo_fp8_align.core.step_end import agree
 from nemo_fp8_align.core.telemetry import TelemetryWriter, TransposeRecord
 from nemo_fp8_align.backends.protocol import FP8TransposeBackend
 
@@ -44,9 +46,8 @@ __all__ = ["ChunkParamSync", "StepMismatchError", "TransposeAligner", "Transpose
 
 logger = logging.getLogger(__name__)
 
-#: Records kept in memory per aligner (``TransposeAligner.records`` holds between this many and
-#: twice as many, the newest; the telemetry file has them all): a few MiB, where a 75k-step run
-#: kept ~100 MiB per rank without a bound.
+#: Records kept in memory per aligner (``records`` holds this many to twice as many, the newest;
+#: the telemetry file has all): a few MiB, where a 75k-step run kept ~100 MiB per rank unbounded.
 RECORDS_KEPT = 4096
 
 
@@ -87,6 +88,8 @@ class TransposeAligner:
         num_microbatches: optional function returning the coming step's M (e.g. megatron-core's
             ``get_num_microbatches``); asked at every step's start, the schedule is re-planned
             when it changed.
+        error_group: the process group whose ranks stop together on an error found inside a
+            step (None: the default group, every rank of the job).
     """
 
     def __init__(self, model_chunks: Sequence[torch.nn.Module], *, schedule: InterleavedSchedule,
@@ -94,7 +97,8 @@ class TransposeAligner:
                  weights: Sequence[Sequence[Any]], backend: FP8TransposeBackend,
                  config: AlignConfig, telemetry: Optional[TelemetryWriter] = None,
                  clock: Callable[[], float] = time.monotonic,
-                 num_microbatches: Optional[Callable[[], int]] = None) -> None:
+                 num_microbatches: Optional[Callable[[], int]] = None,
+                 error_group: Any = None) -> None:
         if len(model_chunks) != schedule.vp or len(weights) != schedule.vp:
             raise ValueError(
                 f"virtual_pipeline_model_parallel_size={schedule.vp} but got "
@@ -116,6 +120,8 @@ class TransposeAligner:
         self.run_id = uuid.uuid4().hex[:12]  # tells a resumed job's records from the first try's
         self._clock = clock
         self._num_microbatches = num_microbatches
+        self._error_group = error_group
+        self._failure: Optional[Exception] = None  # this rank's first error of the open step
         self._plan(schedule)
         self._handles: List[Any] = []
         self._wrap: Optional[ConfigWrap] = None  # set by attach(model_config)
@@ -180,7 +186,7 @@ class TransposeAligner:
         if self._wrap is not None:
             self._wrap.restore()
             self._wrap = None
-        self._vmid = None
+        self._vmid, self._failure = None, None
         if self.telemetry is not None:
             self.telemetry.close()
 
@@ -192,6 +198,9 @@ class TransposeAligner:
         happened yet: the slot-0 chunks (chunk 0) are handled here on every rank.
         """
         if self.attached:
+            if chunk == 0 and self._failure is not None:  # its step ended unseen: raise now
+                failure, self._failure = self._failure, None
+                raise failure
             self._aborting_on_error(self._on_launch, chunk)
 
     def _on_launch(self, chunk: int) -> None:
@@ -206,13 +215,20 @@ class TransposeAligner:
                 self._handle(c, AT_START)
 
     def _aborting_on_error(self, fn: Callable[..., None], *args: Any) -> None:
+        if self._failure is not None:  # this step failed here: the plugin sits the rest out
+            return
         try:
             fn(*args)
-        except BaseException:
-            # The step is over for this rank: the next one starts clean instead of being
-            # blamed for this one's unfinished forwards.
+        except Exception as err:
+            # The step is over for the aligner (the next one starts clean). Raised here, inside
+            # the schedule, it would leave the other ranks blocked in p2p: kept for the step end
+            # every rank reaches (the wrapped finalize, or a caller's on_step_end) if there is one.
             self._vmid, self._pending = None, {}
-            raise
+            if self._wrap is not None and not self._wrap.ends_steps():
+                raise
+            self._failure = err
+            logger.error("%s -- the rest of the step runs without nemo_fp8_align (transposes "
+                         "built at first use); every rank stops at its end", err)
 
     def set_next_step(self, step: int) -> None:
         """Number the next training step ``step`` in the records (e.g. the trainer's
@@ -223,17 +239,22 @@ class TransposeAligner:
         self._step = step - 1
 
     def on_step_end(self) -> None:
-        """The training step's forwards and backwards are over (megatron-core calls
-        ``finalize_model_grads_func`` here). Raises :class:`StepMismatchError` if the step
-        ran another number of forwards than planned, or a chunk never ran."""
-        if self._vmid is None:
+        """The step's forwards and backwards are over (megatron-core's finalize_model_grads_func;
+        every rank calls it once per training step). Raises on every rank if any rank found an
+        error in the step (e.g. :class:`StepMismatchError`: another number of forwards ran)."""
+        if not self.attached:
             return
-        ran, self._vmid = self._vmid, None
-        if self.telemetry is not None:
-            self.telemetry.flush()
-        if ran != self.schedule.total or self._pending:
-            self._mismatch(f"ran {ran} forwards" + (
-                f", chunks {sorted(self._pending)} never ran" if self._pending else ""))
+        failure, self._failure = self._failure, None
+        if self._vmid is not None:
+            ran, self._vmid = self._vmid, None
+            if self.telemetry is not None:
+                self.telemetry.flush()
+            if failure is None and (ran != self.schedule.total or self._pending):
+                failure = errors.step_mismatch(self._step, self.pp_rank, self.schedule, ran, (
+                    f"ran {ran} forwards" + (f", chunks {sorted(self._pending)} never ran"
+                                             if self._pending else "")))
+        agree(failure, group=self._error_group, label=f"rank {self.rank} (pipeline rank "
+              f"{self.pp_rank}, data-parallel rank {self.dp_rank}, step {self._step})")
 
     def _open_step(self) -> None:
         if self.telemetry is not None:  # the last step's records, if nothing ended it
@@ -242,7 +263,7 @@ class TransposeAligner:
             self._wrap.check()
         if self._vmid is not None and self._vmid != self.schedule.total:
             ran, self._vmid = self._vmid, None
-            self._mismatch(f"ended after {ran} forwards")
+            self._mismatch(ran, f"ended after {ran} forwards")
         if self._num_microbatches is not None:
             m = int(self._num_microbatches())
             if m != self.schedule.microbatches:  # raises ScheduleError for a shape mcore rejects
@@ -251,8 +272,8 @@ class TransposeAligner:
         self._vmid = 0
         self._done, self._pending, self._observing, self._launched = set(), {}, {}, {}
 
-    def _mismatch(self, what: str) -> None:
-        raise errors.step_mismatch(self._step, self.pp_rank, self.schedule, what)
+    def _mismatch(self, ran: int, what: str) -> None:
+        raise errors.step_mismatch(self._step, self.pp_rank, self.schedule, ran, what)
 
     def _training_forward(self) -> bool:
         if self._vmid is None or not torch.is_grad_enabled():
@@ -261,15 +282,13 @@ class TransposeAligner:
         return self._wrap is None or self._wrap.config.param_sync_func is not None
 
     def _pre_forward(self, chunk: int, module: torch.nn.Module, args: Any) -> None:
-        if not self._training_forward():
-            self._note_unlaunched(chunk)
-        else:
-            self._aborting_on_error(self._on_forward, chunk)
+        self._aborting_on_error(
+            self._on_forward if self._training_forward() else self._note_unlaunched, chunk)
 
     def _on_forward(self, chunk: int) -> None:
         vmid = self._vmid
         if vmid >= self.schedule.total:
-            self._mismatch(f"ran a forward beyond its {vmid}th (model chunk {chunk})")
+            self._mismatch(vmid + 1, f"ran a forward beyond its {vmid}th (model chunk {chunk})")
         if chunk != self.schedule.chunk_of(vmid):
             raise errors.wrong_chunk(self._step, self.pp_rank, self.schedule, vmid, chunk)
         self._vmid = vmid + 1
@@ -316,6 +335,9 @@ class TransposeAligner:
             raise errors.inside_capture(self._step, vmid, due)
 
     def _post_forward(self, chunk: int, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self._aborting_on_error(self._after_forward, chunk)
+
+    def _after_forward(self, chunk: int) -> None:
         if chunk in self._unlaunched:  # no launch, no slot: verified at every such forward
             self._unlaunched.discard(chunk)
             self._verify(chunk, always=True)

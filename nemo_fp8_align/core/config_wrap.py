@@ -47,6 +47,13 @@ class ConfigWrap:
             if now is not ours and not (name == "param_sync_func" and now is None):
                 raise errors.rebound(name)
 
+    def ends_steps(self) -> bool:
+        """Whether megatron-core's ``finalize_model_grads_func`` is ours: every rank then reaches
+        the aligner's step end, where an error found inside the step can stop all of them."""
+        name = "finalize_model_grads_func"
+        ours = self.wrapped[name]
+        return ours is not None and getattr(self.config, name, None) is ours
+
     def restore(self) -> None:
         """Put the original functions back where ours still are (one replaced since stays)."""
         for name, value in self.originals.items():

@@ -5,18 +5,26 @@ Each fault patches one thing the alignment claims rest on, in the process that c
 undo. ``tests/test_faults.py`` runs the demo under each fault and requires the demo's verdict
 (telemetry judge, independent build evidence, exactly-once counts, bit-identity with the plugin
 off, the GEMMs' stale-byte checks) to fail. A fault nothing catches is a missing test.
+
+:data:`RANK_ERRORS` are not engine faults: each makes the plugin find an error on one rank only
+(the job's last rank, in step 1), the way a real job meets it, so that ``tests/test_no_hang.py``
+can show every rank stopping at that step's end with its own message instead of hanging.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Dict
+
+import torch
 
 from nemo_fp8_align.core.aligner import TransposeAligner
 from nemo_fp8_align.sync.mcore import McoreParamSync
 from nemo_fp8_align.core.schedule import AT_START, InterleavedSchedule
 from nemo_fp8_align.backends.reference import ReferenceBackend
+from nemo_fp8_align.demo import train
 
-__all__ = ["FAULTS", "HARMLESS", "inject"]
+__all__ = ["FAULTS", "HARMLESS", "RANK_ERRORS", "inject"]
 
 Undo = Callable[[], None]
 
@@ -103,16 +111,117 @@ def reversed_bucket_order() -> Undo:
     return _patch(McoreParamSync, "_bucket_groups", bucket_groups)
 
 
+FAULTY_STEP = 1  #: the step in which a RANK_ERRORS fault strikes
+
+
+def _the_faulty_rank() -> bool:
+    dist = torch.distributed
+    return dist.is_initialized() and dist.get_rank() == dist.get_world_size() - 1
+
+
+def _extra_forward(after: bool) -> Undo:
+    """On the faulty rank, in the faulty step, the schedule's first (``after``: last) forward
+    step also calls its model chunk once more, with gradients: an extra chunk forward."""
+    state: Dict[str, Any] = {"step": None}
+    run_step, forward_step = train.PipelineRun.forward_backward, train._forward_step
+
+    def forward_backward(self: Any, step: int) -> Any:
+        state.update(step=step, calls=0, opts=self.opts)
+        try:
+            return run_step(self, step)
+        finally:
+            state["step"] = None
+
+    def extra(model: torch.nn.Module) -> None:
+        opts = state["opts"]
+        tokens = torch.zeros(opts.micro_batch_size, opts.model.seq_length, dtype=torch.long,
+                             device=opts.device)
+        model(tokens, tokens)  # output dropped: the step's gradients are unchanged
+
+    def faulty_forward_step(data_iterator: Any, model: torch.nn.Module, probe: Any = None) -> Any:
+        if state["step"] != FAULTY_STEP or not _the_faulty_rank():
+            return forward_step(data_iterator, model, probe)
+        state["calls"] += 1
+        last = state["opts"].microbatches * state["opts"].vp
+        if state["calls"] == 1 and not after:
+            extra(model)
+        out = forward_step(data_iterator, model, probe)
+        if state["calls"] == last and after:
+            extra(model)
+        return out
+    undo_step = _patch(train.PipelineRun, "forward_backward", forward_backward)
+    undo_forward = _patch(train, "_forward_step", faulty_forward_step)
+    return lambda: (undo_forward(), undo_step())
+
+
+def mismatch_on_one_rank() -> Undo:
+    """One rank runs an extra chunk forward at the start of a step: its next forwards run
+    other chunks than its schedule says (StepMismatchError, wrong chunk)."""
+    return _extra_forward(after=False)
+
+
+def extra_forward_on_one_rank() -> Undo:
+    """One rank runs an extra chunk forward after the step's last one (StepMismatchError,
+    a forward beyond the schedule's)."""
+    return _extra_forward(after=True)
+
+
+def _in_faulty_step(method: str, action: Callable[[TransposeAligner, int], None],
+                    before: bool) -> Undo:
+    original = getattr(TransposeAligner, method)
+
+    def patched(self: TransposeAligner, chunk: int, *args: Any) -> None:
+        hit = _the_faulty_rank() and self._step == FAULTY_STEP and chunk == 1
+        if hit and before:
+            action(self, chunk)
+        original(self, chunk, *args)
+        if hit and not before:
+            action(self, chunk)
+    return _patch(TransposeAligner, method, patched)
+
+
+def capture_on_one_rank() -> Undo:
+    """One rank's forward at chunk 1's slot runs inside a CUDA-graph capture (as a per-layer
+    graph captured during training would): the capture refusal."""
+    import nemo_fp8_align.core.aligner as aligner_module
+
+    original_on_forward = TransposeAligner._on_forward
+
+    def on_forward(self: TransposeAligner, chunk: int) -> None:
+        capturing = _the_faulty_rank() and self._step == FAULTY_STEP
+        undo = _patch(aligner_module, "_capturing_cuda_graph", lambda: True) if capturing \
+            else (lambda: None)
+        try:
+            original_on_forward(self, chunk)
+        finally:
+            undo()
+    return _patch(TransposeAligner, "_on_forward", on_forward)
+
+
+def verify_fails_on_one_rank() -> Undo:
+    """Verify mode on; on one rank a byte of chunk 1's first transpose is flipped right after
+    the plugin built it: TransposeVerifyError at the chunk's first use."""
+    def corrupt(self: TransposeAligner, chunk: int) -> None:
+        self.config = dataclasses.replace(self.config, verify_every_n_steps=1)
+        weight = self.weights[chunk][0]
+        weight.transpose.view(torch.uint8)[0, 0] ^= 1
+    return _in_faulty_step("_handle", corrupt, before=False)
+
+
 FAULTS: Dict[str, Callable[[], Undo]] = {f.__name__: f for f in (
     no_wait, transpose_before_all_gather, slot_shift, skip_chunk, last_chunk_to_first_use,
     transpose_twice)}
 #: Variations that must change nothing the checks see.
 HARMLESS: Dict[str, Callable[[], Undo]] = {f.__name__: f for f in (reversed_bucket_order,)}
+#: Errors the plugin finds on one rank only: every rank must stop at the step's end.
+RANK_ERRORS: Dict[str, Callable[[], Undo]] = {f.__name__: f for f in (
+    mismatch_on_one_rank, extra_forward_on_one_rank, capture_on_one_rank,
+    verify_fails_on_one_rank)}
 
 
 def inject(name: str) -> Undo:
     """Apply the named fault (or harmless variation) in this process; returns its undo."""
-    known = {**FAULTS, **HARMLESS}
+    known = {**FAULTS, **HARMLESS, **RANK_ERRORS}
     if name not in known:
         raise ValueError(f"fault={name!r} is not a known fault; choose one of: "
                          + ", ".join(sorted(known)))

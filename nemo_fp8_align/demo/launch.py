@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
@@ -39,21 +41,74 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+#: Seconds the launcher waits for the ranks beyond their process groups' timeout.
+WAIT_BEYOND_TIMEOUT_S = 120.0
+
+
+def _rank_main(rank: int, world_size: int, port: int, opts: DemoOptions, out_dir: str) -> None:
+    if opts.fault is not None:
+        from nemo_fp8_align.demo.faults import inject
+
+        inject(opts.fault)  # this process only, for its whole life
+    try:
+        run_rank(rank, world_size, port, opts, out_dir, True)
+    except Exception:  # run_rank left its error in out_dir: exit 1 without a traceback
+        sys.exit(1)
+
+
+def _spawn_and_wait(opts: DemoOptions, out_dir: str) -> List[Optional[int]]:
+    """Start every rank and wait for all of them (not only the first to fail, as
+    ``torch.multiprocessing``'s join does: its peers' own errors would be lost); returns each
+    rank's exit code (None: still running at the deadline, then killed)."""
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(rank, opts.world_size, port, opts, out_dir))
+             for rank in range(opts.world_size)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + (opts.pg_timeout_s or 1800.0) + WAIT_BEYOND_TIMEOUT_S
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    codes = [p.exitcode for p in procs]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return codes
+
+
+def _rank_errors(out_dir: str, codes: List[Optional[int]]) -> DemoRankError:
+    """One line per rank that failed, its own error first; every rank's full text in
+    ``.reports`` and when it raised (``time.time()``) in ``.times``, keyed by rank."""
+    reports: Dict[int, str] = {}
+    times: Dict[int, float] = {}
+    for rank, code in enumerate(codes):
+        path = os.path.join(out_dir, f"rank{rank}.error")
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                e = json.load(f)
+            reports[rank] = f"rank {rank}: {e['type']}: {e['message']}"
+            times[rank] = e["time"]
+        elif code != 0:
+            reports[rank] = (f"rank {rank}: " + ("still running at the deadline, killed"
+                                                  if code is None else f"exited with code {code}"))
+    err = DemoRankError("\n".join(text.splitlines()[0] for text in reports.values()))
+    err.reports, err.times = reports, times
+    return err
+
+
 def run_demo(opts: DemoOptions, telemetry_path: Optional[str] = None) -> DemoResult:
-    """Run the demo in ``opts.world_size`` spawned processes; raises if any rank fails.
+    """Run the demo in ``opts.world_size`` spawned processes; raises :class:`DemoRankError`
+    (each failed rank's own error) if any rank fails.
 
     The schedule shape is validated first, so a bad shape fails here with the reason instead of
     inside every rank.
     """
     InterleavedSchedule(opts.pp, opts.vp, opts.microbatches, opts.group_size)
     with tempfile.TemporaryDirectory(prefix="nemo_fp8_align_demo_") as out_dir:
-        try:
-            mp.start_processes(run_rank, args=(opts.world_size, _free_port(), opts, out_dir, True),
-                               nprocs=opts.world_size, join=True, start_method="spawn")
-        except Exception as err:
-            errors = [open(os.path.join(out_dir, name), encoding="utf-8").read()
-                      for name in sorted(os.listdir(out_dir)) if name.endswith(".error")]
-            raise DemoRankError("\n".join(errors) or str(err)) from err
+        codes = _spawn_and_wait(opts, out_dir)
+        if any(code != 0 for code in codes):
+            raise _rank_errors(out_dir, codes)
         ranks = []
         for rank in range(opts.world_size):
             with open(os.path.join(out_dir, f"rank{rank}.json"), encoding="utf-8") as f:

@@ -10,8 +10,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 import warnings
 from contextlib import contextmanager, nullcontext
+from datetime import timedelta
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Any, Dict, Iterator, List, Optional
@@ -46,7 +48,8 @@ class DemoOptions:
     eval_forced_sync: bool = False
     device: str = "cpu"
     model: DemoModelConfig = field(default_factory=DemoModelConfig)
-    #: A named fault from :mod:`nemo_fp8_align.demo.faults` to inject in every rank (tests).
+    #: A named fault from :mod:`nemo_fp8_align.demo.faults` that the launcher injects in every
+    #: rank (tests, ``demo --fault``).
     fault: Optional[str] = None
     #: The GEMMs check that the FP8 copies they read match the parameter bytes (a digest per
     #: read; see ReferenceFP8Weight.check_provenance). Off for timing.
@@ -59,6 +62,9 @@ class DemoOptions:
     #: (between the schedule's launches and the first forward, and between one microbatch's
     #: backward and the next forward), and between steps. It must never count.
     foreign_forwards: bool = False
+    #: The process groups' timeout in seconds (None: torch's default, 30 minutes): a short one
+    #: turns a rank blocked in a collective or p2p receive into an error quickly (tests).
+    pg_timeout_s: Optional[float] = None
 
     @property
     def world_size(self) -> int:
@@ -288,21 +294,24 @@ def distributed(rank: int, world_size: int, opts: DemoOptions) -> Iterator[None]
     NCCL on GPU ``rank % device_count`` and no shim at all.
     """
     compat = None
+    timeout = {} if opts.pg_timeout_s is None else {"timeout": timedelta(seconds=opts.pg_timeout_s)}
     if opts.device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group("nccl", rank=rank, world_size=world_size)
+        dist.init_process_group("nccl", rank=rank, world_size=world_size, **timeout)
     else:
         torch.set_num_threads(1)
         _quiet_cpu_warnings()
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, **timeout)
         from nemo_fp8_align.demo.cpu_redirects import enable_cpu_compat
         compat = enable_cpu_compat()
     try:
         from megatron.core import parallel_state
 
+        minutes = {} if opts.pg_timeout_s is None else {
+            "distributed_timeout_minutes": opts.pg_timeout_s / 60}  # its groups' own timeout
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=1, pipeline_model_parallel_size=opts.pp,
-            virtual_pipeline_model_parallel_size=opts.vp)
+            virtual_pipeline_model_parallel_size=opts.vp, **minutes)
         yield
         dist.barrier()
         parallel_state.destroy_model_parallel()
@@ -316,10 +325,6 @@ def run_rank(rank: int, world_size: int, port: int, opts: DemoOptions, out_dir: 
              telemetry: bool) -> None:
     """Entry point of one spawned rank; writes ``rank{N}.json`` (and telemetry) to out_dir."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if opts.fault is not None:
-        from nemo_fp8_align.demo.faults import inject
-
-        inject(opts.fault)  # this process only, for its whole life
     try:
         with distributed(rank, world_size, opts):
             # {rank}: the engine puts in the global rank (this process's rank) and checks it
@@ -332,5 +337,6 @@ def run_rank(rank: int, world_size: int, port: int, opts: DemoOptions, out_dir: 
         # The launcher reports whichever rank it noticed first, often a peer that only lost
         # its connection: leave this rank's own error for run_demo to report with the others.
         with open(os.path.join(out_dir, f"rank{rank}.error"), "w", encoding="utf-8") as f:
-            f.write(f"rank {rank}: {type(err).__name__}: {err}")
+            json.dump({"rank": rank, "type": type(err).__name__, "message": str(err),
+                       "time": time.time()}, f)
         raise
