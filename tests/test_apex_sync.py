@@ -268,3 +268,39 @@ def test_with_the_real_te_backend_on_te_like_parameters(rank):
             assert torch.equal(raw(p, "_transpose"), values[id(p)].t())
     assert backend.transposes_built == 2 * vp * 2
     aligner.detach()
+
+
+def failing_copy(opt, copied_first):
+    """Apex's copy raising (a CUDA error, an OOM) after copying ``copied_first`` parameters."""
+    real = opt._param_copy
+
+    def copy(params):
+        params = list(params)
+        real(params[:copied_first])
+        opt._param_copy = real  # from now on Apex's hook copies as usual
+        raise RuntimeError("copy failed")
+    opt._param_copy = copy
+
+
+def test_a_copy_that_raises_leaves_no_parameter_disarmed_and_uncopied():
+    chunks, opt, values = shared_bucket_setup()
+    failing_copy(opt, copied_first=1)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        ApexParamSync(opt, chunks).finish(0)
+    assert all(raw(p, "_pre_forward_hook_is_enabled") for p in chunks[0])  # bucket still live
+    for p in chunks[0]:  # first use: Apex's own hook copies what the failed copy did not
+        assert torch.equal(p.data, values[id(p)])
+
+
+def test_after_a_failed_copy_a_copied_out_bucket_is_not_re_armed():
+    chunks = make_chunks(2)
+    opt = StandInDistributedFusedAdam(nemo_buckets(chunks))
+    values = new_values(chunks, 0)
+    opt.step(values, launch_first=False)
+    opt._try_start_bucket_param_sync(chunks[0])
+    opt._try_start_bucket_param_sync(chunks[1])
+    failing_copy(opt, copied_first=2)  # chunk 0's whole bucket copied, then the error
+    with pytest.raises(RuntimeError, match="copy failed"):
+        ApexParamSync(opt, chunks).finish(0)
+    assert not any(raw(p, "_pre_forward_hook_is_enabled") for p in chunks[0])
+    assert all(torch.equal(raw(p, "data"), values[id(p)]) for p in chunks[0])

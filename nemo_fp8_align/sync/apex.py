@@ -124,11 +124,24 @@ class ApexParamSync:
             # first use) would reset the transpose caches built right after this returns.
             for param in pending:
                 setattr(param, HOOK_FLAG, False)
-            self.optimizer._param_copy(pending)
+            try:
+                self.optimizer._param_copy(pending)
+            except BaseException:
+                self._rearm_uncopied(pending)
+                raise
             # What Apex's own hook does after a copy: keep the next bucket's all-gather going.
             if getattr(self.optimizer, "overlap_param_sync", False):
                 self.optimizer._try_start_bucket_param_sync()
         return self.finished(chunk)
+
+    def _rearm_uncopied(self, params: Sequence[Any]) -> None:
+        """After a failed copy: re-arm every parameter whose bucket is still live, so that
+        Apex's own hook copies it at first use (a parameter left disarmed and un-copied would
+        compute with last step's bytes). Copied-out buckets are freed, and Apex's copy skips
+        their parameters; a parameter copied from a live bucket is copied again: same bytes."""
+        for param in params:
+            if self._bucket_ids([param]):
+                setattr(param, HOOK_FLAG, True)
 
     def finished(self, chunk: int) -> bool:
         """Whether ``chunk``'s parameters hold this step's values (observes only)."""
