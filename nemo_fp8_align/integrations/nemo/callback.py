@@ -302,6 +302,11 @@ class FP8TransposeAlignment(Callback):
     # ------------------------------------------------------------------ checkpointing
     @override
     def state_dict(self) -> Dict[str, Any]:
+        # Lightning saves no key for an empty state: an inert callback (the entry point's, on
+        # every Trainer) then leaves checkpoints as without the plugin, which load anywhere
+        # without Lightning's missing-callback warning.
+        if not (self._active or self.steps or self.transposes):
+            return {}
         return {"steps": self.steps, "transposes": self.transposes}
 
     @override
