@@ -46,9 +46,7 @@ __all__ = ["ChunkParamSync", "StepMismatchError", "TransposeAligner", "Transpose
 
 logger = logging.getLogger(__name__)
 
-#: Records kept in memory per aligner (``records`` holds this many to twice as many, the newest;
-#: the telemetry file has all): a few MiB, where a 75k-step run kept ~100 MiB per rank unbounded.
-RECORDS_KEPT = 4096
+RECORDS_KEPT = 4096  #: records kept in memory (4096-8191, the newest; the file keeps all)
 
 
 class ChunkParamSync(Protocol):
@@ -368,8 +366,12 @@ class TransposeAligner:
             return
         self._done.add(chunk)
         t_slot = self._clock()
+        wait = getattr(self.param_sync, "wait", None)
+        if wait is not None:  # the all-gather alone: a build inside finish (megatron-core >= 0.16
+            wait(chunk)  # with TE >= 2.10 post-processes there) is then not timed as waiting
+        t_waited = self._clock()
         after_all_gather = self.param_sync.finish(chunk)
-        t_gathered = self._clock() if after_all_gather else None
+        t_gathered = (t_waited if wait else self._clock()) if after_all_gather else None
         built = 0
         if after_all_gather:
             built = self.backend.build_transposes(self.weights[chunk])

@@ -37,7 +37,9 @@ def _patch(owner: Any, name: str, value: Any) -> Undo:
 
 def no_wait() -> Undo:
     """Finishing a chunk's all-gather returns at once and claims it is complete."""
-    return _patch(McoreParamSync, "finish", lambda self, chunk: True)
+    undo_wait = _patch(McoreParamSync, "wait", lambda self, chunk: None)
+    undo_finish = _patch(McoreParamSync, "finish", lambda self, chunk: True)
+    return lambda: (undo_finish(), undo_wait())
 
 
 def transpose_before_all_gather() -> Undo:

@@ -31,21 +31,34 @@ class McoreParamSync:
         ddp = self._chunks[chunk]
         return list(ddp.bucket_groups) + list(getattr(ddp, "expert_parallel_bucket_groups", []))
 
+    def wait(self, chunk: int) -> None:
+        """Wait for ``chunk``'s in-flight all-gathers only, without megatron-core's FP8
+        post-processing (on >= 0.16 with TE >= 2.10 that is the transposes' build, run by
+        ``finish_param_sync``): the aligner times the wait apart from the build."""
+        for group in self._bucket_groups(chunk):
+            self._check_launched(group, chunk)
+            if group.param_gather_handle is not None:
+                group.param_gather_handle.wait()  # finish_param_sync's own wait then returns
+
     def finish(self, chunk: int) -> bool:
         for group in self._bucket_groups(chunk):
-            if not group.param_gather_dispatched:
-                # finish_param_sync would issue the all-gather itself and the schedule's later
-                # start_param_sync a duplicate one: a collective out of order on this rank.
-                raise RuntimeError(
-                    f"model chunk {chunk}: its parameter all-gather was not launched before its "
-                    "aligned slot. The schedule launches it through config.param_sync_func, which "
-                    "needs DistributedDataParallelConfig(overlap_param_gather=True, "
-                    "align_param_gather=True) and config.param_sync_func = "
-                    "[chunk.start_param_sync for chunk in model].")
+            self._check_launched(group, chunk)
             # skip_next_bucket_dispatch: with align_param_gather the schedule dispatches every
             # chunk's all-gather itself; dispatching the next bucket here would reorder them.
             group.finish_param_sync(skip_next_bucket_dispatch=True)
         return self.finished(chunk)
+
+    @staticmethod
+    def _check_launched(group: Any, chunk: int) -> None:
+        if not group.param_gather_dispatched:
+            # finish_param_sync would issue the all-gather itself and the schedule's later
+            # start_param_sync a duplicate one: a collective out of order on this rank.
+            raise RuntimeError(
+                f"model chunk {chunk}: its parameter all-gather was not launched before its "
+                "aligned slot. The schedule launches it through config.param_sync_func, which "
+                "needs DistributedDataParallelConfig(overlap_param_gather=True, "
+                "align_param_gather=True) and config.param_sync_func = "
+                "[chunk.start_param_sync for chunk in model].")
 
     def finished(self, chunk: int) -> bool:
         return all(g.param_gather_dispatched and g.param_gather_handle is None
