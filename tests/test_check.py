@@ -26,6 +26,7 @@ def seed_config(**model_overrides):
             "micro_batch_size": 1,
             "global_batch_size": 16,
             "megatron_amp_O2": True,
+            "mcore_gpt": True,
             "transformer_engine": True,
             "fp8": True,
             "fp8_hybrid": True,
@@ -43,6 +44,21 @@ def without(cfg, dotted):
     parent, _, leaf = ("model." + dotted).rpartition(".")
     node = OmegaConf.select(cfg, parent)
     del node[leaf]
+    return cfg
+
+
+def applied(cfg, fix):
+    """``cfg`` with the overrides of ``fix`` applied as Hydra would (a re-check's input)."""
+    import shlex
+
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg))
+    for token in shlex.split(fix):
+        if token.startswith("~"):
+            parent, _, leaf = token[1:].rpartition(".")
+            del (OmegaConf.select(cfg, parent) if parent else cfg)[leaf]
+            continue
+        key, _, value = token.lstrip("+").partition("=")
+        OmegaConf.update(cfg, key, OmegaConf.create(f"v: {value}").v, force_add=True)
     return cfg
 
 
@@ -98,9 +114,10 @@ SINGLE = [
     ({"mcore_customization_config.fp8_recipe": "mxfp8"},
      "model.mcore_customization_config.fp8_recipe", "'mxfp8' (a string)",
      "model.mcore_customization_config.fp8_recipe=delayed"),
-    # M = 12 / 2 = 6: 6 mod N=PP=4 = 2, in (0, PP): megatron-core raises RuntimeError.
-    ({"global_batch_size": 12}, "model.global_batch_size",
-     "12 (M = 12 / (1 * DP 2) = 6)", "model.global_batch_size=16"),
+    # M = 12 / 2 = 6: 6 mod N=PP=4 = 2, in (0, PP): megatron-core raises RuntimeError. The fix
+    # is the group size N = 6 (a layout change), not another global batch.
+    ({"global_batch_size": 12}, "model.microbatch_group_size_per_vp_stage", "<missing>",
+     "+model.microbatch_group_size_per_vp_stage=6"),
     # M = 6 / 2 = 3 < PP = 4.
     ({"global_batch_size": 6}, "model.global_batch_size", "6 (M = 6 / (1 * DP 2) = 3)",
      "model.global_batch_size=8"),
@@ -201,6 +218,7 @@ def test_all_violations_are_listed_at_once():
     keys = [v.key for v in info.value.violations]
     assert keys == [
         "model.fp8_transpose_align.polcy",
+        "model.mcore_gpt",
         "model.pipeline_model_parallel_size",
         "model.virtual_pipeline_model_parallel_size",
         "model.num_layers",
@@ -219,7 +237,7 @@ def test_all_violations_are_listed_at_once():
         "model.global_batch_size",
     ]
     message = str(info.value)
-    assert message.startswith("17 setting(s)")
+    assert message.startswith("18 setting(s)")
     for v in info.value.violations:
         assert f"  - {v.key}: found {v.found}; expected " in message
         assert f"| fix: {v.fix}" in message
@@ -228,10 +246,12 @@ def test_all_violations_are_listed_at_once():
 
 def test_trainer_world_size_not_divisible_by_model_parallel_size():
     cfg = seed_config()
-    cfg.trainer.devices = 6  # 6 GPUs per node, TP*PP = 4: the node count is what to change
+    cfg.trainer.devices = 6  # 6 GPUs per node, TP*PP = 4: a pipeline size that fits 6 GPUs
     v = only(find_violations(cfg))
-    assert (v.key, v.found, v.fix) == ("trainer.num_nodes", "1", "trainer.num_nodes=2")
-    assert "6 * 1 = 6 GPUs" in v.expected and "multiple of 2" in v.expected
+    assert (v.key, v.found) == ("model.pipeline_model_parallel_size", "4")
+    assert "6 * 1 = 6 GPUs" in v.expected and "context_parallel_size" in v.expected
+    assert "trainer.num_nodes" not in v.fix  # the cluster is the user's
+    assert find_violations(applied(cfg, v.fix)) == []  # the fix re-checked
 
 
 def test_data_parallel_size_of():
@@ -289,7 +309,8 @@ def test_typo_in_plugin_block_suggests_the_key():
     v = only(find_violations(seed_config(fp8_transpose_align={"polcy": "lazy"})))
     assert v.key == "model.fp8_transpose_align.polcy"
     assert "did you mean 'policy'?" in v.expected
-    assert v.fix == "~model.fp8_transpose_align.polcy model.fp8_transpose_align.policy=lazy"
+    # The block has no policy key: the rename appends it (a plain override would not compose).
+    assert v.fix == "~model.fp8_transpose_align.polcy +model.fp8_transpose_align.policy=lazy"
 
 
 def test_unknown_key_without_a_close_match_lists_the_keys():

@@ -31,7 +31,7 @@ def seed(**model: Any) -> Callable[[], Any]:
             "model": {
                 "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 4,
                 "virtual_pipeline_model_parallel_size": 2, "num_layers": 16,
-                "micro_batch_size": 1, "global_batch_size": 16, "megatron_amp_O2": True,
+                "micro_batch_size": 1, "global_batch_size": 16, "megatron_amp_O2": True, "mcore_gpt": True,
                 "transformer_engine": True, "fp8": True, "fp8_hybrid": True,
                 "fp8_params": True,
                 "optim": {"name": "distributed_fused_adam", "overlap_param_sync": True,
@@ -90,15 +90,15 @@ ROWS: List[Tuple[str, Callable[[], Any], Optional[Any], Expected]] = [
      []),
     ("devices-as-id-list", seed(trainer__devices=list(range(8))), None, []),
     # --- layer splits ------------------------------------------------------------------------
+    # A layout fix (an uneven first stage), never a model change (num_layers=24 before).
     ("layers-not-divisible-by-pp", seed(num_layers=18), None,
-     [("model.num_layers", "model.num_layers=24")]),
+     [("model.num_layers", "+model.num_layers_in_first_pipeline_stage=6")]),
     ("layers-per-rank-not-divisible-by-vp", seed(num_layers=12), None,
      [("model.virtual_pipeline_model_parallel_size",
        "model.virtual_pipeline_model_parallel_size=3")]),
     ("embedding-stage-nemo-chunk-assertion", seed(num_layers=15,
                                                   account_for_embedding_in_pipeline_split=True),
-     None, [("model.num_layers", "++model.account_for_loss_in_pipeline_split=True (then "
-             "num_layers + 2 a multiple of PP * VP), or "
+     None, [("model.account_for_embedding_in_pipeline_split",
              "model.account_for_embedding_in_pipeline_split=False")]),
     ("both-account-flags-not-divisible", seed(num_layers=15,
                                               account_for_embedding_in_pipeline_split=True,
@@ -106,12 +106,12 @@ ROWS: List[Tuple[str, Callable[[], Any], Optional[Any], Expected]] = [
      [("model.num_layers", "model.num_layers=22")]),
     ("uneven-first-not-multiple-of-vp", seed(num_layers_in_first_pipeline_stage=3), None,
      [("model.num_layers_in_first_pipeline_stage", "model.num_layers_in_first_pipeline_stage=4"),
-      ("model.num_layers", "model.num_layers=27")]),
+      ("model.num_layers", "model.num_layers_in_first_pipeline_stage=4")]),
     ("uneven-no-middle-stage-pp2", seed(pipeline_model_parallel_size=2, num_layers=4,
                                         num_layers_in_first_pipeline_stage=2,
                                         num_layers_in_last_pipeline_stage=2), None,
      [("model.num_layers_in_last_pipeline_stage",
-       "model.num_layers_in_last_pipeline_stage=null")]),
+       "model.num_layers_in_first_pipeline_stage=null")]),
     ("uneven-with-account-flag", seed(num_layers_in_first_pipeline_stage=4,
                                       account_for_loss_in_pipeline_split=True), None,
      [("model.num_layers_in_first_pipeline_stage",
@@ -137,7 +137,7 @@ ROWS: List[Tuple[str, Callable[[], Any], Optional[Any], Expected]] = [
     # --- expert parallelism -------------------------------------------------------------------
     ("experts-with-apex-optimizer", seed(expert_model_parallel_size=2), None,
      [("model.optim.name", "model.optim.name=mcore_distributed_optim"),
-      ("model.num_moe_experts", "+model.num_moe_experts=2")]),
+      ("model.expert_model_parallel_size", "model.expert_model_parallel_size=1")]),
     ("experts-tp-needs-sequence-parallel", seed(**MCORE, expert_model_parallel_size=2,
                                                 num_moe_experts=8, tensor_model_parallel_size=2,
                                                 trainer__devices=16), None,
@@ -157,7 +157,8 @@ ROWS: List[Tuple[str, Callable[[], Any], Optional[Any], Expected]] = [
     ("num-nodes-string", seed(trainer__num_nodes="two"), None,
      [("trainer.num_nodes", "trainer.num_nodes=1")]),
     ("node-count-not-a-multiple", seed(tensor_model_parallel_size=4, trainer__num_nodes=3), None,
-     [("trainer.num_nodes", "trainer.num_nodes=4")]),
+     [("model.pipeline_model_parallel_size", "+model.microbatch_group_size_per_vp_stage=8 "
+       "+model.num_layers_in_first_pipeline_stage=6 model.pipeline_model_parallel_size=6")]),
     ("dp-argument-zero", seed(), 0,
      [("data_parallel_size", "data_parallel_size 1, or leave it out to derive it from "
        "trainer.devices * trainer.num_nodes / (TP * PP * CP)")]),
@@ -176,17 +177,19 @@ ROWS: List[Tuple[str, Callable[[], Any], Optional[Any], Expected]] = [
     ("micro-batch-string", seed(micro_batch_size="1"), None,
      [("model.micro_batch_size", "model.micro_batch_size=1")]),
     ("microbatches-remainder-below-pp", seed(global_batch_size=12), None,
-     [("model.global_batch_size", "model.global_batch_size=16")]),
+     [("model.microbatch_group_size_per_vp_stage",
+       "+model.microbatch_group_size_per_vp_stage=6")]),
     ("group-size-below-pp", seed(microbatch_group_size_per_vp_stage=3), None,
      [("model.microbatch_group_size_per_vp_stage",
        "model.microbatch_group_size_per_vp_stage=null")]),
     # M = 1000 * N + 1: the remainder 1 is below PP; the next M that fits is M + 3.
     ("huge-batch-and-group-no-hang", seed(global_batch_size=2 * (1000 * HUGE_N + 1),
                                           microbatch_group_size_per_vp_stage=HUGE_N), None,
-     [("model.global_batch_size", f"model.global_batch_size={2 * (1000 * HUGE_N + 4)}")]),
+     [("model.microbatch_group_size_per_vp_stage",
+       "model.microbatch_group_size_per_vp_stage=256")]),
     ("telemetry-path-without-rank", seed(fp8_transpose_align={"telemetry_path": "/x/t.jsonl"}),
      None, [("model.fp8_transpose_align.telemetry_path",
-             "model.fp8_transpose_align.telemetry_path=/x/t.rank{rank}.jsonl")]),
+             """'model.fp8_transpose_align.telemetry_path="/x/t.rank{rank}.jsonl"'""")]),
     ("telemetry-path-with-rank", seed(fp8_transpose_align={"telemetry_path": "/x/t{rank}"}),
      None, []),
     # --- the plugin block: every AlignConfig field, wrong types and values AlignConfig rejects -
@@ -214,7 +217,7 @@ ROWS: List[Tuple[str, Callable[[], Any], Optional[Any], Expected]] = [
         "verify_every_n_steps": -1}), None,
      [("model.fp8_transpose_align.verify_every_n_steps",
        "model.fp8_transpose_align.verify_every_n_steps=0"),
-      ("model.num_layers", "model.num_layers=24")]),
+      ("model.num_layers", "+model.num_layers_in_first_pipeline_stage=6")]),
     ("block-verify-negative-plugin-off", seed(fp8=False, fp8_transpose_align={
         "enabled": False, "verify_every_n_steps": -3}), None,
      [("model.fp8_transpose_align.verify_every_n_steps",
@@ -245,7 +248,7 @@ ROWS: List[Tuple[str, Callable[[], Any], Optional[Any], Expected]] = [
     ("unresolvable-interpolation", seed(num_layers="${nowhere}"), None,
      [("model.num_layers", "model.num_layers=<a literal value>")]),
     ("typo-in-a-nemo-key", seed(fp8_params=DROP, fp8_parms=True), None,
-     [("model.fp8_params", "rename it: ~model.fp8_parms +model.fp8_params=True")]),
+     [("model.fp8_params", "~model.fp8_parms +model.fp8_params=True")]),
     # --- resolvers and interpolations as NeMo and the launcher write them ----------------------
     ("nemo-multiply-and-sum", seed(num_layers="${multiply:4, 4}",
                                    global_batch_size="${sum:${.num_layers}, 0}"), None, []),

@@ -30,6 +30,7 @@ model:
   micro_batch_size: 1
   global_batch_size: 16
   megatron_amp_O2: true
+  mcore_gpt: true
   transformer_engine: true
   fp8: true
   fp8_hybrid: true
@@ -38,6 +39,8 @@ model:
     name: distributed_fused_adam
     overlap_param_sync: true
     overlap_grad_sync: true
+  fp8_transpose_align:
+    policy: aligned
 """
 
 
@@ -73,8 +76,11 @@ def test_overrides_are_parsed_as_yaml_values(seed_yaml):
     assert "2 setting(s)" in err
     assert "model.fp8: found False; expected True" in err
     assert "| fix: model.fp8=True" in err
-    assert "model.global_batch_size: found 12 (M = 12 / (1 * DP 2) = 6)" in err
-    assert "| fix: model.global_batch_size=16" in err
+    # M = 12 / 2 = 6 does not fit N = PP = 4: the group size is what to change (a layout fix).
+    assert "global_batch_size = 12 (M = 12 / (1 * DP 2) = 6)" in err
+    assert "| fix: +model.microbatch_group_size_per_vp_stage=6" in err
+    assert "re-checked: the config passes with it):\n  model.fp8=True " \
+        "+model.microbatch_group_size_per_vp_stage=6\n" in err
 
 
 def test_override_can_fix_a_config(seed_yaml):
@@ -165,7 +171,7 @@ def test_misspelt_plugin_key_in_an_override_gets_a_suggestion():
 
 
 def test_misspelt_plugin_key_in_a_yaml_gets_a_suggestion(seed_yaml):
-    seed_yaml.write_text(SEED_YAML + "  fp8_transpose_align:\n    telemetry_pth: /tmp/t\n")
+    seed_yaml.write_text(SEED_YAML + "    telemetry_pth: /tmp/t\n")
     status, _, err = check(str(seed_yaml))
     assert status == EXIT_INVALID
     assert "model.fp8_transpose_align.telemetry_pth" in err
@@ -209,6 +215,7 @@ def test_subprocess_exit_codes(seed_yaml):
 
 
 def test_run_check_defaults_to_sys_streams(seed_yaml, capsys):
-    args = argparse.Namespace(config=str(seed_yaml), overrides=[], data_parallel_size=None)
+    args = argparse.Namespace(config=str(seed_yaml), overrides=[], data_parallel_size=None,
+                              format="text", mixin=False)
     assert run_check(args) == EXIT_OK
     assert "OK" in capsys.readouterr().out

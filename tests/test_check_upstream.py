@@ -60,7 +60,7 @@ def case_config(layers: int, pp: int, vp: Optional[int], first: Optional[int],
     model: Dict[str, Any] = {
         "pipeline_model_parallel_size": pp, "virtual_pipeline_model_parallel_size": vp,
         "num_layers": layers, "micro_batch_size": 1, "global_batch_size": 4 * pp,
-        "megatron_amp_O2": True, "transformer_engine": True, "fp8": True, "fp8_hybrid": True,
+        "megatron_amp_O2": True, "mcore_gpt": True, "transformer_engine": True, "fp8": True, "fp8_hybrid": True,
         "fp8_params": True, "optim": {"name": "distributed_fused_adam",
                                       "overlap_param_sync": True, "overlap_grad_sync": True}}
     for key, value in (("num_layers_in_first_pipeline_stage", first),

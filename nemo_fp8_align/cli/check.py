@@ -15,12 +15,13 @@ import difflib
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, List, Optional, Sequence, TextIO
+from typing import Any, List, Optional, Sequence, TextIO, Tuple
 
 from nemo_fp8_align.cli.deps import CHECK_NEEDS, missing_dependency
 from nemo_fp8_align.errors import ConfigLoadError
 
-__all__ = ["EXIT_OK", "EXIT_INVALID", "add_check_parser", "load_config", "run_check"]
+__all__ = ["EXIT_OK", "EXIT_INVALID", "add_check_parser", "file_problem", "load_config",
+           "load_source", "run_check"]
 
 EXIT_OK = 0
 EXIT_INVALID = 2
@@ -36,15 +37,25 @@ def add_check_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "check", help="check a NeMo GPT config for the aligned FP8-transpose plugin",
         description=("Report every setting of a NeMo training config that stops the aligned "
-                     "FP8-transpose plugin from working, each with the Hydra override that "
-                     "fixes it. Exit 0 when valid, 2 otherwise."))
+                     "FP8-transpose plugin from working, and one override line, re-checked "
+                     "before it is printed, that fixes them all. Exit 0 when valid, 2 "
+                     "otherwise."))
     parser.add_argument("config", metavar="CONFIG.yaml",
-                        help="NeMo training YAML (NeMo 1.x layout or NeMo-Framework-Launcher)")
+                        help="NeMo training YAML (NeMo 1.x layout), a NeMo-Framework-Launcher "
+                             "training YAML, or the launcher's conf/config.yaml (with "
+                             "training=<model>/<size>)")
     parser.add_argument("overrides", nargs="*", metavar="OVERRIDE",
                         help="Hydra overrides: a.b=c, +a.b=c, ++a.b=c, ~a.b")
     parser.add_argument(DP_FLAG, type=int, default=None, metavar="DP",
                         help="data-parallel size for the microbatch checks (default: from "
                              "trainer.devices * trainer.num_nodes / (TP * PP * CP))")
+    parser.add_argument("--format", choices=("text", "json"), default="text",
+                        help="json: one JSON object on stdout (ok, violations with key, found, "
+                             "expected and fix, fix_overrides), for job-submission scripts")
+    parser.add_argument("--mixin", action="store_true",
+                        help="the model class has FP8TransposeAlignMixin (the plugin runs without "
+                             "a model.fp8_transpose_align block); default: the entry-point "
+                             "callback, which stays inert without the block")
     parser.set_defaults(func=run_check)
     return parser
 
@@ -52,14 +63,47 @@ def add_check_parser(subparsers: Any) -> argparse.ArgumentParser:
 def load_config(path: Path, overrides: Sequence[str] = ()) -> Any:
     """Compose ``path`` with Hydra and apply ``overrides``; raises :class:`ConfigLoadError`.
 
-    An override of a key the YAML does not have gets "did you mean" (the nearest key under the
-    same parent) instead of Hydra's advice to append it with ``+``.
+    The launcher's ``conf/config.yaml`` gives ``{"training": <the composed training YAML>}``
+    (see :mod:`nemo_fp8_align.config_check.launcher`). An override of a key the YAML does not
+    have gets "did you mean" (the nearest key under the same parent) instead of Hydra's advice
+    to append it with ``+``.
     """
+    return load_source(path, overrides)[1]
+
+
+def load_source(path: Path, overrides: Sequence[str] = ()) -> Tuple[Any, Any]:
+    """(:class:`~nemo_fp8_align.config_check.launcher.Source`, composed config) of ``path``."""
+    from omegaconf import OmegaConf
+
+    from nemo_fp8_align.config_check.launcher import plan_source
+
+    problem = file_problem(path)
+    if problem is not None:
+        raise ConfigLoadError(f"{path}: {problem}")
+    source = plan_source(path, overrides)
+    cfg = _compose_reporting(source.path, source.overrides)
+    if source.kind == "launcher-main":
+        cfg = OmegaConf.create({"training": OmegaConf.to_container(cfg, resolve=False)})
+    return source, cfg
+
+
+def file_problem(path: Path) -> Optional[str]:
+    """Why ``path`` cannot be a config file (None: it can be read)."""
+    if path.is_dir():
+        return "is a directory, not a config file; pass the training YAML (e.g. " \
+               "conf/megatron_gpt_config.yaml, or the launcher's conf/config.yaml)"
+    if not path.exists():
+        return "no such file"
     if not path.is_file():
-        raise ConfigLoadError(f"{path}: no such file")
+        kind = "a character device" if path.is_char_device() else "not a regular file"
+        return f"is {kind}, not a config file; pass a training YAML"
     if path.suffix != ".yaml":
-        raise ConfigLoadError(f"{path}: Hydra reads only .yaml files; rename it to "
-                              f"{path.with_suffix('.yaml').name}")
+        return (f"Hydra reads only .yaml files; rename it to "
+                f"{path.with_suffix('.yaml').name}")
+    return None
+
+
+def _compose_reporting(path: Path, overrides: Sequence[str]) -> Any:
     try:
         return _compose(path, overrides)
     except Exception as err:  # noqa: BLE001 - Hydra, OmegaConf and YAML errors: report them all
@@ -126,41 +170,20 @@ def _override_key_hints(path: Path, overrides: Sequence[str]) -> List[str]:
 def run_check(args: argparse.Namespace, *, out: Optional[TextIO] = None,
               err: Optional[TextIO] = None) -> int:
     """Run the check for parsed ``args``; returns the exit status (0 valid, 2 otherwise)."""
-    out = sys.stdout if out is None else out
-    err = sys.stderr if err is None else err
-    path = Path(args.config)
+    from nemo_fp8_align.cli.check_output import Report
+
+    report = Report(args, sys.stdout if out is None else out, sys.stderr if err is None else err)
     problem = _argument_problem(args) or missing_dependency("check", CHECK_NEEDS)
     if problem is not None:
-        print(f"error: {problem}", file=err)
-        return EXIT_INVALID
+        return report.error(problem)
     try:
-        cfg = load_config(path, args.overrides)
+        source, cfg = load_source(Path(args.config), args.overrides)
     except ConfigLoadError as error:
-        print(f"error: {error}", file=err)
-        return EXIT_INVALID
+        return report.error(str(error))
     if len(cfg) == 0:
-        print(f"error: {path}: the file holds no settings; expected a NeMo training config "
-              "with trainer: and model:", file=err)
-        return EXIT_INVALID
-
-    from nemo_fp8_align.config_check.check import (FP8AlignConfigError, align_config_from,
-                                           data_parallel_size_of, find_violations)
-
-    violations = find_violations(cfg, data_parallel_size=args.data_parallel_size,
-                                 data_parallel_name=DP_FLAG)
-    if violations:
-        print(f"{path}: {FP8AlignConfigError(violations)}", file=err)
-        return EXIT_INVALID
-    align = align_config_from(cfg)
-    if not align.active:
-        state = "plugin inactive, nothing to check"
-    elif args.data_parallel_size is None and data_parallel_size_of(cfg) is None:
-        state = (f"policy={align.policy.value}; microbatch checks skipped: data-parallel size "
-                 "unknown, pass --data-parallel-size")
-    else:
-        state = f"policy={align.policy.value}"
-    print(f"{path}: OK ({state})", file=out)
-    return EXIT_OK
+        return report.error(f"{args.config}: the file holds no settings; expected a NeMo "
+                            "training config with trainer: and model:")
+    return report.run(source, cfg)
 
 
 def _argument_problem(args: argparse.Namespace) -> Optional[str]:

@@ -47,52 +47,30 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from nemo_fp8_align.config import AlignConfig, Policy
-from nemo_fp8_align.config_check.rules import batch
-from nemo_fp8_align.config_check.rules import fp8
-from nemo_fp8_align.config_check.rules import parallel
 from nemo_fp8_align.config_check.context import CheckContext
 from nemo_fp8_align.config_check.reader import (ABSENT, UNRESOLVED, Reader, Violation, hydra_value,
                                                show_value, with_typo_hints)
 from nemo_fp8_align.config_check.resolvers import upstream_resolvers
+from nemo_fp8_align.config_check.rules import RULES, Rule
 from nemo_fp8_align.config_check.rules.fp8 import PER_TENSOR_RECIPES, SUPPORTED_OPTIMIZERS
 from nemo_fp8_align.config_check.structured import BLOCK_KEY, block_fields, block_schema
 
 __all__ = ["FP8AlignConfigError", "RULES", "Violation", "align_config_from", "check_config",
-           "data_parallel_size_of", "find_violations", "PER_TENSOR_RECIPES",
+           "data_parallel_size_of", "find_violations", "plugin_off_override", "PER_TENSOR_RECIPES",
            "SUPPORTED_OPTIMIZERS"]
-
-Rule = Callable[[CheckContext], None]
-
-#: Every rule, in report order. Each runs whatever the others found.
-RULES: Tuple[Rule, ...] = (
-    parallel.rule_pipeline_size, parallel.rule_virtual_pipeline_size,
-    parallel.rule_other_parallel_sizes, parallel.rule_num_layers,
-    parallel.rule_split_option_values, parallel.rule_split_options_exclusive,
-    parallel.rule_layer_split,
-    fp8.rule_transformer_engine, fp8.rule_fp8_enabled, fp8.rule_fp8_params,
-    parallel.rule_megatron_amp_o2, fp8.rule_fp8_format, fp8.rule_fp8_recipe,
-    fp8.rule_transpose_cache, fp8.rule_bf16_edge_layers, fp8.rule_apex_current_scaling,
-    fp8.rule_gather_with_optimizer,
-    fp8.rule_optimizer_name, fp8.rule_overlap_param_sync, fp8.rule_overlap_grad_sync,
-    fp8.rule_align_param_gather, parallel.rule_expert_parallel, parallel.rule_precision,
-    batch.rule_telemetry_path, batch.rule_fixed_microbatches,
-    batch.rule_trainer_devices, batch.rule_world_size, batch.rule_expert_world_size,
-    batch.rule_data_parallel_value, batch.rule_data_parallel_agrees,
-    batch.rule_batch_sizes, batch.rule_group_size, batch.rule_microbatches,
-)
 
 
 class FP8AlignConfigError(ValueError):
     """The config has settings that stop the aligned FP8-transpose plugin from working."""
 
-    def __init__(self, violations: Iterable[Violation]) -> None:
+    def __init__(self, violations: Iterable[Violation], off: Optional[str] = None) -> None:
         self.violations: List[Violation] = list(violations)
         lines = "\n".join(f"  - {v}" for v in self.violations)
         super().__init__(
             f"{len(self.violations)} setting(s) stop the aligned FP8-transpose plugin "
             f"(model.{BLOCK_KEY}) from working:\n{lines}\n"
             f"Apply the fixes above, or turn the plugin off with "
-            f"model.{BLOCK_KEY}.enabled=False.")
+            f"{off or f'+model.{BLOCK_KEY}.enabled=False'}.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,16 +88,33 @@ def check_config(cfg: Any, *, data_parallel_size: Optional[int] = None) -> None:
     """
     violations = find_violations(cfg, data_parallel_size=data_parallel_size)
     if violations:
-        raise FP8AlignConfigError(violations)
+        raise FP8AlignConfigError(violations, off=plugin_off_override(cfg))
+
+
+def plugin_off_override(cfg: Any) -> str:
+    """The override that turns the plugin off, in the form ``cfg`` needs: plain where the block
+    has an ``enabled`` key, ``+`` where it has not (a block without it, or no block)."""
+    with upstream_resolvers():
+        model, _, _ = config_nodes(cfg)
+    key = f"model.{BLOCK_KEY}.enabled"
+    block = model._get_node(BLOCK_KEY) if isinstance(model, DictConfig) and BLOCK_KEY in \
+        map(str, model.keys()) else None
+    if isinstance(block, DictConfig) and "enabled" in map(str, block.keys()):
+        return f"{key}=False"
+    if block is not None and not isinstance(block, DictConfig):
+        return f"~model.{BLOCK_KEY} +{key}=False"
+    return f"+{key}=False"
 
 
 def find_violations(cfg: Any, *, data_parallel_size: Any = None,
-                    data_parallel_name: str = "data_parallel_size") -> List[Violation]:
+                    data_parallel_name: str = "data_parallel_size",
+                    require_block: bool = False) -> List[Violation]:
     """Every violation in ``cfg``, in :data:`RULES` order; empty when valid, and when the plugin
     block turns the plugin off (errors inside the block itself are still listed).
 
     ``data_parallel_name`` is how messages name the data-parallel size the caller passed
-    (the CLI passes ``--data-parallel-size``).
+    (the CLI passes ``--data-parallel-size``). ``require_block``: an absent plugin block is a
+    violation (the entry-point callback, unlike the mixin, does nothing without it).
     """
     with upstream_resolvers():
         model, trainer, problems = config_nodes(cfg)
@@ -128,7 +123,8 @@ def find_violations(cfg: Any, *, data_parallel_size: Any = None,
         found: List[Violation] = list(problems)
         ctx = CheckContext(Reader(model, "model.", found),
                            None if trainer is None else Reader(trainer, "trainer.", found),
-                           data_parallel_size, data_parallel_name, found)
+                           data_parallel_size, data_parallel_name, found,
+                           require_block=require_block)
         align = _read_block(ctx.model)
         if align.active:
             for rule in RULES:
@@ -207,6 +203,8 @@ def config_nodes(cfg: Any) -> Tuple[Optional[DictConfig], Optional[DictConfig], 
     elif "model" in cfg and "training" not in cfg:
         cfg = _with_training_alias(cfg)
     if "model" not in cfg:
+        if not any(key in cfg for key in MODEL_NODE_KEYS):
+            return None, None, [_not_a_training_config(cfg)]
         return cfg, None, []  # a model node alone
     model, trainer = _peek(cfg, "model"), _peek(cfg, "trainer")
     problems = []
@@ -217,6 +215,23 @@ def config_nodes(cfg: Any) -> Tuple[Optional[DictConfig], Optional[DictConfig], 
         problems.append(_config_problem("trainer", trainer, "a mapping of the Lightning "
                                         "Trainer's settings (devices, num_nodes, precision)"))
     return model, trainer if isinstance(trainer, DictConfig) else None, problems
+
+
+#: Keys every NeMo GPT model node has (a config without ``model:`` and without any of these
+#: is some other config: a cluster, a data-preparation stage, ...).
+MODEL_NODE_KEYS = ("num_layers", "hidden_size", "tensor_model_parallel_size",
+                   "pipeline_model_parallel_size", "micro_batch_size", "global_batch_size",
+                   "encoder_seq_length", "optim", "fp8")
+
+
+def _not_a_training_config(cfg: DictConfig) -> Violation:
+    keys = [str(k) for k in cfg.keys()]
+    shown = ", ".join(keys[:6]) + (", ..." if len(keys) > 6 else "")
+    return Violation("config", f"no model: block (top-level keys: {shown})",
+                     "a NeMo training config (trainer:, model:), a launcher training YAML or "
+                     "the launcher's conf/config.yaml; this is not a NeMo training config",
+                     "check the training YAML (e.g. the launcher's conf/training/<model>/"
+                     "<size>.yaml), not this file")
 
 
 def _peek(cfg: DictConfig, key: str) -> Any:
@@ -295,8 +310,9 @@ def _align_config_accepts(sub: Reader, key: str, value: Any, default: Any) -> bo
 def _unknown_block_key(sub: Reader, key: str, value: Any, fields: Mapping[str, Any]) -> None:
     close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.6)
     hint = f"did you mean '{close[0]}'?" if close else "known keys: " + ", ".join(fields)
-    fix = (f"~{sub.prefix}{key} {sub.prefix}{close[0]}={hydra_value(value)}" if close
-           else f"~{sub.prefix}{key}")
+    fix = (f"~{sub.prefix}{key} "
+           + sub.override(close[0], value, present=close[0] in map(str, sub.node.keys()))
+           if close else f"~{sub.prefix}{key}")
     sub.add(key, value, f"no such key in the plugin block; {hint}", fix=fix)
 
 

@@ -9,7 +9,7 @@ consequence of a value that is already reported as wrong).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from omegaconf import ListConfig
 
@@ -35,6 +35,10 @@ class CheckContext:
     data_parallel_size: Any = None
     data_parallel_name: str = "data_parallel_size"
     violations: List[Violation] = field(default_factory=list)
+    #: Whether an absent plugin block is a violation (the entry-point callback stays inert).
+    require_block: bool = False
+    #: Values computed once per check (the layout search).
+    cache: Dict[str, Any] = field(default_factory=dict)
 
     # --- parallel sizes (None: missing or invalid, reported by the rule that owns the key) --
 

@@ -9,6 +9,8 @@ that fixes it. Reading never raises: whatever a YAML holds ends as a violation, 
 from __future__ import annotations
 
 import difflib
+import re
+import shlex
 from dataclasses import dataclass, replace
 from typing import Any, List, Mapping, Optional, Set, Tuple
 
@@ -72,9 +74,21 @@ def show_value(value: Any) -> str:
     return repr(value)
 
 
+#: A string Hydra's override grammar reads back unquoted as the same string.
+_PLAIN_STRING = re.compile(r"^[A-Za-z_/][A-Za-z0-9_./:+-]*$")
+#: ``<the model's layer count>``: a value the user must choose (never quoted, never pasteable).
+_PLACEHOLDER = re.compile(r"^<.*>$")
+_OTHER_TYPE = re.compile(r"^(true|false|null|nan|inf|[-+]?[0-9][0-9_.e+-]*)$", re.I)
+
+
 def hydra_value(value: Any) -> str:
+    """``value`` as Hydra's override grammar reads it back: a string that it would parse as
+    something else (``{rank}`` braces, ``True``, ``1``) is quoted."""
     if value is None:
         return "null"
+    if isinstance(value, str) and not _PLACEHOLDER.match(value) and (
+            not _PLAIN_STRING.match(value) or _OTHER_TYPE.match(value)):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     return str(value)
 
 
@@ -132,8 +146,10 @@ class Reader:
             return UNRESOLVED
 
     def override(self, key: str, value: Any, present: bool) -> str:
-        """The Hydra override setting ``key`` to ``value`` (``+`` when the key is absent)."""
-        return f"{'' if present else '+'}{self.prefix}{key}={hydra_value(value)}"
+        """The Hydra override setting ``key`` to ``value`` (``+`` when the key is absent),
+        shell-quoted when the value needs it (so the printed line can be pasted)."""
+        text = f"{'' if present else '+'}{self.prefix}{key}={hydra_value(value)}"
+        return text if _PLACEHOLDER.match(str(value)) else shlex.quote(text)
 
     def add(self, key: str, found: Any, expected: str, value: Any = None, *,
             fix: Optional[str] = None) -> None:
@@ -193,7 +209,7 @@ class Reader:
             return True, None
         if type(value) is int and value >= minimum:
             return True, value
-        self.add(key, value, f"null or an int >= {minimum} ({why})", "null")
+        self.add(key, value, f"null or an int >= {minimum} ({why})", None)
         return False, None
 
 
@@ -207,8 +223,8 @@ def with_typo_hints(violations: List[Violation], readers: Mapping[str, Reader]
         if hint is not None:
             value = v.fix.rpartition("=")[2]
             v = replace(v, expected=f"{v.expected}; {hint} is set: did you mean "
-                                    f"{v.key}?",
-                        fix=f"rename it: ~{hint} +{v.key}={value}")
+                                    f"{v.key}? (the fix renames it)",
+                        fix=f"~{hint} +{v.key}={value}")
         out.append(v)
     return out
 

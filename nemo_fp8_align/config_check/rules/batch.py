@@ -16,8 +16,9 @@ from omegaconf import DictConfig
 
 from nemo_fp8_align.core.schedule import InterleavedSchedule, ScheduleError
 from nemo_fp8_align.config_check.context import CheckContext
+from nemo_fp8_align.config_check.layout import FIXED_WHY, layout_fix, layout_overrides
 from nemo_fp8_align.config_check.reader import ABSENT, Violation, show_value
-from nemo_fp8_align.config_check.rules.parallel import divisors
+from nemo_fp8_align.config_check.rules.split import divisors
 
 __all__ = ["rule_batch_sizes", "rule_data_parallel_agrees", "rule_data_parallel_value",
            "rule_expert_world_size", "rule_fixed_microbatches", "rule_group_size",
@@ -40,18 +41,26 @@ def rule_trainer_devices(ctx: CheckContext) -> None:
 
 def rule_world_size(ctx: CheckContext) -> None:
     """megatron-core raises 'world_size (W) is not divisible by TP*PP*CP'. The fix changes the
-    node count (the devices per node are the hardware's)."""
+    pipeline size (the devices per node are the hardware's, the node count the user's); only
+    when no PP fits does it change the node count, and says so."""
     devices, nodes, mp = ctx.devices(), ctx.num_nodes(), ctx.model_parallel()
     if devices is None or nodes is None or mp is None or (devices * nodes) % mp == 0:
         return
+    why = (f"trainer.devices * trainer.num_nodes = {devices} * {nodes} = {devices * nodes} GPUs "
+           f"to be a multiple of tensor_model_parallel_size * pipeline_model_parallel_size * "
+           f"context_parallel_size = {ctx.tp()} * {ctx.pp()} * {ctx.cp()} = {mp} (megatron-core "
+           f"raises 'world_size ({devices * nodes}) is not divisible by {mp}')")
+    change = layout_fix(ctx)
+    if change:
+        key = "pipeline_model_parallel_size" if "pipeline_model_parallel_size" in change \
+            else next(iter(change))
+        ctx.model.add(key, ctx.model.get(key), why, fix=layout_overrides(ctx, change))
+        return
     step = mp // gcd(devices, mp)  # num_nodes must be a multiple of this
     fixed = -(-nodes // step) * step
-    found = ctx.trainer.get("num_nodes")
-    ctx.trainer.add("num_nodes", found, (
-        f"devices * num_nodes = {devices} * {nodes} = {devices * nodes} GPUs to be a multiple of "
-        f"TP * PP * CP = {ctx.tp()} * {ctx.pp()} * {ctx.cp()} = {mp} (megatron-core raises "
-        f"'world_size ({devices * nodes}) is not divisible by {mp}'); num_nodes must be a "
-        f"multiple of {step}"), fixed)
+    ctx.trainer.add("num_nodes", ctx.trainer.get("num_nodes"), (
+        f"{why}; {FIXED_WHY}, so the fix changes the node count (a multiple of {step}): or "
+        "change TP or CP yourself"), fixed)
 
 
 def rule_expert_world_size(ctx: CheckContext) -> None:
@@ -138,31 +147,47 @@ def rule_fixed_microbatches(ctx: CheckContext) -> None:
 
 def rule_microbatches(ctx: CheckContext) -> None:
     """M = global_batch_size / (micro_batch_size * DP) must be whole (megatron-core's
-    microbatch calculator) and fit the interleaved schedule (PP <= N <= M, not 0 < M mod N <
-    PP), which :class:`InterleavedSchedule` decides."""
-    pp, vp, dp = ctx.model.get("pipeline_model_parallel_size"), ctx.vp(), ctx.data_parallel()
+    microbatch calculator; checked whatever PP and VP are) and fit the interleaved schedule
+    (PP <= N <= M, not 0 < M mod N < PP), which :class:`InterleavedSchedule` decides. The fix
+    changes the layout (N, PP, VP); the global batch only when no layout fits, said so."""
+    pp, vp, dp = ctx.pp(), ctx.vp(), ctx.data_parallel()
     mbs, gbs = ctx.model.peek_int("micro_batch_size"), ctx.model.peek_int("global_batch_size")
     raw_n = ctx.model.get("microbatch_group_size_per_vp_stage")
     n = None if raw_n is ABSENT or raw_n is None else raw_n
-    if (type(pp) is not int or pp < 2 or vp is None or dp is None or mbs is None or gbs is None
+    if (pp is None or dp is None or mbs is None or gbs is None
             or (n is not None and not (type(n) is int and n >= 1))):
         return
     per_microbatch = mbs * dp
     m = gbs // per_microbatch
-    if gbs % per_microbatch == 0:
+    if gbs % per_microbatch:
+        error = (f"a multiple of micro_batch_size * DP = {mbs} * {dp} = {per_microbatch}, DP "
+                 "being trainer.devices * trainer.num_nodes / (TP * PP * CP) "
+                 "(megatron-core's microbatch calculator requires it)")
+    elif pp >= 2 and vp is not None:
         error = _schedule_error(pp, vp, m, n)
         if error is None:
             return
-        if n is not None and _schedule_error(pp, vp, m, None) is None:
-            ctx.model.add("microbatch_group_size_per_vp_stage", n, error, "null")
-            return
+        error += (f" (M = global_batch_size / (micro_batch_size * DP), N = "
+                  "microbatch_group_size_per_vp_stage, PP = pipeline_model_parallel_size)")
     else:
-        error = (f"a multiple of micro_batch_size * DP = {mbs} * {dp} = {per_microbatch} "
-                 "(megatron-core's microbatch calculator requires it)")
+        return  # the schedule needs a valid PP and VP: reported by their rules
     found = f"{gbs} (M = {gbs} / ({mbs} * DP {dp}) = {gbs / per_microbatch:g})"
+    change = layout_fix(ctx)
+    if change and gbs % per_microbatch:  # the batch is right; the layout gives the wrong DP
+        ctx.violations.append(Violation("model.global_batch_size", found, f"{error}; the fix "
+                                        "changes the layout, and so DP",
+                                        layout_overrides(ctx, change)))
+        return
+    if change:
+        key = next(iter(change))
+        ctx.model.add(key, ctx.model.get(key), f"{error}; global_batch_size = {found}",
+                      fix=layout_overrides(ctx, change))
+        return
+    valid = valid_microbatches(pp, m, n) if pp >= 2 else m + 1
     ctx.violations.append(Violation(
-        "model.global_batch_size", found, error,
-        f"model.global_batch_size={valid_microbatches(pp, m, n) * per_microbatch}"))
+        "model.global_batch_size", found, f"{error}; {FIXED_WHY}, so the fix changes the "
+        "global batch, which changes the training recipe (samples per step): or train on "
+        "fewer nodes", f"model.global_batch_size={valid * per_microbatch}"))
 
 
 def _schedule_error(pp: int, vp: int, m: int, n: Optional[int]) -> Optional[str]:

@@ -1,23 +1,21 @@
-"""Startup-check rules on model parallelism: sizes, how the layers split over the pipeline, trainer
-precision, expert parallelism. Each rule is one function ``rule(ctx) -> None`` that records its
+"""Startup-check rules on model parallelism: sizes, trainer precision, expert parallelism (the
+layer split is in :mod:`nemo_fp8_align.config_check.rules.split`). Each rule is one function ``rule(ctx) -> None`` that records its
 violations on ``ctx``; where NeMo 2.3.3 or megatron-core 0.12.3 / 0.16.1 enforce it is said in
 the rule's docstring and in its message.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 from nemo_fp8_align.config_check.context import CheckContext
 from nemo_fp8_align.config_check.reader import ABSENT, UNRESOLVED, Reader
+from nemo_fp8_align.config_check.rules.split import divisors, layer_split_error
 
-__all__ = ["divisors", "layer_split_error", "rule_expert_parallel", "rule_layer_split",
-           "rule_megatron_amp_o2", "rule_num_layers", "rule_other_parallel_sizes",
-           "rule_pipeline_size", "rule_precision", "rule_split_option_values",
-           "rule_split_options_exclusive", "rule_virtual_pipeline_size"]
+__all__ = ["divisors", "layer_split_error", "rule_expert_parallel", "rule_megatron_amp_o2",
+           "rule_other_parallel_sizes", "rule_pipeline_size", "rule_precision",
+           "rule_virtual_pipeline_size"]
 
-_FIRST, _LAST = "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"
-_EMB, _LOSS = "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"
 #: trainer.precision values NeMo's Float16Module (megatron_amp_O2) accepts.
 _HALF_PRECISIONS: Tuple[Any, ...] = (16, "16", "16-mixed", "bf16", "bf16-mixed")
 #: ...and the full-precision ones NeMo parses (rejected under megatron_amp_O2).
@@ -79,184 +77,6 @@ def _one_of(value: Any, choices: Tuple[Any, ...]) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# Layer splits
-
-
-def rule_num_layers(ctx: CheckContext) -> None:
-    """NeMo reads cfg.num_layers unconditionally."""
-    layers = ctx.model.get("num_layers")
-    if type(layers) is int and layers >= 1:
-        return
-    pp, vp = ctx.pp(), ctx.vp()
-    fix = pp * vp if pp and vp else "<the model's layer count>"
-    if isinstance(layers, str) and layers.strip().isdigit() and int(layers) >= 1:
-        fix = int(layers)  # right number, wrong type
-    ctx.model.add("num_layers", layers, "an int >= 1 (transformer layers)", fix)
-
-
-def rule_split_option_values(ctx: CheckContext) -> None:
-    """first/last stage layer counts: null or > 0 (megatron-core raises 'must be larger than
-    0'); the account_for_* flags: bools; pipeline_model_parallel_layout: not read by NeMo
-    2.3.3 (megatron-core 0.12.3 has no such field, so NeMo would split evenly)."""
-    for key in (_FIRST, _LAST):
-        ctx.model.optional_int(key, 1, "layers on that pipeline stage; megatron-core raises for "
-                               "0 or less")
-    for key in (_EMB, _LOSS):
-        ctx.model.bool_or_default(key, False, "count the stage as one layer in the split")
-    layout = ctx.model.get("pipeline_model_parallel_layout")
-    if layout is not ABSENT and layout is not None:
-        ctx.model.add("pipeline_model_parallel_layout", layout,
-                      "no such setting in NeMo 2.3.3 (megatron-core 0.12.3's TransformerConfig "
-                      "has no pipeline_model_parallel_layout, so NeMo drops it and splits the "
-                      f"layers evenly; use {_FIRST} / {_LAST})",
-                      fix="~model.pipeline_model_parallel_layout")
-
-
-def rule_split_options_exclusive(ctx: CheckContext) -> None:
-    """megatron-core 0.12.3 and 0.16.1 raise when uneven first/last stages are combined with an
-    account_for_* flag."""
-    split = _split(ctx)
-    if split is None:
-        return
-    _layers, _pp, _vp, first, last, emb, loss = split
-    if (first is not None or last is not None) and (emb or loss):
-        key = _FIRST if first is not None else _LAST
-        ctx.model.add(key, first if first is not None else last,
-                      f"null when {_EMB} or {_LOSS} is True (megatron-core raises: the two "
-                      "ways of splitting the pipeline cannot be combined)", None)
-
-
-def rule_layer_split(ctx: CheckContext) -> None:
-    """megatron-core's split (TransformerConfig.__post_init__ and get_num_layers_to_build, the
-    same in 0.12.3 and 0.16.1) and NeMo 2.3.3's own checks (MegatronBaseModel asserts
-    (num_layers // PP) % VP == 0 unless both account_for_* flags are set; its
-    build_transformer_config divides by the middle stage count)."""
-    split = _split(ctx)
-    if split is None:
-        return
-    layers, pp, vp, first, last, emb, loss = split
-    if (first is not None or last is not None) and (emb or loss):
-        return  # rule_split_options_exclusive
-    for key, value in ((_FIRST, first), (_LAST, last)):
-        if value is not None and vp is not None and value % vp:
-            ctx.model.add(key, value, f"a multiple of VP = {vp} (megatron-core: every model "
-                          "chunk of that stage holds the same number of layers)",
-                          -(-value // vp) * vp)
-    error = layer_split_error(layers, pp, vp, first, last, emb, loss)
-    if error is None:
-        return
-    key, why = error
-    vp_fix = _vp_fix(layers, pp, vp, first, last, emb, loss) if key == "vp" else None
-    if key == _LAST:
-        ctx.model.add(_LAST, last, why, None)
-    elif vp_fix is not None:
-        ctx.model.add("virtual_pipeline_model_parallel_size", vp, why, vp_fix)
-    else:  # no VP fits these layers: the layer count is what to change
-        fix = _num_layers_fix(layers, pp, vp, first, last, emb, loss)
-        if fix is None and vp and emb != loss:
-            # num_layers + 1 = k * PP * VP makes (num_layers // PP) % VP = VP - 1, always: NeMo
-            # 2.3.3 rejects every layer count with exactly one account_for_* flag and VP >= 2.
-            on, off = (_EMB, _LOSS) if emb else (_LOSS, _EMB)
-            why += (f"; with only {on} set and VP >= 2 no num_layers passes both megatron-core's "
-                    "split and NeMo's assertion")
-            fix = (f"++model.{off}=True (then num_layers + 2 a multiple of PP * VP), or "
-                   f"model.{on}=False")
-        if key == "vp":
-            why = why.replace("a divisor of", f"layers where VP = {vp} divides", 1)
-        if fix is None:
-            fix = "<a num_layers that splits evenly>"
-        ctx.model.add("num_layers", layers, why, fix,
-                      fix=fix if isinstance(fix, str) and fix.startswith("++") else None)
-
-
-def layer_split_error(layers: int, pp: int, vp: Optional[int], first: Optional[int],
-                      last: Optional[int], emb: bool, loss: bool) -> Optional[Tuple[str, str]]:
-    """(key to blame, why) for the first split rule that fails, or None when NeMo 2.3.3 and
-    megatron-core accept the split. First/last counts not divisible by VP are left to the
-    caller."""
-    chunks = vp or 1
-    if first is not None or last is not None:
-        middle_stages = pp - (first is not None) - (last is not None)
-        middle = layers - (first or 0) - (last or 0)
-        if middle_stages <= 0:
-            return _LAST, (f"null: with PP = {pp} no middle pipeline stage is left, and NeMo "
-                           "2.3.3 divides the remaining layers by the middle stage count "
-                           "(ZeroDivisionError)")
-        if middle <= 0 or middle % (middle_stages * chunks):
-            return "num_layers", (
-                f"num_layers - first - last = {middle} > 0 and a multiple of the middle stages"
-                f" {middle_stages}" + (f" * VP {vp}" if vp else "") + " (megatron-core and "
-                "NeMo: every middle stage, and every chunk on it, holds the same number)")
-    else:
-        total = layers + emb + loss
-        counted = " + 1 (embedding)" * emb + " + 1 (loss)" * loss
-        if total % pp:
-            return "num_layers", (f"num_layers{counted} = {total} divisible by PP = {pp} "
-                                  "(megatron-core asserts it)")
-        if vp and (total // pp) % vp:
-            return "vp", (f"a divisor of the layers per pipeline rank, {total} // PP {pp} = "
-                          f"{total // pp} (megatron-core and NeMo: every model chunk holds the "
-                          "same number of layers)")
-    if vp and not (emb and loss) and (layers // pp) % vp:
-        return "vp", (f"a divisor of num_layers // PP = {layers} // {pp} = {layers // pp}: NeMo "
-                      "2.3.3 asserts it ('the number of model chunks is the same across all "
-                      "pipeline stages') unless both account_for_* flags are set")
-    return None
-
-
-def _split(ctx: CheckContext) -> Optional[Tuple[Any, ...]]:
-    """(layers, pp, vp, first, last, emb, loss) when all are valid (else None: reported by
-    the rules that own them)."""
-    layers, pp = ctx.model.peek_int("num_layers"), ctx.pp()
-    raw_vp = ctx.model.get("virtual_pipeline_model_parallel_size")
-    vp = ctx.vp()
-    if layers is None or pp is None or (raw_vp not in (ABSENT, None, 1) and vp is None):
-        return None
-    values: List[Any] = []
-    for key in (_FIRST, _LAST):
-        value = ctx.model.get(key)
-        value = None if value is ABSENT else value
-        if value is not None and not (type(value) is int and value >= 1):
-            return None
-        values.append(value)
-    for key in (_EMB, _LOSS):
-        value = ctx.model.get(key)
-        value = False if value is ABSENT else value
-        if not isinstance(value, bool):
-            return None
-        values.append(value)
-    return (layers, pp, vp, *values)
-
-
-def _num_layers_fix(layers: int, pp: int, vp: Optional[int], *rest: Any) -> Any:
-    return _first_valid(range(layers + 1, layers + 1 + 4 * pp * (vp or 1)),
-                        lambda n: layer_split_error(n, pp, vp, *rest) is None, None)
-
-
-def _vp_fix(layers: int, pp: int, vp: Optional[int], *rest: Any) -> Optional[int]:
-    """The VP >= 2 nearest the current one that splits these layers, or None."""
-    per_rank = max(layers // pp, 1)
-    candidates = sorted(divisors(per_rank), key=lambda d: (abs(d - (vp or 2)), d))
-    found = _first_valid([d for d in candidates if d >= 2],
-                         lambda d: layer_split_error(layers, pp, d, *rest) is None, None)
-    return found
-
-
-def _first_valid(candidates: Any, ok: Callable[[Any], bool], otherwise: Any) -> Any:
-    for count, candidate in enumerate(candidates):
-        if count >= 10_000:
-            break  # huge sizes: do not search forever for a suggestion
-        if ok(candidate):
-            return candidate
-    return otherwise
-
-
-def divisors(n: int) -> List[int]:
-    small = [d for d in range(1, min(int(n ** 0.5), 10_000) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
-
-
-# ---------------------------------------------------------------------------------------------
 # Expert parallelism
 
 
@@ -275,9 +95,11 @@ def rule_expert_parallel(ctx: CheckContext) -> None:
                       "mcore_distributed_optim")
     experts = ctx.model.get("num_moe_experts")
     if not (type(experts) is int and experts >= 1):
-        ctx.model.add("num_moe_experts", experts, f"an int >= 1, a multiple of EP = {ep} "
-                      "(megatron-core raises 'num_moe_experts must be non None to use "
-                      "expert-parallel')", ep)
+        # The expert count is the model's; with none, expert parallelism is what is wrong.
+        ctx.model.add("expert_model_parallel_size", ep, "1 when num_moe_experts is not set "
+                      f"(found {experts!r}; megatron-core raises 'num_moe_experts must be non "
+                      "None to use expert-parallel'); a MoE model sets num_moe_experts, a "
+                      "multiple of EP", 1)
     elif experts % ep:
         fix = max(d for d in divisors(experts) if d <= ep)
         ctx.model.add("expert_model_parallel_size", ep, f"a divisor of num_moe_experts = "

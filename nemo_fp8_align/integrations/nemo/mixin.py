@@ -105,13 +105,14 @@ def startup_check(cfg: Any, trainer: Any = None, *,
     Raises :class:`~nemo_fp8_align.config_check.check.FP8AlignConfigError` listing every violation.
     ``trainer`` (when given) supplies the data-parallel size for the microbatch rules.
     """
-    from nemo_fp8_align.config_check.check import FP8AlignConfigError, align_config_from, find_violations
+    from nemo_fp8_align.config_check.check import (FP8AlignConfigError, align_config_from,
+                                                   find_violations, plugin_off_override)
 
     violations = find_violations(cfg, data_parallel_size=_data_parallel_size(cfg, trainer))
     if weights is FP8Weights.REFERENCE:
         violations = [v for v in violations if v.key not in _TE_ONLY_KEYS]
     if violations:
-        raise FP8AlignConfigError(violations)
+        raise FP8AlignConfigError(violations, off=plugin_off_override(cfg))
     return align_config_from(cfg)
 
 

@@ -1,0 +1,233 @@
+"""The smallest change of the parallel layout that makes a config's layer split, world size and
+microbatches fit, holding the model, the batch and the cluster fixed.
+
+A fix the startup check proposes for these rules changes only the layout: the pipeline size PP,
+the model chunks per rank VP, the first/last stage split and the group size N. The model's
+architecture (num_layers, hidden, FFN, heads, experts), the global and micro batch, the sequence
+and the node count are what the user chose to train; changing them to fit a layout is the wrong
+way round. :func:`layout_fix` searches the layouts that change one setting, then two, then three
+(nearest values first) and returns the first that passes every layout constraint; None when no
+such layout exists (the rule then says so and names the trade-off of what it changes instead).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+from nemo_fp8_align.config_check.context import CheckContext
+from nemo_fp8_align.config_check.reader import ABSENT
+from nemo_fp8_align.core.schedule import InterleavedSchedule, ScheduleError
+
+__all__ = ["FIXED_WHY", "KEYS", "Fixed", "Layout", "layout_fix", "layout_overrides",
+           "layout_problem", "split_error"]
+
+#: Layout variable -> the model key it is set by.
+KEYS = {"n": "microbatch_group_size_per_vp_stage", "first": "num_layers_in_first_pipeline_stage",
+        "last": "num_layers_in_last_pipeline_stage", "vp": "virtual_pipeline_model_parallel_size",
+        "pp": "pipeline_model_parallel_size"}
+#: Search order on ties: the least disruptive change first (N only reorders the schedule).
+_ORDER = tuple(KEYS)
+#: What the fixes hold fixed, said once in messages where no layout change exists.
+FIXED_WHY = ("no change of the layout (PP, VP, the first/last stage split, the group size N) "
+             "fits with the model, the batch and the node count held")
+_MAX_CHANGED = 3
+_MAX_TRIED = 200_000  # candidate layouts per search: a suggestion is never worth a hang
+
+
+@dataclass(frozen=True)
+class Layout:
+    pp: int
+    vp: Optional[int]
+    first: Optional[int]
+    last: Optional[int]
+    n: Optional[int]
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """What a layout fix never changes."""
+
+    layers: int
+    world: Optional[int]
+    tp: int
+    cp: int
+    emb: bool
+    loss: bool
+    mbs: Optional[int]
+    gbs: Optional[int]
+    given_dp: Optional[int]
+    ep: int = 1
+    etp: int = 1
+
+    def dp(self, pp: int) -> Optional[int]:
+        """The data-parallel size with ``pp`` (the world's when known, else the given one)."""
+        if self.world is None:
+            return self.given_dp
+        mp = self.tp * pp * self.cp
+        return self.world // mp if self.world % mp == 0 else None
+
+
+def split_error(layers: int, lay: Layout, emb: bool, loss: bool) -> Optional[str]:
+    """Why megatron-core or NeMo 2.3.3 refuse this split (None: they accept it)."""
+    from nemo_fp8_align.config_check.rules.parallel import layer_split_error
+
+    for count in (lay.first, lay.last):
+        if count is not None and lay.vp and count % lay.vp:
+            return "a first/last stage count not a multiple of VP"
+    if (lay.first is not None or lay.last is not None) and (emb or loss):
+        return "first/last stage counts with an account_for_* flag"
+    error = layer_split_error(layers, lay.pp, lay.vp, lay.first, lay.last, emb, loss)
+    return None if error is None else error[1]
+
+
+def layout_problem(fixed: Fixed, lay: Layout) -> Optional[str]:
+    """The first layout constraint ``lay`` breaks, or None when it fits everything."""
+    if lay.pp < 2 or lay.vp is None or lay.vp < 2:
+        return "the plugin needs PP >= 2 and VP >= 2"
+    if fixed.world is not None and fixed.world % (fixed.tp * lay.pp * fixed.cp):
+        return "TP * PP * CP does not divide the world size"
+    if fixed.world is not None and fixed.ep > 1 and fixed.world % (fixed.etp * fixed.ep * lay.pp):
+        return "expert TP * EP * PP does not divide the world size"
+    error = split_error(fixed.layers, lay, fixed.emb, fixed.loss)
+    if error is not None:
+        return error
+    dp = fixed.dp(lay.pp)
+    if dp is None or fixed.mbs is None or fixed.gbs is None:
+        return None  # the microbatch count is unknown: nothing more to fit
+    if fixed.gbs % (fixed.mbs * dp):
+        return "the global batch is not a multiple of micro_batch_size * DP"
+    if lay.n is not None and lay.n < 1:
+        return "N < 1"
+    try:
+        InterleavedSchedule(pp=lay.pp, vp=lay.vp, microbatches=fixed.gbs // (fixed.mbs * dp),
+                            group_size=lay.n)
+    except ScheduleError as err:
+        return str(err)
+    return None
+
+
+def _candidates(var: str, fixed: Fixed, cur: Layout) -> List[Any]:
+    """Values to try for ``var`` other than the current one, nearest first."""
+    old = getattr(cur, var)
+    if var == "pp":
+        if fixed.world is not None:
+            span = fixed.world // (fixed.tp * fixed.cp) if fixed.world % (fixed.tp * fixed.cp) \
+                == 0 else 0
+            values = [d for d in range(2, min(span, 512) + 1) if span % d == 0]
+        else:
+            values = list(range(2, min(fixed.layers, 64) + 1))
+        return sorted((v for v in values if v != old), key=lambda v: (abs(v - old), v))
+    if var == "vp":
+        values = list(range(2, min(fixed.layers, 32) + 1))
+        return sorted((v for v in values if v != old), key=lambda v: (abs(v - (old or 2)), v))
+    if var in ("first", "last"):
+        values = [None] + list(range(1, min(fixed.layers, 64)))
+        return sorted((v for v in values if v != old),
+                      key=lambda v: (abs((v or 0) - (old or 0)), v is not None))
+    # n: null (= PP) first, then counts near the current one
+    dp = fixed.dp(cur.pp)
+    top = (fixed.gbs // (fixed.mbs * dp)) if dp and fixed.mbs and fixed.gbs else 64
+    values = [None] + list(range(2, min(top, 256) + 1))
+    base = old if old is not None else cur.pp
+    return sorted((v for v in values if v != old),
+                  key=lambda v: (v is not None, abs((v or base) - base)))
+
+
+def _distance(cur: Layout, lay: Layout) -> int:
+    """How far ``lay`` is from ``cur``: layers moved, chunks or group size changed (null counts
+    as what it means: no extra stage, VP 1, N = PP)."""
+    meaning = {"first": 0, "last": 0, "vp": 1}
+    total = 0
+    for var in _ORDER:
+        old, new = getattr(cur, var), getattr(lay, var)
+        if old != new:
+            none = meaning.get(var, lay.pp)
+            total += abs((none if new is None else new) - (none if old is None else old))
+    return total
+
+
+def _layouts(fixed: Fixed, cur: Layout, changed: Sequence[str]) -> Iterator[Layout]:
+    pools = [_candidates(var, fixed, cur) for var in changed]
+    if len(changed) >= 3:
+        pools = [pool[:12] for pool in pools]  # three at once: only near values
+    for values in itertools.product(*pools):
+        yield replace(cur, **dict(zip(changed, values)))
+
+
+def search(fixed: Fixed, cur: Layout) -> Optional[Layout]:
+    """The valid layout nearest ``cur`` changing the fewest settings (None: none found)."""
+    if layout_problem(fixed, cur) is None:
+        return cur
+    tried = 0
+    for size in range(1, _MAX_CHANGED + 1):
+        best: Optional[Tuple[Tuple[int, int], Layout]] = None
+        for changed in itertools.combinations(_ORDER, size):
+            for lay in _layouts(fixed, cur, changed):
+                tried += 1
+                if tried > _MAX_TRIED:
+                    return best[1] if best else None
+                if layout_problem(fixed, lay) is None:
+                    # the least disruptive settings first (N before the split, VP, PP), then
+                    # the nearest values
+                    rank = (sum(_ORDER.index(v) for v in changed), _distance(cur, lay))
+                    if best is None or rank < best[0]:
+                        best = (rank, lay)
+                    if size == 1:
+                        break  # one setting: candidates come nearest first
+        if best is not None:
+            return best[1]
+    return None
+
+
+def _inputs(ctx: CheckContext) -> Optional[Tuple[Fixed, Layout]]:
+    """(fixed, current layout) when every value they need is valid, else None."""
+    m = ctx.model
+    layers, pp, tp, cp = m.peek_int("num_layers"), ctx.pp(), ctx.tp(), ctx.cp()
+    ep, etp = ctx.ep(), ctx.etp()
+    if None in (layers, pp, tp, cp, ep, etp):
+        return None
+    raw_vp = m.get("virtual_pipeline_model_parallel_size")
+    vp = ctx.vp()
+    if raw_vp not in (ABSENT, None, 1) and vp is None:
+        return None
+    values: Dict[str, Any] = {}
+    for var in ("first", "last", "n"):
+        value = m.get(KEYS[var])
+        value = None if value is ABSENT else value
+        if value is not None and not (type(value) is int and value >= 1):
+            return None
+        values[var] = value
+    flags = []
+    for key in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"):
+        value = m.get(key)
+        if value is not ABSENT and not isinstance(value, bool):
+            return None
+        flags.append(value is True)
+    if ctx.trainer is not None and ctx.trainer.get("devices") not in (ABSENT, -1, "auto", "-1") \
+            and ctx.world() is None:
+        return None  # invalid devices / num_nodes: reported by their own rule
+    fixed = Fixed(layers, ctx.world(), tp, cp, flags[0], flags[1],
+                  m.peek_int("micro_batch_size"), m.peek_int("global_batch_size"),
+                  ctx.given_data_parallel() if ctx.world() is None else None, ep, etp)
+    return fixed, Layout(pp, vp, values["first"], values["last"], values["n"])
+
+
+def layout_fix(ctx: CheckContext) -> Optional[Dict[str, Any]]:
+    """{model key: new value} of the nearest layout that fits (empty: the current one fits;
+    None: no layout change fits, or a value it needs is invalid). Computed once per check."""
+    cache = ctx.cache
+    if "layout_fix" not in cache:
+        inputs = _inputs(ctx)
+        found = search(*inputs) if inputs is not None else None
+        cache["layout_fix"] = None if found is None else {
+            KEYS[var]: getattr(found, var) for var in _ORDER
+            if getattr(found, var) != getattr(inputs[1], var)}
+    return cache["layout_fix"]
+
+
+def layout_overrides(ctx: CheckContext, change: Dict[str, Any]) -> str:
+    """The change as Hydra overrides for the config being checked (``+`` for an absent key)."""
+    return " ".join(ctx.model.override(key, value, present=ctx.model.get(key) is not ABSENT)
+                    for key, value in change.items())

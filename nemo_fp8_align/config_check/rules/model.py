@@ -1,0 +1,125 @@
+"""Startup-check rules on the model NeMo builds: megatron-core's GPT model, attention heads against
+TP, the shared-embedding bucket bug of megatron-core 0.12.3, CUDA graphs, and the plugin block
+the entry-point callback needs. One function per rule, ``rule(ctx) -> None``.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+from nemo_fp8_align.config_check.context import CheckContext
+from nemo_fp8_align.config_check.reader import ABSENT, UNRESOLVED
+from nemo_fp8_align.config_check.rules.fp8 import APEX_OPTIM, MCORE_OPTIM
+from nemo_fp8_align.config_check.rules.split import divisors
+from nemo_fp8_align.config_check.structured import BLOCK_KEY
+
+__all__ = ["rule_attention_heads", "rule_cuda_graph", "rule_mcore_gpt", "rule_plugin_block",
+           "rule_shared_embedding_bucket"]
+
+#: megatron-core 0.12.3 pads bucket ends to a multiple of lcm(DP, 128) values.
+_BUCKET_PAD = 128
+
+
+def rule_plugin_block(ctx: CheckContext) -> None:
+    """Without ``model.fp8_transpose_align`` the package's entry-point callback (the stock
+    training script, the launcher) stays inert: the plugin would not run. Only where the caller
+    asks (the command line, unless ``--mixin``): a model with the mixin runs without it."""
+    if ctx.require_block and ctx.model.get(BLOCK_KEY) is ABSENT:
+        ctx.model.add(BLOCK_KEY, ABSENT, "the plugin block: without it the entry-point callback "
+                      "stays inert and the plugin does not run (a model class with "
+                      "FP8TransposeAlignMixin runs without it: pass --mixin)",
+                      fix=f"+{ctx.model.prefix}{BLOCK_KEY}.policy=aligned")
+
+
+def rule_mcore_gpt(ctx: CheckContext) -> None:
+    """NeMo 2.3.3 builds megatron-core's GPTModel only with ``mcore_gpt`` (default False when
+    absent); the plugin hooks megatron-core's model chunks and DDP."""
+    ctx.model.require_true("mcore_gpt", "the plugin drives megatron-core's GPT model; NeMo "
+                           "2.3.3 reads cfg.get('mcore_gpt', False) and otherwise builds its "
+                           "legacy model")
+
+
+def rule_attention_heads(ctx: CheckContext) -> None:
+    """megatron-core's TransformerConfig raises unless TP divides num_attention_heads and
+    num_query_groups (null: the head count). The fix is the nearest TP dividing both that still
+    divides the world size with PP * CP (heads and groups are the model's)."""
+    tp = ctx.tp()
+    heads = ctx.model.get("num_attention_heads")
+    groups = ctx.model.get("num_query_groups")
+    if tp is None or not (type(heads) is int and heads >= 1):
+        return
+    groups = heads if groups is ABSENT or groups is None else groups
+    if not (type(groups) is int and groups >= 1) or (heads % tp == 0 and groups % tp == 0):
+        return
+    key, count = (("num_attention_heads", heads) if heads % tp else ("num_query_groups", groups))
+    fix = _tensor_parallel_fix(ctx, heads, groups)
+    why = (f"tensor_model_parallel_size (TP) = {tp} to divide {key} = {count} (megatron-core "
+           f"raises '{key} ({count}) must be a multiple of tensor_model_parallel_size ({tp})')")
+    if fix is None:
+        why += "; no TP divides both the heads and the query groups and fits the world size"
+    ctx.model.add("tensor_model_parallel_size", tp, why, fix if fix is not None else 1)
+
+
+def _tensor_parallel_fix(ctx: CheckContext, heads: int, groups: int) -> Optional[int]:
+    tp, world, pp, cp = ctx.tp(), ctx.world(), ctx.pp(), ctx.cp()
+    fits: List[int] = [d for d in divisors(groups) if heads % d == 0]
+    if world is not None and pp is not None and cp is not None:
+        fits = [d for d in fits if world % (d * pp * cp) == 0]
+    return min(fits, key=lambda d: (abs(d - tp), -d)) if fits else None
+
+
+def rule_shared_embedding_bucket(ctx: CheckContext) -> None:
+    """megatron-core 0.12.3 with its distributed optimizer gives the tied embedding (PP > 1) a
+    bucket of its own, but pads the bucket before it to lcm(DP, 128) only when the running
+    offset is not a multiple of DP, without moving the weight's start: with an offset that is a
+    multiple of DP but not of lcm(DP, 128) the weight lies in two buckets. With DP == 1 the
+    plugin hides the flag while the buffers are built; with DP > 1 it raises
+    SharedEmbeddingBucketError at build. Offsets stay multiples of 128 when the hidden and FFN
+    sizes are (and never matter when DP is a multiple of 128)."""
+    if ctx.model.get("optim.name") != MCORE_OPTIM:
+        return  # Apex's distributed Adam does not use megatron-core's buckets
+    tied = ctx.model.get("share_embeddings_and_output_weights")
+    pp, dp = ctx.pp(), ctx.data_parallel()
+    if tied is False or tied is UNRESOLVED or pp is None or pp < 2 or dp is None or dp == 1:
+        return
+    if dp % _BUCKET_PAD == 0:
+        return
+    sizes = {key: ctx.model.get(key) for key in ("hidden_size", "ffn_hidden_size")}
+    odd = {k: v for k, v in sizes.items() if type(v) is int and v % _BUCKET_PAD}
+    if not odd:
+        return
+    named = ", ".join(f"{k} = {v}" for k, v in odd.items())
+    why = (f"hidden_size and ffn_hidden_size multiples of 128 with tied embeddings "
+           f"(share_embeddings_and_output_weights), PP = {pp}, DP = {dp} and "
+           f"optim.name={MCORE_OPTIM}: found {named}, and megatron-core 0.12.3 can then place "
+           "the shared embedding in two buckets (the plugin raises SharedEmbeddingBucketError "
+           "at build). No layout change avoids it (a DP of 1 or a multiple of 128 would change "
+           "the node count)")
+    experts = (ctx.ep() or 1) > 1
+    recipe = ctx.model.get("fp8_recipe")
+    if not experts and recipe != "tensorwise":
+        ctx.model.add("optim.name", MCORE_OPTIM, f"{why}; the fix uses Apex's distributed Adam "
+                      "(no megatron-core buckets) instead", APEX_OPTIM)
+        return
+    ctx.model.add("share_embeddings_and_output_weights", tied, f"{why}; the fix unties the "
+                  "output layer from the embedding, which changes the model (vocab * hidden "
+                  "more parameters)", False)
+
+
+def rule_cuda_graph(ctx: CheckContext) -> None:
+    """``enable_cuda_graph``: NeMo 2.3.3 asserts use_te_rng_tracker; megatron-core 0.12.3 raises
+    with activation recomputation or CPU offloading. (Per-layer graphs keep the chunks' hooks
+    outside the graphs; NeMo's own graph machinery was not run with the plugin: the command line
+    says so on its OK line.)"""
+    if ctx.model.get("enable_cuda_graph") is not True:
+        return
+    ctx.model.require_true("use_te_rng_tracker", "NeMo 2.3.3 asserts it with enable_cuda_graph "
+                           "('Transformer engine's RNG tracker is required for cudagraphs')")
+    recompute = ctx.model.get("activations_checkpoint_granularity")
+    if recompute not in (ABSENT, None, UNRESOLVED):
+        ctx.model.add("activations_checkpoint_granularity", recompute, "null with "
+                      "enable_cuda_graph (megatron-core raises 'CUDA graphs not supported with "
+                      "activation recomputation')", None)
+    if ctx.model.get("cpu_offloading") is True:
+        ctx.model.add("cpu_offloading", True, "False with enable_cuda_graph (megatron-core "
+                      "raises 'CUDA graphs not supported with CPU offloading')", False)
