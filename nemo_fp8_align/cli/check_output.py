@@ -50,7 +50,9 @@ class Report:
         if not violations:
             return self._ok()
         line = fix_line(violations, self.recheck, self.present)
-        off = self._plugin_off()
+        # Not a training config (or no model block): there is no plugin to turn off.
+        shape = any(v.key in ("config", "model", "trainer") for v in violations)
+        off = None if shape else self._plugin_off()
         if self.json:
             self._emit_json({"ok": False, "config": str(self.path),
                              "violations": [self._violation_dict(v) for v in violations],

@@ -1,0 +1,236 @@
+"""Issue 17's ``check`` cases on real upstream configs: fixes that change the layout, never the
+model, the batch or the cluster; one override line the tool re-checked; ``+``/plain forms that
+compose; the launcher's ``training.`` prefix; ``--format json``; the misses (mcore_gpt, the
+shared-embedding bucket, CUDA graphs, heads vs TP, files that are not training configs).
+
+Every case re-checks its fix here too: the printed line is appended to the same command line
+and the check must then pass (exit 0), as a user pasting it would see.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import shlex
+from pathlib import Path
+from typing import List, Tuple
+
+import pytest
+
+from nemo_fp8_align.cli.check import add_check_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+UP = ROOT / "tests" / "data" / "upstream"
+L = UP / "launcher"
+MAIN = UP / "launcher_conf" / "config.yaml"
+pytestmark = pytest.mark.filterwarnings("ignore:provider=hydra.searchpath")
+ENABLE = ["model.fp8=True", "+model.fp8_params=True", "model.fp8_hybrid=True",
+          "+model.optim.align_param_gather=True", "+model.fp8_transpose_align.policy=aligned"]
+
+
+def check(*argv: str) -> Tuple[int, str, str]:
+    parser = argparse.ArgumentParser(prog="nemo-fp8-align")
+    add_check_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["check", *argv])
+    out, err = io.StringIO(), io.StringIO()
+    return args.func(args, out=out, err=err), out.getvalue(), err.getvalue()
+
+
+def as_json(*argv: str) -> Tuple[int, dict]:
+    status, out, _ = check(*argv, "--format", "json")
+    lines = out.strip().splitlines()
+    assert len(lines) == 1, out  # one JSON object
+    return status, json.loads(lines[0])
+
+
+def fix_line_of(*argv: str) -> List[str]:
+    """The override line the check printed, after verifying it passes when pasted."""
+    status, payload = as_json(*argv)
+    assert status == 2 and payload["ok"] is False
+    assert payload["fix_passes"] is True, payload
+    line = payload["fix_overrides"]
+    assert check(*argv, *line)[0] == 0, f"the printed line does not pass: {line}"
+    return line
+
+
+def test_llama3_70b_pp6_fix_is_a_pipeline_size_not_the_model_or_the_cluster():
+    line = fix_line_of(str(L / "llama_llama3_70b.yaml"), *ENABLE,
+                       "model.pipeline_model_parallel_size=6")
+    assert line == ["model.pipeline_model_parallel_size=4"]  # the file's own PP fits 1024 GPUs
+    joined = " ".join(line)
+    assert "num_layers=" not in joined and "num_nodes" not in joined
+
+
+def test_llama3_1_405b_first_last_13_gets_first_last_14_alone():
+    line = fix_line_of(str(L / "llama_llama3_1_405b.yaml"), *ENABLE,
+                       "+model.num_layers_in_first_pipeline_stage=13",
+                       "+model.num_layers_in_last_pipeline_stage=13")
+    assert line == ["model.num_layers_in_first_pipeline_stage=14",
+                    "model.num_layers_in_last_pipeline_stage=14"]
+
+
+def test_layer_split_message_names_every_setting_involved():
+    _, payload = as_json(str(L / "llama_llama3_1_405b.yaml"), *ENABLE,
+                         "model.virtual_pipeline_model_parallel_size=4")
+    split = [v for v in payload["violations"]
+             if v["key"] == "model.virtual_pipeline_model_parallel_size"]
+    assert split and "num_layers" in split[0]["expected"]
+    assert "pipeline_model_parallel_size" in split[0]["expected"]
+
+
+def test_mixtral_8x22b_global_batch_shows_with_the_vp_violation_and_names_the_trade_off():
+    _, payload = as_json(str(L / "mixtral_mixtral_8x22b.yaml"), *ENABLE)
+    keys = [v["key"] for v in payload["violations"]]
+    assert "model.virtual_pipeline_model_parallel_size" in keys
+    assert "model.global_batch_size" in keys  # at once, not only after VP is fixed
+    batch = next(v for v in payload["violations"] if v["key"] == "model.global_batch_size")
+    assert "no change of the layout" in batch["expected"]
+    assert "changes the training recipe" in batch["expected"]
+    fix_line_of(str(L / "mixtral_mixtral_8x22b.yaml"), *ENABLE)
+
+
+def test_plugin_off_is_pasteable_on_a_config_without_the_block():
+    status, _, err = check(str(L / "gpt3_175b_mlperf.yaml"))
+    assert status == 2
+    assert "Or turn the plugin off: +model.fp8_transpose_align.enabled=False" in err
+    assert check(str(L / "gpt3_175b_mlperf.yaml"),
+                 "+model.fp8_transpose_align.enabled=False")[0] == 0
+
+
+def test_absent_plugin_block_is_reported_not_ok():
+    argv = [str(L / "gpt3_175b_mlperf.yaml"), "+model.optim.align_param_gather=True"]
+    status, payload = as_json(*argv)
+    assert status == 2
+    assert [v["key"] for v in payload["violations"]] == ["model.fp8_transpose_align"]
+    assert payload["violations"][0]["fix"] == "+model.fp8_transpose_align.policy=aligned"
+    assert "entry-point callback stays inert" in payload["violations"][0]["expected"]
+    assert check(*argv, "--mixin")[0] == 0  # a model with the mixin runs without the block
+
+
+def test_training_prefix_on_a_launcher_training_yaml_is_honoured():
+    status, out, err = check(str(L / "gpt3_175b_mlperf.yaml"),
+                             "+training.model.fp8_transpose_align.policy=lazy",
+                             "+model.optim.align_param_gather=True",
+                             "training.trainer.num_nodes=64")
+    assert status == 0, err
+    assert "OK (policy=lazy)" in out  # the prefixed override was read, not dropped
+
+
+def test_training_prefix_on_a_nemo_config_is_refused():
+    status, _, err = check(str(UP / "nemo_v2.3.2" / "megatron_gpt_config.yaml"),
+                           "+training.model.fp8=True")
+    assert status == 2 and "NeMo reads no training: node" in err
+    assert "write +model.fp8=True" in err
+
+
+def test_launcher_main_config_fixes_carry_the_training_prefix_and_pass():
+    argv = [str(MAIN), "training=llama/llama3_70b"]
+    line = fix_line_of(*argv)
+    assert line and all(o.lstrip("+").startswith("training.model.") for o in line), line
+    status, out, err = check(*argv, *line)
+    assert status == 0 and "OK (policy=aligned)" in out, err
+
+
+def test_launcher_main_config_refuses_an_unprefixed_model_override():
+    status, _, err = check(str(MAIN), "training=llama/llama3_70b", "+model.fp8=True")
+    assert status == 2
+    assert "would not read model.fp8" in err and "++training.model.fp8=True" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_launcher_main_config_unknown_training_choice():
+    status, _, err = check(str(MAIN), "training=llama/nope")
+    assert status == 2 and "training=llama/nope: no such file" in err
+
+
+def test_json_valid_config():
+    status, payload = as_json(str(ROOT / "conf" / "launcher" / "gpt3_175b_fp8_align.yaml"))
+    assert status == 0
+    assert payload["ok"] is True and payload["violations"] == []
+    assert payload["fix_overrides"] == []
+
+
+def test_json_load_error_is_one_object_exit_2(tmp_path):
+    status, payload = as_json(str(tmp_path / "nope.yaml"))
+    assert status == 2 and payload["ok"] is False and "no such file" in payload["error"]
+
+
+def test_json_violation_fields():
+    status, payload = as_json(str(L / "gpt3_175b_mlperf.yaml"))
+    assert status == 2
+    for v in payload["violations"]:
+        assert set(v) == {"key", "found", "expected", "fix"}
+
+
+@pytest.mark.parametrize("path,fragment", [
+    (".", "is a directory"), ("/dev/null", "is a character device")])
+def test_directory_and_dev_null_say_what_they_are(path, fragment):
+    status, _, err = check(path)
+    assert status == 2 and fragment in err and "no such file" not in err
+
+
+def test_yaml_without_model_is_not_a_training_config(tmp_path):
+    path = tmp_path / "bcm.yaml"
+    path.write_text("partition: batch\naccount: null\nexclusive: true\n")
+    status, _, err = check(str(path))
+    assert status == 2 and "not a NeMo training config" in err
+    assert "+model." not in err
+
+
+def test_mcore_gpt_false_is_a_violation():
+    status, payload = as_json(str(L / "gpt3_175b_mlperf.yaml"), "model.mcore_gpt=False",
+                              "+model.fp8_transpose_align.policy=aligned",
+                              "+model.optim.align_param_gather=True")
+    assert status == 2
+    assert [(v["key"], v["fix"]) for v in payload["violations"]] == [
+        ("model.mcore_gpt", "model.mcore_gpt=True")]
+
+
+def test_hidden_1000_tied_embeddings_pp_dp_is_the_bucket_bug():
+    base = [str(L / "gpt3_175b_mlperf.yaml"), "+model.fp8_transpose_align.policy=aligned",
+            "+model.optim.align_param_gather=True", "model.hidden_size=1000",
+            "model.ffn_hidden_size=4000", "+model.share_embeddings_and_output_weights=True"]
+    status, payload = as_json(*base)
+    assert status == 2
+    bucket = [v for v in payload["violations"] if "SharedEmbeddingBucketError" in v["expected"]]
+    assert len(bucket) == 1 and "hidden_size = 1000" in bucket[0]["expected"]
+    fix_line_of(*base)
+    # multiples of 128 are fine
+    assert check(*base[:3], "model.hidden_size=1024", "model.ffn_hidden_size=4096",
+                 "+model.share_embeddings_and_output_weights=True")[0] == 0
+
+
+def test_enable_cuda_graph_needs_the_te_rng_tracker_and_is_noted():
+    base = [str(L / "gpt3_175b_mlperf.yaml"), "+model.fp8_transpose_align.policy=aligned",
+            "+model.optim.align_param_gather=True", "+model.enable_cuda_graph=True"]
+    status, payload = as_json(*base)
+    assert status == 2
+    assert ("model.use_te_rng_tracker", "+model.use_te_rng_tracker=True") in [
+        (v["key"], v["fix"]) for v in payload["violations"]]
+    status, out, _ = check(*base, "+model.use_te_rng_tracker=True")
+    assert status == 0 and "note: model.enable_cuda_graph=True" in out
+
+
+def test_attention_heads_and_query_groups_against_tp():
+    base = [str(L / "llama_llama3_70b.yaml"), *ENABLE]
+    status, payload = as_json(*base, "model.num_query_groups=6")
+    assert status == 2
+    heads = [v for v in payload["violations"] if v["key"] == "model.tensor_model_parallel_size"]
+    assert heads and "num_query_groups = 6" in heads[0]["expected"]
+    assert heads[0]["fix"] == "model.tensor_model_parallel_size=2"
+    fix_line_of(*base, "model.num_query_groups=6")
+
+
+def test_typo_fix_in_a_block_without_the_key_composes(tmp_path):
+    path = tmp_path / "cfg.yaml"
+    path.write_text((L / "gpt3_175b_mlperf.yaml").read_text())
+    argv = [str(path), "+model.fp8_transpose_align.polcy=lazy",
+            "+model.optim.align_param_gather=True"]
+    _, payload = as_json(*argv)
+    typo = [v for v in payload["violations"] if v["key"].endswith(".polcy")]
+    assert [v["fix"] for v in typo] == [
+        "~model.fp8_transpose_align.polcy +model.fp8_transpose_align.policy=lazy"]
+    line = fix_line_of(*argv)
+    assert "+model.fp8_transpose_align.policy=lazy" in line
+    assert shlex.join(line)  # printable as one shell line
