@@ -85,7 +85,7 @@ def test_mixtral_8x22b_global_batch_shows_with_the_vp_violation_and_names_the_tr
     assert "model.virtual_pipeline_model_parallel_size" in keys
     assert "model.global_batch_size" in keys  # at once, not only after VP is fixed
     batch = next(v for v in payload["violations"] if v["key"] == "model.global_batch_size")
-    assert "no change of the layout" in batch["expected"]
+    assert "found no layout that fits" in batch["expected"]
     assert "changes the training recipe" in batch["expected"]
     fix_line_of(str(L / "mixtral_mixtral_8x22b.yaml"), *ENABLE)
 

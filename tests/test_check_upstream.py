@@ -5,7 +5,7 @@ the account_for_* flags), ``tests/upstream_split_verdicts.py`` asks the installe
 (0.12.3 in this environment, 0.16.1 in .venv-mcore016 when it exists) whether it accepts the
 split: its TransformerConfig and its get_num_layers_to_build for every pipeline rank. The
 startup check itself (:func:`find_violations`, every rule, on a generated model config per
-case, all 2168 cases: about 15 s of CPU on one core, computed once for both versions) must
+case, all 2168 cases: about 25 s of CPU on one core, the layout search for each fix included, computed once for both versions) must
 reject every case megatron-core rejects; where it rejects a case megatron-core accepts, the
 reason must be NeMo 2.3.3's own checks (written out below from its source) or a first/last
 stage holding more layers than the model has.
@@ -49,7 +49,9 @@ def nemo_rejects(layers: int, pp: int, vp: Optional[int], first: Optional[int],
 VP_KEY = "model.virtual_pipeline_model_parallel_size"
 #: The keys the layer-split rules blame.
 SPLIT_KEYS = {"model.num_layers", VP_KEY, "model.num_layers_in_first_pipeline_stage",
-              "model.num_layers_in_last_pipeline_stage"}
+              "model.num_layers_in_last_pipeline_stage",
+              "model.account_for_embedding_in_pipeline_split",
+              "model.account_for_loss_in_pipeline_split"}
 
 
 def case_config(layers: int, pp: int, vp: Optional[int], first: Optional[int],

@@ -13,7 +13,7 @@ such layout exists (the rule then says so and names the trade-off of what it cha
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from nemo_fp8_align.config_check.context import CheckContext
@@ -30,10 +30,11 @@ KEYS = {"n": "microbatch_group_size_per_vp_stage", "first": "num_layers_in_first
 #: Search order on ties: the least disruptive change first (N only reorders the schedule).
 _ORDER = tuple(KEYS)
 #: What the fixes hold fixed, said once in messages where no layout change exists.
-FIXED_WHY = ("no change of the layout (PP, VP, the first/last stage split, the group size N) "
-             "fits with the model, the batch and the node count held")
+FIXED_WHY = ("the search (up to three of PP, VP, the first/last stage split and the group size "
+             "N, nearest values first) found no layout that fits with the model, the batch and "
+             "the node count held")
 _MAX_CHANGED = 3
-_MAX_TRIED = 200_000  # candidate layouts per search: a suggestion is never worth a hang
+_MAX_TRIED = 40_000  # candidate layouts per search: a suggestion is never worth a hang
 
 
 @dataclass(frozen=True)
@@ -78,8 +79,16 @@ def split_error(layers: int, lay: Layout, emb: bool, loss: bool) -> Optional[str
             return "a first/last stage count not a multiple of VP"
     if (lay.first is not None or lay.last is not None) and (emb or loss):
         return "first/last stage counts with an account_for_* flag"
-    error = layer_split_error(layers, lay.pp, lay.vp, lay.first, lay.last, emb, loss)
+    error = _split_rules().layer_split_error(layers, lay.pp, lay.vp, lay.first, lay.last, emb,
+                                             loss)
     return None if error is None else error[1]
+
+
+def _split_rules() -> Any:
+    # rules.split imports this module (its fixes come from here): import it on first use.
+    from nemo_fp8_align.config_check.rules import split
+
+    return split
 
 
 def layout_problem(fixed: Fixed, lay: Layout) -> Optional[str]:
@@ -149,11 +158,13 @@ def _distance(cur: Layout, lay: Layout) -> int:
 
 
 def _layouts(fixed: Fixed, cur: Layout, changed: Sequence[str]) -> Iterator[Layout]:
-    pools = [_candidates(var, fixed, cur) for var in changed]
-    if len(changed) >= 3:
-        pools = [pool[:12] for pool in pools]  # three at once: only near values
+    # Several at once: only the nearest values of each (a suggestion is never worth a hang).
+    width = {1: None, 2: 24, 3: 4}[len(changed)]
+    pools = [_candidates(var, fixed, cur)[:width] for var in changed]
+    base = {var: getattr(cur, var) for var in _ORDER}
     for values in itertools.product(*pools):
-        yield replace(cur, **dict(zip(changed, values)))
+        base.update(zip(changed, values))
+        yield Layout(**base)
 
 
 def search(fixed: Fixed, cur: Layout) -> Optional[Layout]:
