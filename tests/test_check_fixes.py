@@ -166,6 +166,8 @@ def test_json_violation_fields():
 @pytest.mark.parametrize("path,fragment", [
     (".", "is a directory"), ("/dev/null", "is a character device")])
 def test_directory_and_dev_null_say_what_they_are(path, fragment):
+    if path == "/dev/null" and not Path(path).is_char_device():
+        pytest.skip("/dev/null is not a character device on this machine")
     status, _, err = check(path)
     assert status == 2 and fragment in err and "no such file" not in err
 

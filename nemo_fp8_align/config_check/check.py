@@ -8,11 +8,13 @@ import) and reports *every* setting that stops the plugin, or that NeMo 2.3.3 / 
     check_config(cfg)   # the full training config (trainer:, model:), its model node, or a
                         # NeMo-Framework-Launcher training YAML (or the launcher's whole config)
 
-The rules are data: :data:`RULES` lists one small function per rule (``rule(ctx) -> None``,
-in ``rules_parallel``, ``rules_fp8`` and ``rules_batch``); every rule runs whatever the others
-found, so no violation hides another. A rule that needs a value another rule found invalid
-(a layer split without a valid PP) does not run: the invalid value is what is reported. The
-one gate is the plugin's own block: with ``enabled: false`` or ``policy: off`` the plugin is
+The rules are data: :data:`RULES` (:mod:`nemo_fp8_align.config_check.rules`) lists one small
+function per rule (``rule(ctx) -> None``); every rule runs whatever the others found, so no
+violation hides another. Fixes for the layer split, the world size and the microbatches change
+the parallel layout (:mod:`nemo_fp8_align.config_check.layout`), not the model, the batch or the
+node count, unless no layout is found (the message then names the trade-off). A rule that
+needs a value another rule found invalid (a layer split without a valid PP) does not run: the
+invalid value is what is reported. The one gate is the plugin's own block: with ``enabled: false`` or ``policy: off`` the plugin is
 inactive and only errors inside that block are reported.
 
 What is read, by rule (the module of each rule names where NeMo or megatron-core enforces it):
@@ -27,7 +29,9 @@ FP8 params, FP8 format and a per-tensor recipe, the transpose cache, BF16 edge l
 sequence parallelism with TP); the world size (``trainer.devices * trainer.num_nodes``) against
 TP * PP * CP and expert TP * EP * PP; the data-parallel size (derived, or given, and the two
 agreeing); microbatches (M = global_batch_size / (micro_batch_size * DP) fits megatron-core's
-interleaved schedule; no ``rampup_batch_size``).
+interleaved schedule; no ``rampup_batch_size``); ``mcore_gpt``; attention heads and query
+groups against TP; megatron-core 0.12.3's shared-embedding bucket bug; ``enable_cuda_graph``;
+and, where the caller asks (the command line), the plugin block's presence.
 
 Interpolations are resolved with NeMo's and the launcher's resolvers (``multiply``, ``sum``,
 ``divide_ceil``, ``divide_floor``; registered only while reading, and only where not
