@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 
 from nemo_fp8_align.config_check.check import find_violations
 from nemo_fp8_align.config_check.fixes import fix_line, pasteable
+from support.overrides import applied, present
 from nemo_fp8_align.cli.check import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -377,33 +378,6 @@ def test_battery(build: Callable[[], Any], dp: Optional[Any], expected: Expected
         line = fix_line(violations, lambda extra: find_violations(
             applied(cfg, extra), data_parallel_size=dp), lambda key: present(cfg, key))
         assert line.passes, (line.overrides, [str(v) for v in line.left])
-
-
-def present(cfg: Any, key: str) -> bool:
-    node = cfg.training if "training" in cfg and "model" not in cfg else cfg
-    return OmegaConf.select(node, key, default=DROP, throw_on_resolution_failure=False) \
-        is not DROP
-
-
-def applied(cfg: Any, overrides: List[str]) -> Any:
-    """``cfg`` with Hydra-style ``overrides`` applied (the battery's configs are built in
-    Python, so the re-check applies the line with OmegaConf; the CLI tests compose it)."""
-    import shlex
-
-    tree = OmegaConf.create(OmegaConf.to_container(cfg))
-    node = tree.training if "training" in tree and "model" not in tree else tree
-    for token in shlex.split(" ".join(shlex.quote(o) for o in overrides)):
-        if token.startswith("~"):
-            parent, _, leaf = token[1:].rpartition(".")
-            del (OmegaConf.select(node, parent) if parent else node)[leaf]
-            continue
-        key, _, value = token.lstrip("+").partition("=")
-        if value.startswith('"') and value.endswith('"'):
-            parsed = value[1:-1]
-        else:
-            parsed = OmegaConf.create(f"v: {value}").v
-        OmegaConf.update(node, key, parsed, force_add=True)
-    return tree
 
 
 def test_battery_has_at_least_40_rows_and_real_upstream_configs() -> None:

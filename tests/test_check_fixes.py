@@ -19,6 +19,9 @@ from typing import List, Tuple
 import pytest
 
 from nemo_fp8_align.cli.check import add_check_parser
+from nemo_fp8_align.config_check.check import find_violations
+from support.overrides import applied
+from test_check import only, seed_config
 
 ROOT = Path(__file__).resolve().parents[1]
 UP = ROOT / "tests" / "data" / "upstream"
@@ -236,3 +239,33 @@ def test_typo_fix_in_a_block_without_the_key_composes(tmp_path):
     line = fix_line_of(*argv)
     assert "+model.fp8_transpose_align.policy=lazy" in line
     assert shlex.join(line)  # printable as one shell line
+
+
+def test_trainer_world_size_not_divisible_by_model_parallel_size():
+    cfg = seed_config()
+    # 6 GPUs per node, TP*PP = 4. No layout fits 6 GPUs (PP 2: DP 3 does not divide the batch
+    # of 16; PP 3 or 6: NeMo's (num_layers // PP) % VP), so the node count is what to change,
+    # and the message says that it is a trade-off.
+    cfg.trainer.devices = 6
+    v = only(find_violations(cfg))
+    assert (v.key, v.found, v.fix) == ("trainer.num_nodes", "1", "trainer.num_nodes=2")
+    assert "6 * 1 = 6 GPUs" in v.expected and "multiple of 2" in v.expected
+    assert "found no layout that fits" in v.expected
+    # Re-checked: 12 GPUs give DP 3, which no node count divides into the batch of 16, so the
+    # next round asks for the global batch too (the command line's fix line holds both).
+    again = find_violations(applied(cfg, v.fix))
+    assert [(w.key, w.fix) for w in again] == [("model.global_batch_size",
+                                                "model.global_batch_size=24")]
+    assert "changes the training recipe" in again[0].expected
+    assert find_violations(applied(cfg, v.fix + " " + again[0].fix)) == []
+
+
+def test_library_error_names_plugin_off_in_the_form_the_config_needs():
+    from nemo_fp8_align.config_check.check import FP8AlignConfigError, check_config
+
+    with pytest.raises(FP8AlignConfigError) as info:
+        check_config(seed_config(fp8=False))  # no plugin block
+    assert "turn the plugin off with +model.fp8_transpose_align.enabled=False." in str(info.value)
+    with pytest.raises(FP8AlignConfigError) as info:
+        check_config(seed_config(fp8=False, fp8_transpose_align={"enabled": True}))
+    assert "turn the plugin off with model.fp8_transpose_align.enabled=False." in str(info.value)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import sys
 import warnings
 from pathlib import Path
@@ -170,12 +171,19 @@ def _override_key_hints(path: Path, overrides: Sequence[str]) -> List[str]:
 def run_check(args: argparse.Namespace, *, out: Optional[TextIO] = None,
               err: Optional[TextIO] = None) -> int:
     """Run the check for parsed ``args``; returns the exit status (0 valid, 2 otherwise)."""
+    out = sys.stdout if out is None else out
+    err = sys.stderr if err is None else err
+    problem = _argument_problem(args) or missing_dependency("check", CHECK_NEEDS)
+    if problem is not None:  # before anything imports OmegaConf or Hydra
+        if getattr(args, "format", "text") == "json":
+            print(json.dumps({"ok": False, "config": args.config, "error": problem,
+                              "violations": [], "fix_overrides": []}), file=out)
+        else:
+            print(f"error: {problem}", file=err)
+        return EXIT_INVALID
     from nemo_fp8_align.cli.check_output import Report
 
-    report = Report(args, sys.stdout if out is None else out, sys.stderr if err is None else err)
-    problem = _argument_problem(args) or missing_dependency("check", CHECK_NEEDS)
-    if problem is not None:
-        return report.error(problem)
+    report = Report(args, out, err)
     try:
         source, cfg = load_source(Path(args.config), args.overrides)
     except ConfigLoadError as error:
