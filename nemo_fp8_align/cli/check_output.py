@@ -74,7 +74,7 @@ class Report:
 
     def recheck(self, extra: List[str]) -> List[Violation]:
         """The violations of the same command line with ``extra`` appended as printed."""
-        from nemo_fp8_align.cli.check import load_source
+        from nemo_fp8_align.cli.check_load import load_source
 
         try:
             _, cfg = load_source(self.path, [*self.args.overrides,

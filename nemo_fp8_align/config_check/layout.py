@@ -18,6 +18,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from nemo_fp8_align.config_check.context import CheckContext
 from nemo_fp8_align.config_check.reader import ABSENT
+from nemo_fp8_align.config_check.split_math import layer_split_error
 from nemo_fp8_align.core.schedule import InterleavedSchedule, ScheduleError
 
 __all__ = ["FIXED_WHY", "KEYS", "Fixed", "Layout", "layout_fix", "layout_overrides",
@@ -72,23 +73,13 @@ class Fixed:
 
 def split_error(layers: int, lay: Layout, emb: bool, loss: bool) -> Optional[str]:
     """Why megatron-core or NeMo 2.3.3 refuse this split (None: they accept it)."""
-    from nemo_fp8_align.config_check.rules.parallel import layer_split_error
-
     for count in (lay.first, lay.last):
         if count is not None and lay.vp and count % lay.vp:
             return "a first/last stage count not a multiple of VP"
     if (lay.first is not None or lay.last is not None) and (emb or loss):
         return "first/last stage counts with an account_for_* flag"
-    error = _split_rules().layer_split_error(layers, lay.pp, lay.vp, lay.first, lay.last, emb,
-                                             loss)
+    error = layer_split_error(layers, lay.pp, lay.vp, lay.first, lay.last, emb, loss)
     return None if error is None else error[1]
-
-
-def _split_rules() -> Any:
-    # rules.split imports this module (its fixes come from here): import it on first use.
-    from nemo_fp8_align.config_check.rules import split
-
-    return split
 
 
 def layout_problem(fixed: Fixed, lay: Layout) -> Optional[str]:
