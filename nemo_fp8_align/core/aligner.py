@@ -28,7 +28,7 @@ import logging
 import time
 import uuid
 from functools import partial
-from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -36,6 +36,8 @@ from nemo_fp8_align.config import AlignConfig, Policy
 from nemo_fp8_align.core import claims
 from nemo_fp8_align import errors
 from nemo_fp8_align.core.config_wrap import ConfigWrap
+from nemo_fp8_align.core.gpu_spans import GpuSpans
+from nemo_fp8_align.core.param_sync import ChunkParamSync
 from nemo_fp8_align.errors import StepMismatchError, TransposeVerifyError
 from nemo_fp8_align.core.schedule import AT_START, InterleavedSchedule
 from nemo_fp8_align.core.step_end import agree
@@ -47,19 +49,6 @@ __all__ = ["ChunkParamSync", "StepMismatchError", "TransposeAligner", "Transpose
 logger = logging.getLogger(__name__)
 
 RECORDS_KEPT = 4096  #: records kept in memory (4096-8191, the newest; the file keeps all)
-
-
-class ChunkParamSync(Protocol):
-    """How the aligner completes one model chunk's parameter all-gather."""
-
-    def finish(self, chunk: int) -> bool:
-        """Wait for ``chunk``'s in-flight all-gather (issuing no new collective); return
-        whether the chunk's parameters now hold this step's values."""
-        ...
-
-    def finished(self, chunk: int) -> bool:
-        """Observe, without waiting, whether ``chunk``'s all-gather has completed."""
-        ...
 
 
 def _capturing_cuda_graph() -> bool:
@@ -120,6 +109,7 @@ class TransposeAligner:
         self._num_microbatches = num_microbatches
         self._error_group = error_group
         self._failure: Optional[Exception] = None  # this rank's first error of the open step
+        self._spans = GpuSpans(enabled=torch.cuda.is_available())  # GPU times at the step end
         self._plan(schedule)
         self._handles: List[Any] = []
         self._wrap: Optional[ConfigWrap] = None  # set by attach(model_config)
@@ -185,6 +175,7 @@ class TransposeAligner:
             self._wrap.restore()
             self._wrap = None
         self._vmid, self._failure = None, None
+        self._flush()
         if self.telemetry is not None:
             self.telemetry.close()
 
@@ -245,8 +236,7 @@ class TransposeAligner:
         failure, self._failure = self._failure, None
         if self._vmid is not None:
             ran, self._vmid = self._vmid, None
-            if self.telemetry is not None:
-                self.telemetry.flush()
+            self._flush()
             if failure is None and (ran != self.schedule.total or self._pending):
                 failure = errors.step_mismatch(self._step, self.pp_rank, self.schedule, ran, (
                     f"ran {ran} forwards" + (f", chunks {sorted(self._pending)} never ran"
@@ -255,8 +245,7 @@ class TransposeAligner:
               f"{self.pp_rank}, data-parallel rank {self.dp_rank}, step {self._step})")
 
     def _open_step(self) -> None:
-        if self.telemetry is not None:  # the last step's records, if nothing ended it
-            self.telemetry.flush()
+        self._flush()  # the last step's records, if nothing ended it
         if self._wrap is not None:
             self._wrap.check()
         if self._vmid is not None and self._vmid != self.schedule.total:
@@ -366,10 +355,12 @@ class TransposeAligner:
             return
         self._done.add(chunk)
         t_slot = self._clock()
+        self._spans.mark(chunk)
         wait = getattr(self.param_sync, "wait", None)
         if wait is not None:  # the all-gather alone: a build inside finish (megatron-core >= 0.16
             wait(chunk)  # with TE >= 2.10 post-processes there) is then not timed as waiting
         t_waited = self._clock()
+        self._spans.mark(chunk)
         after_all_gather = self.param_sync.finish(chunk)
         t_gathered = (t_waited if wait else self._clock()) if after_all_gather else None
         built = 0
@@ -381,6 +372,7 @@ class TransposeAligner:
             logger.warning("nemo_fp8_align: step %d chunk %d: all-gather not complete at the "
                            "aligned slot; transposes left to first use", self._step, chunk)
         t_done = self._clock()
+        self._spans.mark(chunk)
         self._pending[chunk] = dict(
             vmid=vmid, transposed=built, after_all_gather=after_all_gather,
             seconds=t_done - t_slot, t_slot=t_slot, t_gathered=t_gathered, t_done=t_done,
@@ -396,5 +388,12 @@ class TransposeAligner:
         self.records.append(record)
         if len(self.records) >= 2 * RECORDS_KEPT:  # trimmed in halves: amortised O(1) per record
             del self.records[:-RECORDS_KEPT]
+        if not self._spans.hold(record, chunk) and self.telemetry is not None:
+            self.telemetry.write(record)  # held ones are written with their GPU times
+
+    def _flush(self) -> None:
+        for record in self._spans.resolve(self.records):
+            if self.telemetry is not None:
+                self.telemetry.write(record)
         if self.telemetry is not None:
-            self.telemetry.write(record)
+            self.telemetry.flush()

@@ -34,6 +34,10 @@ class TransposeRecord:
     were valid (``lazy``: after the first forward), ``t_first_use`` when the chunk's first
     forward of the step began computing (after the plugin's pre-hook).
 
+    On a GPU, ``gpu_wait_ms`` and ``gpu_build_ms`` are CUDA-event times on the current stream
+    (slot to all-gather complete, then to transposes built; ``core/gpu_spans.py``); ``None``
+    without CUDA or under ``lazy``.
+
     ``rank`` is the process's global rank (-1 without torch.distributed), so tensor- and
     context-parallel peers, which share pp and dp ranks, stay apart; ``run`` is one id per
     aligner, so a resumed job re-running steps into the same file is not a duplicate.
@@ -60,6 +64,8 @@ class TransposeRecord:
     t_first_use: Optional[float] = None
     rank: int = -1
     run: str = ""
+    gpu_wait_ms: Optional[float] = None
+    gpu_build_ms: Optional[float] = None
 
     def to_json(self) -> str:
         # Every field is a plain value: vars() is enough, and 4x faster than asdict()'s deep copy

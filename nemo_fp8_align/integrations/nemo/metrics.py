@@ -6,7 +6,8 @@ collective over the rank's pipeline group); the result, on every rank, is one fl
 that the caller logs from global rank 0 only, with ``LightningModule.log`` so the values land on
 the same logger step as NeMo's own ``train_step_timing`` and ``reduced_train_loss``.
 
-Keys (``c`` = model chunk; times in milliseconds, host clock):
+Keys (``c`` = model chunk; times in milliseconds, host clock, except ``wait_ms`` and
+``transpose_ms`` on a GPU: the records' CUDA-event times there):
 
 * ``fp8_align/chunk{c}/slot_skew``: largest minus smallest schedule slot at which the pipeline
   ranks had the chunk's transposes (``aligned``: 0; ``lazy``: PP-1, each rank at its first use);
@@ -37,7 +38,7 @@ def _compact(record: Any) -> Dict[str, Any]:
     """What the metrics need from one record (small, picklable, clock-relative)."""
     return {k: getattr(record, k, None) for k in (
         "chunk", "pp_rank", "slot", "transposed", "valid", "seconds", "t_launch", "t_slot",
-        "t_gathered", "t_done")}
+        "t_gathered", "t_done", "gpu_wait_ms", "gpu_build_ms")}
 
 
 def _spread(values: Sequence[Optional[float]]) -> Optional[float]:
@@ -48,6 +49,15 @@ def _spread(values: Sequence[Optional[float]]) -> Optional[float]:
 def _longest(values: Iterable[Optional[float]]) -> Optional[float]:
     present = [v for v in values if v is not None]
     return max(present) if present else None
+
+
+def _span(r: Mapping[str, Any], gpu: str, start: str, end: str) -> Optional[float]:
+    """A record's GPU time where it has one (CUDA events), else its host time."""
+    if r.get(gpu) is not None:
+        return r[gpu]
+    if r[start] is None or r[end] is None:
+        return None
+    return (r[end] - r[start]) * _MS
 
 
 def step_metrics(rows: Sequence[Mapping[str, Any]]) -> Dict[str, float]:
@@ -76,10 +86,9 @@ def step_metrics(rows: Sequence[Mapping[str, Any]]) -> Dict[str, float]:
             "time_skew_ms": _spread([
                 (r["t_slot"] - start[r["pp_rank"]]) * _MS if r["t_slot"] is not None else None
                 for r in mine]),
-            "wait_ms": _longest((r["t_gathered"] - r["t_slot"]) * _MS for r in mine
-                                if r["t_gathered"] is not None and r["t_slot"] is not None),
-            "transpose_ms": _longest((r["t_done"] - r["t_gathered"]) * _MS for r in mine
-                                     if r["t_gathered"] is not None and r["t_done"] is not None),
+            "wait_ms": _longest(_span(r, "gpu_wait_ms", "t_slot", "t_gathered") for r in mine),
+            "transpose_ms": _longest(_span(r, "gpu_build_ms", "t_gathered", "t_done")
+                                     for r in mine),
             "slot_to_valid_ms": _longest((r["t_done"] - r["t_slot"]) * _MS for r in mine
                                          if r["t_done"] is not None and r["t_slot"] is not None),
             "transposes_built": float(sum(r["transposed"] for r in mine)),
