@@ -63,3 +63,10 @@ def test_transpose_buffer_moves_counts_builds_at_a_new_address():
               dict(build, weight="w1", ptr=200), dict(build, weight="w1", ptr=300),
               dict(build, kind="reset", weight="w1", ptr=None)]
     assert common.transpose_buffer_moves(events) == {"w0": 0, "w1": 1}
+
+
+def test_gpu_times_must_be_there_with_a_build_that_took_time():
+    good = {"step": 0, "chunk": 1, "rank": 0, "gpu_wait_ms": 0.0, "gpu_build_ms": 0.02}
+    assert common.gpu_time_problems([good]) == []
+    for bad in ({"gpu_wait_ms": None}, {"gpu_build_ms": 0.0}, {"gpu_wait_ms": -1.0}):
+        assert common.gpu_time_problems([dict(good, **bad)]), bad

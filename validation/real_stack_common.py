@@ -195,6 +195,19 @@ def compare_policies(runs: List[Dict[str, Any]]) -> List[str]:
     return problems
 
 
+def gpu_time_problems(records: Sequence[Dict[str, Any]]) -> List[str]:
+    """On a GPU, every aligned record carries CUDA-event times of its slot (core/gpu_spans.py):
+    a wait >= 0 and a build > 0, wherever the build ran (the plugin's backend, or megatron-core's
+    post-processing inside finish_param_sync on >= 0.16 with TE >= 2.10)."""
+    problems = []
+    for r in records:
+        wait, build = r.get("gpu_wait_ms"), r.get("gpu_build_ms")
+        if wait is None or build is None or wait < 0 or not build > 0:
+            problems.append(f"step {r['step']} chunk {r['chunk']} rank {r.get('rank')}: GPU times "
+                            f"wait {wait} ms, build {build} ms (expected a wait >= 0, a build > 0)")
+    return problems
+
+
 def write_json(path: str, payload: Any) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(payload, f, indent=1, default=str)

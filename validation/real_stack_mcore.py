@@ -297,6 +297,8 @@ def _run_policy(o: Opts, policy: str, out_dir: str, rank: int, run_index: int) -
         n_records = len(records)
         if n_records != o.steps * o.vp:
             problems.append(f"{n_records} plugin records, expected {o.steps * o.vp}")
+        if policy == "aligned" and torch.cuda.is_available():
+            problems += common.gpu_time_problems(records)
     if watch is not None:
         problems += common.weight_problems(policy, o.steps, watch, probe, records,
                                            [len(w) for w in weights])
