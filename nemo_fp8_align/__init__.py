@@ -28,7 +28,7 @@ _LAZY: Dict[str, str] = {
     "align_fp8_transposes": "integrations.megatron",
     "FP8TransposeAlignment": "integrations.nemo.callback",
     "FP8TransposeAlignMixin": "integrations.nemo.mixin",
-    "FP8Weights": "integrations.nemo.mixin",
+    "FP8Weights": "integrations.nemo.build",
     # engine and backends
     "TransposeAligner": "core.aligner",
     "InterleavedSchedule": "core.schedule",

@@ -2,8 +2,8 @@
 
 The NeMo model is replaced by a small LightningModule that looks like one to the callback
 (``cfg``, ``model`` chunks with ``start_param_sync``, ``use_mcore_dist_optim``) and whose
-training_step makes the schedule's pre-loop launches; ``build_aligner`` (which needs
-megatron-core's parallel state) is replaced by a recorder. The callback on NeMo's real
+training_step calls ``fwd_bwd_step``, which makes the schedule's pre-loop launches, as NeMo's
+does; ``build_aligner`` (which needs megatron-core's parallel state) is replaced by a recorder. The callback on NeMo's real
 MegatronGPTModel runs in tests/test_smoke_nemo.py.
 """
 
@@ -22,10 +22,11 @@ from omegaconf import OmegaConf
 
 from nemo_fp8_align.config import AlignConfig, Policy
 from nemo_fp8_align.core.telemetry import TransposeRecord
-from nemo_fp8_align.integrations.nemo import callback as callback_module
+from nemo_fp8_align.integrations.nemo import session as session_module
 from nemo_fp8_align.integrations.nemo.callback import FP8TransposeAlignment
 from nemo_fp8_align.config_check.check import FP8AlignConfigError, align_config_from
 from nemo_fp8_align.integrations.nemo.mixin import FP8Weights
+from nemo_fp8_align.integrations.nemo.session import NeMoSession
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE = os.path.join(ROOT, "conf", "megatron_gpt_cpu_smoke.yaml")
@@ -54,9 +55,9 @@ def test_constructor_checks_its_arguments():
 def test_picklable_and_state_dict_round_trip():
     cb = FP8TransposeAlignment(policy="aligned", weights="reference")
     cb.steps, cb.transposes = 3, 27
-    cb._aligner = object()  # runtime state never travels
+    cb._session = object()  # runtime state never travels
     clone = pickle.loads(pickle.dumps(cb))
-    assert clone._aligner is None and clone.config == cb.config and clone.steps == 3
+    assert clone._session is None and clone.config == cb.config and clone.steps == 3
     fresh = FP8TransposeAlignment()
     fresh.load_state_dict(cb.state_dict())
     assert (fresh.steps, fresh.transposes) == (3, 27)
@@ -89,15 +90,19 @@ class NemoLikeModule(LightningModule):
         self.ddp_setups += 1
 
     def training_step(self, batch, batch_idx):
+        # NeMo's training_step runs the step's forwards and backwards in fwd_bwd_step.
+        loss = self.fwd_bwd_step(iter([batch]), False)
+        self.log("model_loss", loss.detach())  # the model's own metric, as NeMo's loss
+        return loss
+
+    def fwd_bwd_step(self, dataloader_iter, forward_only, first_val_step=None):
         # NeMo binds param_sync_func from the chunks inside the step, then the schedule's
         # pre-loop calls pass the parameters positionally.
         funcs = [chunk.start_param_sync for chunk in self.model]
         funcs[0](self.model[0].parameters())
         funcs[1](self.model[1].parameters())
         self.model[0].start_param_sync(force_sync=True)  # a keyword-only caller: not a launch
-        loss = self.model[1](self.model[0](batch)).sum()
-        self.log("model_loss", loss.detach())  # the model's own metric, as NeMo's loss
-        return loss
+        return self.model[1](self.model[0](next(dataloader_iter))).sum()
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -165,7 +170,7 @@ def run_fit(monkeypatch, cb, module, logger=None):
         aligners[-1].config, aligners[-1].weights_kind = config, weights
         return aligners[-1]
 
-    monkeypatch.setattr(callback_module, "build_aligner", fake_build)
+    monkeypatch.setattr(session_module, "build_aligner", fake_build)
     trainer = Trainer(accelerator="cpu", devices=1, max_steps=3, logger=logger or False,
                       callbacks=cb if isinstance(cb, list) else [cb],
                       enable_checkpointing=False, enable_progress_bar=False,
@@ -186,7 +191,7 @@ def test_real_trainer_attaches_wraps_per_batch_logs_and_detaches(monkeypatch):
     assert not aligner.attached_  # detached at teardown
     assert all("start_param_sync" not in c.__dict__ for c in module.model)
     assert "setup_mcore_distributed_parallel" not in module.__dict__
-    assert cb._aligner is None and (cb.steps, cb.transposes) == (3, 24)
+    assert cb._session is None and (cb.steps, cb.transposes) == (3, 24)
     logged = [row for row in logger.rows if "fp8_align/chunk1/slot_skew" in row[1]]
     assert len(logged) == 3
     # One logger row per step, the same row (and step) as the model's own metric.
@@ -270,12 +275,12 @@ class ApexLikeModule(NemoLikeModule):
     def sync_overlap_parameters(self, params=None):
         self.synced.append(None if params is None else len(list(params)))
 
-    def training_step(self, batch, batch_idx):
+    def fwd_bwd_step(self, dataloader_iter, forward_only, first_val_step=None):
         func = self.sync_overlap_parameters  # what NeMo's fwd_bwd_step binds
         func(self.model[0].parameters())
         func(self.model[1].parameters())
         func()  # not a schedule launch (no parameters)
-        return self.model[1](self.model[0](batch)).sum()
+        return self.model[1](self.model[0](next(dataloader_iter))).sum()
 
 
 def test_real_trainer_apex_path_wraps_sync_overlap_parameters(monkeypatch):
@@ -379,9 +384,8 @@ def test_entry_point_steps_aside_for_the_mixin_and_an_explicit_callback(monkeypa
         def __init__(self, cfg):
             ReferenceNemoLikeModule.__init__(self, cfg)
             # The mixin's state with its own plugin off: only the entry point could attach.
-            self._fp8_align_config = AlignConfig(enabled=False)
-            self._fp8_aligner, self._fp8_align_in_training_step = None, False
-            self._fp8_align_logged_step = -1
+            self._fp8_align_session = NeMoSession(self, AlignConfig(enabled=False),
+                                                  weights=FP8Weights.REFERENCE)
 
     _, aligners = run_fit(monkeypatch, [], WithMixin(smoke_cfg().model))
     assert aligners == []
@@ -409,7 +413,7 @@ def test_exception_inside_fit_detaches_and_unwraps(monkeypatch):
     module = FailingModule(smoke_cfg().model)
     with pytest.raises(ValueError, match="boom"):
         run_fit(monkeypatch, cb, module)
-    assert cb._aligner is None and cb._wrapped == []
+    assert cb._session is None and cb.aligner is None
     assert all("start_param_sync" not in c.__dict__ for c in module.model)
 
 
@@ -429,7 +433,7 @@ def test_steps_follow_global_step_across_a_resume(monkeypatch, tmp_path):
     ckpt = tmp_path / "step3.ckpt"
     trainer.save_checkpoint(ckpt)
     aligners = []
-    monkeypatch.setattr(callback_module, "build_aligner",
+    monkeypatch.setattr(session_module, "build_aligner",
                         lambda model, config, *, weights: aligners.append(FakeAligner())
                         or aligners[-1])
     resumed = Trainer(accelerator="cpu", devices=1, max_steps=5, logger=False,
@@ -444,7 +448,7 @@ def test_unwritable_or_shared_telemetry_path_fails_at_setup(monkeypatch, tmp_pat
     cfg.fp8_transpose_align.telemetry_path = str(tmp_path / "missing_dir" / "t.rank{rank}.jsonl")
     with pytest.raises(ValueError, match="cannot write .*missing_dir"):
         run_fit(monkeypatch, FP8TransposeAlignment(), ReferenceNemoLikeModule(cfg))
-    from nemo_fp8_align.integrations.nemo.mixin import check_telemetry_path
+    from nemo_fp8_align.integrations.nemo.build import check_telemetry_path
 
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 4)
@@ -470,7 +474,87 @@ def test_validate_and_test_around_fit_attach_nothing(monkeypatch):
     assert len(aligners) == 1 and not aligners[0].attached_
     trainer.validate(module, verbose=False)
     trainer.test(module, verbose=False)
-    assert len(aligners) == 1 and cb._aligner is None  # forward-only: no aligner, no wrappers
+    assert len(aligners) == 1 and cb._session is None  # forward-only: no aligner, no wrappers
     assert all("start_param_sync" not in c.__dict__ for c in module.model)
     trainer.fit(module)  # again (max_steps already reached): nothing left attached afterwards
     assert all(not a.attached_ for a in aligners)
+
+
+# ---------------------------------------------------------------------------------------------
+# one wiring with the mixin (integrations/nemo/session.py): where the step closes, skipped hooks
+
+
+class SkipsFirstBatch(ReferenceNemoLikeModule):
+    """Its on_train_batch_start returns -1 on the first batch: Lightning 2.4 has already run the
+    callbacks' on_train_batch_start, then ends the epoch (StopIteration) with no training step
+    and no on_train_batch_end; training goes on in the next epoch."""
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.current_epoch == 0 and batch_idx == 0:
+            return -1
+        return None
+
+
+def test_a_skipped_on_train_batch_end_does_not_double_the_launch_wrapper(monkeypatch):
+    cb = FP8TransposeAlignment()
+    module = SkipsFirstBatch(smoke_cfg().model)
+    trainer, (aligner,) = run_fit(monkeypatch, cb, module)
+    assert trainer.current_epoch >= 1  # the skip really ended epoch 0
+    assert aligner.launched == [0, 1] * 3  # every launch reported once, first batch included
+    assert module.model[0].started == [True, False] * 3
+    assert aligner.next_steps == [0, 1, 2] and aligner.step_ends == 3 and cb.steps == 3
+    assert all("start_param_sync" not in c.__dict__ for c in module.model)
+
+
+class RecordingSGD(torch.optim.SGD):
+    def __init__(self, params, events):
+        super().__init__(params, lr=0.1)
+        self.events = events
+
+    def step(self, closure=None):
+        out = super().step(closure)
+        self.events.append("optimizer step")
+        return out
+
+
+class OrderedModule(ReferenceNemoLikeModule):
+    def __init__(self, cfg, events):
+        super().__init__(cfg)
+        self.events = events
+
+    def configure_optimizers(self):
+        return RecordingSGD(self.parameters(), self.events)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.events.append("batch end")
+
+
+def test_the_step_closes_when_the_training_fwd_bwd_step_returns_before_the_optimizer_step(
+        monkeypatch):
+    # NeMo 2.3.3: training_step runs the step's forwards in fwd_bwd_step; Lightning's automatic
+    # optimization then steps the optimizer, and only then calls on_train_batch_end. The step is
+    # judged (on_step_end) before the optimizer applies it, as the mixin does.
+    events = []
+    monkeypatch.setattr(FakeAligner, "on_step_end", lambda self: events.append("step end"),
+                        raising=False)
+    cb = FP8TransposeAlignment()
+    _, aligners = run_fit(monkeypatch, cb, OrderedModule(smoke_cfg().model, events))
+    assert len(aligners) == 1
+    assert events == ["step end", "optimizer step", "batch end"] * 3
+
+
+def test_a_config_naming_the_old_class_path_still_instantiates():
+    # 0.1.0 configs (NeMo's trainer.callbacks / exp_manager YAML) name the old module path.
+    from hydra.utils import instantiate
+
+    from nemo_fp8_align.integrations.nemo.mixin import FP8TransposeAlignMixin
+
+    cfg = OmegaConf.create({"callbacks": [{
+        "_target_": "nemo_fp8_align.nemo.callback.FP8TransposeAlignment", "policy": "lazy",
+        "log_every_n_steps": 5}]})
+    (cb,) = [instantiate(c) for c in cfg.callbacks]
+    assert type(cb) is FP8TransposeAlignment
+    assert cb.config.policy is Policy.LAZY and cb.log_every_n_steps == 5
+    old_mixin = instantiate({"_target_": "hydra.utils.get_class",
+                             "path": "nemo_fp8_align.nemo.mixin.FP8TransposeAlignMixin"})
+    assert old_mixin is FP8TransposeAlignMixin

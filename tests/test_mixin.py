@@ -24,8 +24,11 @@ gpt = pytest.importorskip(
     reason="needs nemo_toolkit 2.3.3 (MegatronGPTModel)")
 MegatronGPTModel = gpt.MegatronGPTModel
 
+from nemo_fp8_align.config import AlignConfig  # noqa: E402
 from nemo_fp8_align.config_check.check import FP8AlignConfigError  # noqa: E402
-from nemo_fp8_align.integrations.nemo.mixin import FP8TransposeAlignMixin, FP8Weights, startup_check  # noqa: E402
+from nemo_fp8_align.integrations.nemo.build import startup_check  # noqa: E402
+from nemo_fp8_align.integrations.nemo.mixin import FP8TransposeAlignMixin, FP8Weights  # noqa: E402
+from nemo_fp8_align.integrations.nemo.session import NeMoSession  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE = os.path.join(ROOT, "conf", "megatron_gpt_cpu_smoke.yaml")
@@ -131,7 +134,7 @@ def test_ddp_setup_workaround_only_when_the_plugin_is_active(monkeypatch, enable
     from megatron.core import parallel_state
 
     from nemo_fp8_align.config import AlignConfig
-    from nemo_fp8_align.integrations.nemo.mixin import SharedEmbeddingBucketError
+    from nemo_fp8_align.errors import SharedEmbeddingBucketError
 
     seen = []
 
@@ -144,7 +147,7 @@ def test_ddp_setup_workaround_only_when_the_plugin_is_active(monkeypatch, enable
         monkeypatch.setattr(parallel_state, "get_data_parallel_world_size",
                             lambda with_context_parallel=False, dp=dp: dp)
         model = bare_model(use_mcore=True)
-        model._fp8_align_config = AlignConfig(enabled=enabled)
+        model.fp8_align_session.config = AlignConfig(enabled=enabled)
         shared = [next(iter(model.model[0].parameters()))]
         shared[0].shared_embedding = True
         if enabled and dp == 2:
@@ -199,9 +202,10 @@ def bare_model(use_mcore):
     torch.nn.Module.__init__(model)
     model.use_mcore_dist_optim = use_mcore
     model.model = [FakeDDPChunk(), FakeDDPChunk()]
-    model._fp8_aligner = FakeAligner()
-    model._fp8_align_in_training_step = False
-    model._fp8_align_chunk_of_first_param = {
+    # The session attach() would give it: the aligner, each chunk's first parameter.
+    model._fp8_align_session = NeMoSession(model, AlignConfig(), weights=FP8Weights.REFERENCE)
+    model.fp8_align_session.aligner = FakeAligner()
+    model.fp8_align_session._first_param = {
         id(next(iter(c.parameters()))): i for i, c in enumerate(model.model)}
     model._fabric, model._jit_is_scripting = None, False
     model._trainer = SimpleNamespace(global_step=7, log_every_n_steps=1, is_global_zero=True)
@@ -231,15 +235,15 @@ def test_training_step_launches_reach_the_aligner_and_nothing_is_left_behind(
                         lambda self, params=None: synced.append(list(params)))
     model = bare_model(use_mcore)
     assert model.fwd_bwd_step(iter([]), forward_only=False) == "loss"
-    assert model._fp8_aligner.launched == [0, 1]
+    assert model.fp8_aligner.launched == [0, 1]
     # Numbered by the trainer's global_step (resume-proof), and closed when fwd_bwd returns.
-    assert model._fp8_aligner.steps == [7] and model._fp8_aligner.step_ends == 1
+    assert model.fp8_aligner.steps == [7] and model.fp8_aligner.step_ends == 1
     if use_mcore:
         assert [c.started for c in model.model] == [2, 1]
         assert all("start_param_sync" not in c.__dict__ for c in model.model)
     else:
         assert [len(p) for p in synced] == [2, 2]  # NeMo still got every parameter
-    assert not model._fp8_align_in_training_step
+    assert not model.fp8_align_session.in_training_step
 
 
 @pytest.mark.parametrize("use_mcore", [True, False], ids=["mcore", "apex"])
@@ -249,13 +253,13 @@ def test_forward_only_passes_notify_nothing(monkeypatch, use_mcore):
     model = bare_model(use_mcore)
     model.fwd_bwd_step(iter([]), forward_only=True)
     model.sync_overlap_parameters(model.model[0].parameters())  # outside a training step
-    assert model._fp8_aligner.launched == []
+    assert model.fp8_aligner.launched == []
 
 
 def test_detach_is_idempotent():
     model = bare_model(True)
     detached = []
-    model._fp8_aligner.detach = lambda: detached.append(1)
+    model.fp8_aligner.detach = lambda: detached.append(1)
     model.fp8_align_detach()
     model.fp8_align_detach()
     assert detached == [1] and model.fp8_aligner is None
@@ -275,8 +279,8 @@ BUCKET_SCRIPT = textwrap.dedent("""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer import TransformerConfig
-    from nemo_fp8_align.integrations.nemo.mixin import (SharedEmbeddingBucketError, check_buckets,
-                                           shared_embedding_bucket_workaround)
+    from nemo_fp8_align.integrations.nemo.bucket_workaround import (
+        SharedEmbeddingBucketError, check_buckets, shared_embedding_bucket_workaround)
 
     def build(workaround):
         torch.manual_seed(0)
@@ -345,7 +349,7 @@ def fake_te_api(float8_cls):
 def test_te_weights_are_the_float8_parameters_of_each_chunk(monkeypatch):
     from nemo_fp8_align.config import AlignConfig
     from nemo_fp8_align.backends import te as te_backend
-    from nemo_fp8_align.integrations.nemo import mixin
+    from nemo_fp8_align.integrations.nemo import build
 
     class Float8Tensor(torch.nn.Parameter):  # stands in for TE's class
         pass
@@ -353,7 +357,7 @@ def test_te_weights_are_the_float8_parameters_of_each_chunk(monkeypatch):
     monkeypatch.setattr(te_backend, "load_te_api", lambda: fake_te_api(Float8Tensor))
     chunks = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
     chunks[1].weight = Float8Tensor(torch.zeros(2, 2))
-    weights, backend = mixin._weights_and_backend(chunks, AlignConfig(), FP8Weights.TE)
+    weights, backend = build._weights_and_backend(chunks, AlignConfig(), FP8Weights.TE)
     assert backend.name == "te-2.20"
     assert weights == [[], [chunks[1].weight]]
 
@@ -361,14 +365,14 @@ def test_te_weights_are_the_float8_parameters_of_each_chunk(monkeypatch):
 def test_te_weights_without_te_say_how_to_fix(monkeypatch):
     from nemo_fp8_align.config import AlignConfig
     from nemo_fp8_align.backends import te as te_backend
-    from nemo_fp8_align.integrations.nemo import mixin
+    from nemo_fp8_align.integrations.nemo import build
 
     def no_te():
         raise ImportError("Transformer Engine is not importable here.")
 
     monkeypatch.setattr(te_backend, "load_te_api", no_te)
     with pytest.raises(RuntimeError, match="fp8_transpose_align.enabled=False"):
-        mixin._weights_and_backend([torch.nn.Linear(2, 2)], AlignConfig(), FP8Weights.TE)
+        build._weights_and_backend([torch.nn.Linear(2, 2)], AlignConfig(), FP8Weights.TE)
 
 
 def test_mixin_logs_each_step_once_with_the_gathered_metrics(monkeypatch):
@@ -379,7 +383,6 @@ def test_mixin_logs_each_step_once_with_the_gathered_metrics(monkeypatch):
     monkeypatch.setattr(AlignedGPT, "log_dict",
                         lambda self, metrics, **kw: logged.append((metrics, kw)), raising=False)
     model = bare_model(use_mcore=True)
-    model._fp8_align_logged_step = -1
 
     def rec(step, chunk, slot):
         return TransposeRecord(step=step, pp_rank=0, dp_rank=0, chunk=chunk, policy="lazy",
@@ -387,7 +390,7 @@ def test_mixin_logs_each_step_once_with_the_gathered_metrics(monkeypatch):
                                transposed=3, weights=3, after_all_gather=True, seconds=None,
                                t_slot=1.0 + chunk, t_done=1.5 + chunk)
 
-    model._fp8_aligner.records = [rec(0, 0, 0), rec(0, 1, 2)]
+    model.fp8_aligner.records = [rec(0, 0, 0), rec(0, 1, 2)]
     model.on_train_batch_end(None, None, 0)
     model.on_train_batch_end(None, None, 0)  # no new step: nothing logged again
     (metrics, kwargs), = logged
@@ -405,8 +408,118 @@ def test_exception_inside_a_training_step_detaches(monkeypatch):
     monkeypatch.setattr(MegatronGPTModel, "fwd_bwd_step", failing_fwd_bwd_step)
     model = bare_model(use_mcore=True)
     detached = []
-    model._fp8_aligner.detach = lambda: detached.append(1)
+    model.fp8_aligner.detach = lambda: detached.append(1)
     with pytest.raises(ValueError, match="boom"):
         model.fwd_bwd_step(iter([]), forward_only=False)
     assert detached == [1] and model.fp8_aligner is None
     assert all("start_param_sync" not in c.__dict__ for c in model.model)
+
+
+# ---------------------------------------------------------------------------------------------
+# one wiring with the callback (integrations/nemo/session.py): error paths, log_every_n_steps
+
+
+class FinishedSync:
+    """Every chunk's all-gather is complete when asked (the ChunkParamSync protocol)."""
+
+    def finish(self, chunk):
+        return True
+
+    def finished(self, chunk):
+        return True
+
+
+def real_aligner(chunks):
+    from nemo_fp8_align.backends.reference import ReferenceBackend, ReferenceFP8Weight
+    from nemo_fp8_align.core.aligner import TransposeAligner
+    from nemo_fp8_align.core.schedule import InterleavedSchedule
+
+    weights = [[ReferenceFP8Weight(chunk.lin.weight, name=f"chunk{c}")]
+               for c, chunk in enumerate(chunks)]
+    return TransposeAligner(chunks, schedule=InterleavedSchedule(2, 2, 4), pp_rank=0, dp_rank=0,
+                            param_sync=FinishedSync(), weights=weights,
+                            backend=ReferenceBackend(use_triton_kernel=False),
+                            config=AlignConfig())
+
+
+def attached_model(monkeypatch, use_mcore):
+    """bare_model with a real aligner attached through the mixin's own attach."""
+    from nemo_fp8_align.core import claims
+    from nemo_fp8_align.integrations.nemo import session as session_module
+
+    model = bare_model(use_mcore)
+    model.fp8_align_session.aligner = None
+    aligner = real_aligner(model.model)
+    monkeypatch.setattr(session_module, "build_aligner", lambda m, config, *, weights: aligner)
+    assert model.fp8_align_attach()
+    assert all(claims.holder_of(c) is aligner and c._forward_pre_hooks for c in model.model)
+    return model
+
+
+def assert_nothing_left(model):
+    from nemo_fp8_align.core import claims
+
+    assert model.fp8_aligner is None
+    for chunk in model.model:
+        assert claims.holder_of(chunk) is None
+        assert not chunk._forward_pre_hooks and not chunk._forward_hooks
+        assert "start_param_sync" not in chunk.__dict__  # NeMo's launch function again
+    assert "sync_overlap_parameters" not in model.__dict__
+
+
+@pytest.mark.parametrize("use_mcore", [True, False], ids=["mcore", "apex"])
+def test_an_error_raised_by_the_step_close_leaves_no_hook_and_no_claim(monkeypatch, use_mcore):
+    from nemo_fp8_align.errors import StepMismatchError
+
+    # Both pre-loop launches, then no forward at all: on_step_end raises (ran 0 of 8 forwards).
+    monkeypatch.setattr(MegatronGPTModel, "fwd_bwd_step", nemo_like_fwd_bwd_step)
+    monkeypatch.setattr(MegatronGPTModel, "sync_overlap_parameters", lambda self, params=None: None)
+    model = attached_model(monkeypatch, use_mcore)
+    with pytest.raises(StepMismatchError, match="ran 0 forwards"):
+        model.fwd_bwd_step(iter([]), forward_only=False)
+    assert_nothing_left(model)  # Lightning runs no teardown of the model after an exception
+
+
+def test_an_error_in_nemos_batch_end_leaves_no_hook_and_no_claim(monkeypatch):
+    def failing_batch_end(self, *args, **kwargs):
+        raise RuntimeError("NeMo's on_train_batch_end failed")
+
+    monkeypatch.setattr(MegatronGPTModel, "on_train_batch_end", failing_batch_end)
+    model = attached_model(monkeypatch, use_mcore=True)
+    with pytest.raises(RuntimeError, match="on_train_batch_end failed"):
+        model.on_train_batch_end(None, None, 0)
+    assert_nothing_left(model)
+
+
+def test_mixin_has_log_every_n_steps_as_the_callback(monkeypatch):
+    from nemo_fp8_align.core.telemetry import TransposeRecord
+
+    class EveryTwo(ReferenceGPT):
+        fp8_align_log_every_n_steps = 2
+
+    class Bad(ReferenceGPT):
+        fp8_align_log_every_n_steps = 0
+
+    monkeypatch.setattr(MegatronGPTModel, "__init__", lambda self, *a, **k: None)
+    monkeypatch.setattr(MegatronGPTModel, "on_train_batch_end", lambda self, *a, **k: None)
+    with pytest.raises(ValueError, match="Bad.fp8_align_log_every_n_steps=0"):
+        Bad(smoke_cfg().model, trainer())
+    logged = []
+    monkeypatch.setattr(AlignedGPT, "log_dict",
+                        lambda self, metrics, **kw: logged.append(self.trainer.global_step),
+                        raising=False)
+    model = EveryTwo(smoke_cfg().model, trainer())
+    aligner = FakeAligner()
+    aligner.records = []
+    model.__dict__.update(_fabric=None, _jit_is_scripting=False, model=[FakeDDPChunk()],
+                          _trainer=SimpleNamespace(global_step=0, log_every_n_steps=1,
+                                                   is_global_zero=True))
+    model.fp8_align_session.aligner = aligner
+    for step in range(4):  # the trainer's global_step counts the step just finished
+        aligner.records.append(TransposeRecord(
+            step=step, pp_rank=0, dp_rank=0, chunk=0, policy="aligned", backend="fake",
+            vmid=-1, slot=0, aligned_slot=0, transposed=1, weights=1, after_all_gather=True,
+            seconds=0.001))
+        model.trainer.global_step = step + 1
+        model.on_train_batch_end(None, None, step)
+    assert logged == [2, 4]  # not every step: the trainer's log_every_n_steps is 1

@@ -136,7 +136,7 @@ def with_reference_fp8_linears(spec: Any, *, check_provenance: bool = True) -> A
 def invalidate_reference_fp8_weights(modules: Iterable[torch.nn.Module]) -> int:
     """Mark every reference FP8 copy in ``modules`` stale (the optimizer changed the weights);
     returns how many."""
-    from nemo_fp8_align.integrations.nemo.mixin import reference_weights_of
+    from nemo_fp8_align.integrations.nemo.build import reference_weights_of
 
     weights = [w for module in modules for w in reference_weights_of(module)]
     for weight in weights:

@@ -11,14 +11,13 @@ NeMo-Framework-Launcher), the package's Lightning ``callbacks_factory`` entry po
 (:func:`callbacks_factory`) add one to every Trainer; it stays inert unless the model config has
 the block and it enables the plugin (``+model.fp8_transpose_align.policy=aligned``).
 
-Lifecycle: ``setup`` (fit only) reads the block and runs the startup check on ``pl_module.cfg``;
-``on_train_start`` builds and attaches the rank's aligner; each training batch
-(``on_train_batch_start`` .. ``on_train_batch_end``) wraps the launch functions NeMo binds into
-``config.param_sync_func`` (``pl_module.sync_overlap_parameters`` for Apex, each chunk's
-``start_param_sync`` for megatron-core DDP) and unwraps them afterwards, so validation passes
-inside ``fit`` see NeMo unchanged; ``on_train_batch_end`` gathers the step's records over the
-pipeline ranks and logs them once (:mod:`nemo_fp8_align.integrations.nemo.metrics`); ``teardown`` and
-``on_exception`` detach everything.
+The Lightning hooks only: the work is done by
+:class:`~nemo_fp8_align.integrations.nemo.session.NeMoSession`, the wiring the mixin uses too.
+``setup`` (fit only) reads the block, runs the startup check on ``pl_module.cfg`` and opens the
+session, which shadows the model's ``fwd_bwd_step`` (and ``setup_mcore_distributed_parallel``,
+or for Apex ``sync_overlap_parameters``) on the instance until it closes; ``on_train_start``
+attaches the rank's aligner; ``on_train_batch_end`` logs the step's metrics once; ``teardown``
+and ``on_exception`` close the session.
 """
 
 from __future__ import annotations
@@ -28,25 +27,13 @@ import logging
 from typing import Any, Dict, List, Optional, Union
 
 from lightning.pytorch import Callback
-from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from nemo_fp8_align.config import AlignConfig
-from nemo_fp8_align.integrations.nemo.metrics import last_step_records, log_step_metrics
-from nemo_fp8_align.integrations.nemo.mixin import (
-    FP8TransposeAlignMixin,
-    FP8Weights,
-    build_aligner,
-    check_buckets,
-    check_telemetry_path,
-    detect_weights,
-    first_param_index,
-    hide_shared_embedding_flags,
-    model_chunks,
-    restore_shared_embedding_flags,
-    schedule_launch,
-    startup_check,
-)
+from nemo_fp8_align.integrations.nemo.build import (FP8Weights, check_telemetry_path,
+                                                   detect_weights, model_chunks, startup_check)
+from nemo_fp8_align.integrations.nemo.mixin import FP8TransposeAlignMixin
+from nemo_fp8_align.integrations.nemo.session import NeMoSession, check_log_every_n_steps
 
 __all__ = ["FP8TransposeAlignment", "callbacks_factory", "pl_callbacks_factory"]
 
@@ -85,10 +72,8 @@ class FP8TransposeAlignment(Callback):
         super().__init__()
         if enabled is not _UNSET and not isinstance(enabled, bool):
             raise TypeError(f"FP8TransposeAlignment(enabled={enabled!r}): expected True or False")
-        if log_every_n_steps is not None and (type(log_every_n_steps) is not int
-                                              or log_every_n_steps < 1):
-            raise ValueError(f"FP8TransposeAlignment(log_every_n_steps={log_every_n_steps!r}): "
-                             "expected an int >= 1 (or None: the trainer's log_every_n_steps)")
+        check_log_every_n_steps(log_every_n_steps,
+                                setting="FP8TransposeAlignment.log_every_n_steps")
         try:
             self.weights = None if weights is None else FP8Weights(weights)
         except ValueError:
@@ -112,12 +97,13 @@ class FP8TransposeAlignment(Callback):
         self._reset_runtime()
 
     def _reset_runtime(self) -> None:
-        self._aligner: Any = None
-        self._first_param: Dict[int, int] = {}
-        self._wrapped: List[Any] = []
-        self._active = False
+        self._session: Optional[NeMoSession] = None  # open from setup (fit) to teardown
         self._weights = self.weights
-        self._counted_step = -1
+
+    @property
+    def aligner(self) -> Any:
+        """The rank's :class:`TransposeAligner` while training (None otherwise)."""
+        return self._session.aligner if self._session is not None else None
 
     @property
     @override
@@ -129,8 +115,7 @@ class FP8TransposeAlignment(Callback):
     # ------------------------------------------------------------------ pickling
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
-        for key in ("_aligner", "_first_param", "_wrapped", "_active", "_weights",
-                    "_counted_step"):
+        for key in ("_session", "_weights"):
             state.pop(key, None)
         return state
 
@@ -141,7 +126,7 @@ class FP8TransposeAlignment(Callback):
     # ------------------------------------------------------------------ hooks
     @override
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        self._active = False
+        self._close_session()
         if stage != "fit":
             return
         cfg = getattr(pl_module, "cfg", None)
@@ -150,9 +135,9 @@ class FP8TransposeAlignment(Callback):
             if reason:
                 logger.debug("nemo_fp8_align: entry-point callback inert: %s", reason)
                 return
-        elif cfg is None:
-            raise TypeError(f"FP8TransposeAlignment needs a NeMo Megatron GPT model (with .cfg); "
-                            f"got {type(pl_module).__name__}")
+        elif cfg is None or not callable(getattr(pl_module, "fwd_bwd_step", None)):
+            raise TypeError(f"FP8TransposeAlignment needs a NeMo Megatron GPT model (with .cfg "
+                            f"and fwd_bwd_step); got {type(pl_module).__name__}")
         self.config = self._resolve(cfg)
         if not self.config.active:
             return
@@ -172,9 +157,10 @@ class FP8TransposeAlignment(Callback):
         self._weights = self.weights or detect_weights(model_chunks(pl_module))
         startup_check(self._cfg_with_block(cfg), trainer, weights=self._weights)
         check_telemetry_path(self.config.telemetry_path)
-        self._active = True
-        if getattr(pl_module, "use_mcore_dist_optim", False):
-            self._wrap_ddp_setup(pl_module)
+        self._session = NeMoSession(pl_module, self.config, weights=self._weights,
+                                    log_every_n_steps=self.log_every_n_steps,
+                                    entry="entry point" if self.from_entry_point else "callback")
+        self._session.shadow_module_methods()
 
     def _resolve(self, cfg: Any) -> AlignConfig:
         """``model.fp8_transpose_align`` (checked: unknown keys and bad values raise) with this
@@ -182,27 +168,6 @@ class FP8TransposeAlignment(Callback):
         from nemo_fp8_align.config_check.check import align_config_from
 
         return dataclasses.replace(align_config_from(cfg), **self.overrides)
-
-    def _wrap_ddp_setup(self, pl_module: Any) -> None:
-        """megatron-core 0.12.3's shared-embedding bucket bug stops NeMo's interleaved path
-        (see :func:`nemo_fp8_align.integrations.nemo.mixin.shared_embedding_bucket_workaround`); NeMo sets
-        the flag again in its own ``setup``, so the workaround wraps the DDP construction
-        itself (NLPDDPStrategy.configure_ddp calls ``model.setup_mcore_distributed_parallel``)."""
-        original = pl_module.setup_mcore_distributed_parallel
-
-        def setup_mcore_distributed_parallel() -> None:
-            from megatron.core import parallel_state
-
-            del pl_module.setup_mcore_distributed_parallel  # once: back to NeMo's method
-            dp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
-            hidden = hide_shared_embedding_flags(model_chunks(pl_module), data_parallel_size=dp)
-            try:
-                original()
-            finally:
-                restore_shared_embedding_flags(hidden)
-            check_buckets(model_chunks(pl_module))
-
-        pl_module.setup_mcore_distributed_parallel = setup_mcore_distributed_parallel
 
     def _cfg_with_block(self, cfg: Any) -> Any:
         """The model config with ``fp8_transpose_align`` replaced by this callback's settings."""
@@ -218,42 +183,18 @@ class FP8TransposeAlignment(Callback):
 
     @override
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        if not self._active or self._aligner is not None:
-            return
-        aligner = build_aligner(pl_module, self.config, weights=self._weights)
-        if aligner.attach():
-            self._aligner = aligner
-            self._first_param = first_param_index(model_chunks(pl_module))
-            # Lightning's rank-zero logger is the one NeMo's logs show (once, not per rank).
-            rank_zero_info(
-                f"nemo_fp8_align: {self.config.policy.value} FP8 transposes attached "
-                f"({'entry point' if self.from_entry_point else 'callback'}; "
-                f"{len(aligner.weights)} chunks, FP8 weights per chunk "
-                f"{[len(w) for w in aligner.weights]}, backend {aligner.backend.name})")
-
-    @override
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
-                             batch_idx: int) -> None:
-        if self._aligner is not None:
-            # Telemetry steps follow global_step (also after a resume from a checkpoint).
-            self._aligner.set_next_step(trainer.global_step)
-            self._wrap_launches(pl_module)
+        if self._session is not None:
+            self._session.attach()
 
     @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        self._unwrap_launches()
-        if self._aligner is None:
+        if self._session is None:
             return
-        self._aligner.on_step_end()  # every forward planned ran (NeMo has no finalize hook for it)
-        new = last_step_records(self._aligner.records)
-        if new and new[-1].step != self._counted_step:
-            self._counted_step = new[-1].step
+        new = self._session.log_metrics(trainer)
+        if new:
             self.transposes += sum(r.transposed for r in new)
             self.steps += 1
-        else:
-            new = []
-        log_step_metrics(pl_module, trainer, new, every_n_steps=self.log_every_n_steps)
 
     @override
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
@@ -262,42 +203,12 @@ class FP8TransposeAlignment(Callback):
 
     @override
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        if "setup_mcore_distributed_parallel" in pl_module.__dict__:
-            del pl_module.setup_mcore_distributed_parallel
-        self._unwrap_launches()
-        if self._aligner is not None:
-            self._aligner.detach()
-        self._reset_runtime()
+        self._close_session()
 
-    # ------------------------------------------------------------------ launch wrappers
-    def _wrap_launches(self, pl_module: Any) -> None:
-        aligner = self._aligner
-        if getattr(pl_module, "use_mcore_dist_optim", False):
-            for c, chunk in enumerate(model_chunks(pl_module)):
-                chunk.start_param_sync = schedule_launch(aligner, c, chunk.start_param_sync)
-                self._wrapped.append((chunk, "start_param_sync"))
-        else:
-            original = pl_module.sync_overlap_parameters
-            first = self._first_param
-
-            def sync_overlap_parameters(params: Any = None) -> None:
-                if params is None:
-                    return original(params)
-                params = list(params)  # the schedule passes a generator: read it once
-                original(params)
-                chunk = first.get(id(params[0])) if params else None
-                if chunk is not None:
-                    aligner.on_param_sync_launched(chunk)
-                return None
-
-            pl_module.sync_overlap_parameters = sync_overlap_parameters
-            self._wrapped.append((pl_module, "sync_overlap_parameters"))
-
-    def _unwrap_launches(self) -> None:
-        for owner, name in self._wrapped:
-            if name in owner.__dict__:
-                delattr(owner, name)
-        self._wrapped = []
+    def _close_session(self) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            session.close()
 
     # ------------------------------------------------------------------ checkpointing
     @override
@@ -305,7 +216,7 @@ class FP8TransposeAlignment(Callback):
         # Lightning saves no key for an empty state: an inert callback (the entry point's, on
         # every Trainer) then leaves checkpoints as without the plugin, which load anywhere
         # without Lightning's missing-callback warning.
-        if not (self._active or self.steps or self.transposes):
+        if not (self._session is not None or self.steps or self.transposes):
             return {}
         return {"steps": self.steps, "transposes": self.transposes}
 
@@ -330,6 +241,8 @@ def _entry_point_inert_reason(callback: FP8TransposeAlignment, trainer: Any, pl_
     block = get(BLOCK_KEY)
     if block is None:
         return f"model.{BLOCK_KEY} is not in the model config"
+    if not callable(getattr(pl_module, "fwd_bwd_step", None)):
+        return f"{type(pl_module).__name__} has no fwd_bwd_step (not a NeMo Megatron GPT model)"
     if isinstance(pl_module, FP8TransposeAlignMixin):
         return f"{type(pl_module).__name__} has FP8TransposeAlignMixin, which attaches the plugin"
     if any(isinstance(cb, FP8TransposeAlignment) and cb is not callback

@@ -1,0 +1,175 @@
+"""Building the rank's aligner for a NeMo ``MegatronGPTModel``: the startup check, the FP8
+weights and their backend, the optimizer's chunk param-sync adapter.
+
+Functions of the model and the config: the session (:mod:`.session`) builds the aligner with
+them, the mixin and the callback run the startup check with them.
+
+FP8 weights: ``model.fp8_params=True`` means Transformer Engine ``Float8Tensor`` parameters
+(:attr:`FP8Weights.TE`, backend ``nemo_fp8_align.backends.te``). Where TE is absent (the CPU
+smoke run), :attr:`FP8Weights.REFERENCE` builds on the
+:class:`~nemo_fp8_align.backends.reference.ReferenceFP8Weight` copies the chunks' layers compute
+with (``module.fp8_weight``); the TE-only config keys are then not required by the startup check.
+Optimizer: ``optim.name=distributed_fused_adam`` gives
+:class:`~nemo_fp8_align.sync.apex.ApexParamSync`, ``mcore_distributed_optim``
+:class:`~nemo_fp8_align.sync.mcore.McoreParamSync`.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from nemo_fp8_align.config import AlignConfig
+
+__all__ = ["FP8Weights", "build_aligner", "check_telemetry_path", "detect_weights",
+           "first_param_index", "model_chunks", "reference_weights_of", "startup_check"]
+
+#: Config keys that only make sense with Transformer Engine FP8 weights; not required when the
+#: model uses reference FP8 shadows (TE absent).
+_TE_ONLY_KEYS = ("model.transformer_engine", "model.fp8", "model.fp8_params", "model.fp8_hybrid",
+                 "model.fp8_e4m3")
+
+
+class FP8Weights(str, enum.Enum):
+    """Which FP8 weights the aligner transposes."""
+
+    #: Transformer Engine ``Float8Tensor`` parameters (``model.fp8_params=True``).
+    TE = "te"
+    #: Plain-torch reference FP8 weights held by the chunks' layers as ``fp8_weight`` (no TE).
+    REFERENCE = "reference"
+
+
+def reference_weights_of(module: torch.nn.Module) -> List[Any]:
+    """The :class:`~nemo_fp8_align.backends.reference.ReferenceFP8Weight` objects ``module``'s
+    layers compute with (held as ``fp8_weight``), in module order, each once, named by their
+    layer."""
+    from nemo_fp8_align.backends.reference import ReferenceFP8Weight
+
+    found: List[Any] = []
+    seen = set()
+    for name, layer in module.named_modules():
+        weight = layer.__dict__.get("fp8_weight")
+        if isinstance(weight, ReferenceFP8Weight) and id(weight) not in seen:
+            seen.add(id(weight))
+            weight.name = name or weight.name
+            found.append(weight)
+    return found
+
+
+def detect_weights(chunks: Sequence[torch.nn.Module]) -> FP8Weights:
+    """REFERENCE when the chunks' layers hold reference FP8 weights (the CPU layers), else TE."""
+    has_reference = any(reference_weights_of(chunk) for chunk in chunks)
+    return FP8Weights.REFERENCE if has_reference else FP8Weights.TE
+
+
+def startup_check(cfg: Any, trainer: Any = None, *,
+                  weights: FP8Weights = FP8Weights.TE) -> AlignConfig:
+    """Check the model config; return the plugin's :class:`AlignConfig`.
+
+    Raises :class:`~nemo_fp8_align.config_check.check.FP8AlignConfigError` listing every violation.
+    ``trainer`` (when given) supplies the data-parallel size for the microbatch rules.
+    """
+    from nemo_fp8_align.config_check.check import (FP8AlignConfigError, align_config_from,
+                                                   find_violations, plugin_off_override)
+
+    violations = find_violations(cfg, data_parallel_size=_data_parallel_size(cfg, trainer))
+    if weights is FP8Weights.REFERENCE:
+        violations = [v for v in violations if v.key not in _TE_ONLY_KEYS]
+    if violations:
+        raise FP8AlignConfigError(violations, off=plugin_off_override(cfg))
+    return align_config_from(cfg)
+
+
+def check_telemetry_path(path: Optional[str]) -> None:
+    """:func:`nemo_fp8_align.integrations.megatron.check_telemetry_path`, naming the NeMo
+    setting."""
+    from nemo_fp8_align.integrations.megatron import check_telemetry_path as check
+
+    check(path, key="model.fp8_transpose_align.telemetry_path")
+
+
+def _data_parallel_size(cfg: Any, trainer: Any) -> Optional[int]:
+    world = getattr(trainer, "world_size", None)
+    if not isinstance(world, int) or world < 1:
+        return None
+    model_parallel = 1
+    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                "context_parallel_size"):
+        value = cfg.get(key, 1)
+        model_parallel *= value if isinstance(value, int) and value > 0 else 1
+    return world // model_parallel if world % model_parallel == 0 else None
+
+
+def model_chunks(model: Any) -> List[torch.nn.Module]:
+    """The modules NeMo's schedule calls: ``model.model`` as a list (one per virtual stage)."""
+    chunks = model.model
+    return list(chunks) if isinstance(chunks, (list, tuple, torch.nn.ModuleList)) else [chunks]
+
+
+def first_param_index(chunks: Sequence[torch.nn.Module]) -> Dict[int, int]:
+    """``id`` of each chunk's first parameter -> chunk index: how a ``param_sync_func`` call
+    (which receives ``model[c].parameters()``) is mapped back to its chunk."""
+    return {id(next(iter(chunk.parameters()))): c for c, chunk in enumerate(chunks)}
+
+
+def build_aligner(model: Any, config: AlignConfig, *,
+                  weights: FP8Weights = FP8Weights.TE) -> Any:
+    """The rank's :class:`TransposeAligner` for a set-up NeMo GPT model (not attached yet).
+
+    Call after the optimizer exists and before the first optimizer step (Apex's pre-forward
+    hooks are still disarmed then, so collecting parameters touches none).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+    from megatron.core.utils import get_model_config
+
+    from nemo_fp8_align.core.aligner import TransposeAligner
+    from nemo_fp8_align.integrations.megatron import schedule_for, telemetry_writer
+
+    chunks = model_chunks(model)
+    schedule = schedule_for(get_model_config(chunks[0]),
+                            pp=parallel_state.get_pipeline_model_parallel_world_size(),
+                            vp=len(chunks), num_microbatches=get_num_microbatches())
+    fp8_weights, backend = _weights_and_backend(chunks, config, weights)
+    aligner = TransposeAligner(
+        chunks, schedule=schedule, pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        dp_rank=parallel_state.get_data_parallel_rank(with_context_parallel=True),
+        param_sync=_param_sync(model, chunks), weights=fp8_weights, backend=backend,
+        config=config, telemetry=telemetry_writer(config.telemetry_path))
+    return aligner
+
+
+def _param_sync(model: Any, chunks: Sequence[torch.nn.Module]) -> Any:
+    if getattr(model, "use_mcore_dist_optim", False):
+        from nemo_fp8_align.sync.mcore import McoreParamSync
+
+        return McoreParamSync(chunks)
+    from nemo_fp8_align.sync.apex import ApexParamSync
+
+    return ApexParamSync(model._optimizer, [list(c.parameters()) for c in chunks])
+
+
+def _weights_and_backend(chunks: Sequence[torch.nn.Module], config: AlignConfig,
+                         weights: FP8Weights) -> Tuple[List[List[Any]], Any]:
+    if weights is FP8Weights.REFERENCE:
+        from nemo_fp8_align.backends.reference import ReferenceBackend
+
+        return [reference_weights_of(chunk) for chunk in chunks], ReferenceBackend(
+            use_triton_kernel=config.use_triton_kernel)
+    backend = _te_backend(config)
+    # By type() only: isinstance() on a parameter could fire an armed Apex hook.
+    return [backend.weights_of(chunk) for chunk in chunks], backend
+
+
+def _te_backend(config: AlignConfig) -> Any:
+    """The Transformer Engine backend (:mod:`nemo_fp8_align.backends.te`)."""
+    from nemo_fp8_align.backends import te as te_backend
+
+    try:
+        return te_backend.make_backend(config)
+    except ImportError as err:
+        raise RuntimeError(
+            "model.fp8_params=True: the plugin transposes Transformer Engine FP8 weights, but "
+            f"{err} Or turn the plugin off with model.fp8_transpose_align.enabled=False.") from err

@@ -1,0 +1,277 @@
+"""``NeMoSession``: the one wiring of the plugin into a NeMo 1.x ``MegatronGPTModel``.
+
+The model mixin (:mod:`.mixin`) and the Lightning callback (:mod:`.callback`) are two ways in;
+everything that touches NeMo at run time is here, once:
+
+* the megatron-core DDP setup (:meth:`~NeMoSession.setup_ddp`): megatron-core 0.12.3's
+  shared-embedding bucket workaround around NeMo's ``setup_mcore_distributed_parallel`` and the
+  bucket check after it (:mod:`.bucket_workaround`);
+* :meth:`~NeMoSession.attach`: the rank's aligner built for the model (:mod:`.build`), its hooks
+  registered, one log line (global rank 0);
+* the training step (:meth:`~NeMoSession.fwd_bwd_step`): NeMo re-binds ``config.param_sync_func``
+  inside every ``fwd_bwd_step``, so the config cannot be wrapped. Instead, for the length of the
+  *training* ``fwd_bwd_step`` only, the launches NeMo binds report to the aligner: each chunk's
+  ``start_param_sync`` is shadowed (megatron-core DDP), and ``sync_overlap_parameters`` reports
+  (Apex, :meth:`~NeMoSession.sync_overlap_parameters`). Forward-only passes report nothing;
+* :meth:`~NeMoSession.log_metrics` after each training batch (each step once, :mod:`.metrics`);
+* :meth:`~NeMoSession.close`: hooks, chunk claim and every shadow removed; idempotent, and run
+  on every error raised through the session, because Lightning runs no LightningModule
+  ``teardown`` after an exception (the mixin would otherwise leave its hooks and claim behind).
+
+Where the step is closed. NeMo 2.3.3's ``MegatronGPTModel.training_step`` calls
+``fwd_bwd_step(dataloader_iter, False)``, which runs every forward and backward of the step
+(megatron-core's schedule, ``finalize_model_grads`` included); the rest of ``training_step``
+runs no forward (gradient all-reduces, the embedding wgrad drain). Lightning's automatic
+optimization then runs ``on_before_optimizer_step`` and the optimizer step (NeMo's ``backward``
+and ``optimizer_zero_grad`` are no-ops), and only after that ``on_train_batch_end``. So the
+return of the training ``fwd_bwd_step`` is the exact point where "every planned forward ran" is
+known, the point the megatron-core entry point judges at (``finalize_model_grads_func``). The
+step is closed there, by the mixin and the callback alike, in the same ``try`` as its launches:
+a step that did not run as planned raises before the optimizer applies its update; no step is
+left open across Lightning code the session does not see; and no skipped Lightning hook
+(``on_train_batch_start`` returning -1 ends the epoch without ``on_train_batch_end``) can leave
+a launch wrapper behind for the next batch to stack a second one on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from functools import partial
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+from nemo_fp8_align.config import AlignConfig
+from nemo_fp8_align.integrations.nemo.bucket_workaround import (check_buckets,
+                                                               shared_embedding_bucket_workaround)
+from nemo_fp8_align.integrations.nemo.build import (FP8Weights, build_aligner, first_param_index,
+                                                   model_chunks)
+from nemo_fp8_align.integrations.nemo.metrics import last_step_records, log_step_metrics
+
+__all__ = ["NeMoSession", "check_log_every_n_steps", "schedule_launch"]
+
+logger = logging.getLogger(__name__)
+
+_ABSENT: Any = object()
+
+
+def check_log_every_n_steps(value: Optional[int], *, setting: str) -> Optional[int]:
+    """``value`` if it is None or an int >= 1; else a ValueError naming ``setting``."""
+    if value is not None and (type(value) is not int or value < 1):
+        raise ValueError(f"{setting}={value!r}: expected an int >= 1 (or None: the trainer's "
+                         "log_every_n_steps)")
+    return value
+
+
+def schedule_launch(aligner: Any, chunk: int, launch: Any) -> Any:
+    """``launch`` (a megatron-core DDP chunk's ``start_param_sync``) that tells the aligner when
+    the *schedule* calls it: the schedule passes the chunk's parameters positionally
+    (``param_sync_func[c](model[c].parameters())``); megatron-core's other callers (the optimizer
+    step with ``overlap_param_gather_with_optimizer_step``, ``disable_forward_pre_hook``) pass
+    keywords only and are not a step's launches."""
+    def start_param_sync(*args: Any, **kwargs: Any) -> Any:
+        out = launch(*args, **kwargs)
+        if args:
+            aligner.on_param_sync_launched(chunk)
+        return out
+    return start_param_sync
+
+
+class _Shadows:
+    """Instance attributes set over methods of NeMo objects; :meth:`restore` removes them (or
+    puts back an instance value that was there before), newest first."""
+
+    def __init__(self) -> None:
+        self._saved: List[tuple] = []
+
+    def set(self, owner: Any, name: str, value: Any) -> None:
+        self._saved.append((owner, name, owner.__dict__.get(name, _ABSENT)))
+        setattr(owner, name, value)
+
+    def restore(self) -> None:
+        while self._saved:
+            owner, name, before = self._saved.pop()
+            if before is not _ABSENT:
+                setattr(owner, name, before)
+            elif name in owner.__dict__:
+                delattr(owner, name)
+
+
+class NeMoSession:
+    """The plugin on one NeMo GPT model on this rank: build, launches, step close, metrics.
+
+    Args:
+        module: the ``MegatronGPTModel`` (NeMo's ``model`` chunks, ``use_mcore_dist_optim``,
+            ``fwd_bwd_step``, ``sync_overlap_parameters``, ``trainer``).
+        config: the plugin's settings (already checked).
+        weights: which FP8 weights the aligner transposes.
+        log_every_n_steps: gather and log the metrics every this many steps (None: the
+            trainer's ``log_every_n_steps``).
+        entry: how the plugin was turned on, for the log line ("mixin", "callback", ...).
+    """
+
+    def __init__(self, module: Any, config: AlignConfig, *, weights: FP8Weights,
+                 log_every_n_steps: Optional[int] = None, entry: str = "mixin") -> None:
+        self.module = module
+        self.config = config
+        self.weights = FP8Weights(weights)
+        self.log_every_n_steps = check_log_every_n_steps(log_every_n_steps,
+                                                         setting="log_every_n_steps")
+        self.entry = entry
+        #: The rank's :class:`~nemo_fp8_align.core.aligner.TransposeAligner` while attached.
+        self.aligner: Any = None
+        #: True for the length of a training ``fwd_bwd_step``: launches report only then.
+        self.in_training_step = False
+        self._first_param: Dict[int, int] = {}
+        self._logged_step = -1
+        self._stepped = False  # a training fwd_bwd_step ran since the last batch end
+        self._warned_no_step = False
+        self._shadows = _Shadows()  # on the module until close (the callback's way in)
+
+    # ------------------------------------------------------------------ the callback's way in
+    def shadow_module_methods(self) -> None:
+        """Route NeMo's calls into the session without a model subclass (the callback): the
+        module's own methods are shadowed on the instance until :meth:`close`."""
+        module = self.module
+        if getattr(module, "use_mcore_dist_optim", False):
+            # NLPDDPStrategy.configure_ddp calls it after the callbacks' setup; NeMo sets the
+            # shared-embedding flag again in its own setup, so only the call itself can hide it.
+            self._shadows.set(module, "setup_mcore_distributed_parallel",
+                              partial(self.setup_ddp, module.setup_mcore_distributed_parallel))
+        else:
+            self._shadows.set(module, "sync_overlap_parameters",
+                              partial(self.sync_overlap_parameters, module.sync_overlap_parameters))
+        self._shadows.set(module, "fwd_bwd_step", partial(self.fwd_bwd_step, module.fwd_bwd_step))
+
+    # ------------------------------------------------------------------ setup
+    def setup_ddp(self, run: Callable[[], Any]) -> None:
+        """``run`` (NeMo's ``setup_mcore_distributed_parallel``) with megatron-core 0.12.3's
+        shared-embedding bucket workaround, then the bucket check (mcore optimizer only)."""
+        from megatron.core import parallel_state
+
+        dp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+        with shared_embedding_bucket_workaround(model_chunks(self.module), data_parallel_size=dp):
+            run()
+        if getattr(self.module, "use_mcore_dist_optim", False):
+            check_buckets(model_chunks(self.module))
+
+    def attach(self) -> bool:
+        """Build and attach the rank's aligner (idempotent); returns whether it is active."""
+        if self.aligner is not None:
+            return self.aligner.attached
+        try:
+            aligner = build_aligner(self.module, self.config, weights=self.weights)
+            if not aligner.attach():
+                return False
+            self.aligner = aligner
+            self._first_param = first_param_index(model_chunks(self.module))
+            self._announce(aligner)
+        except BaseException:
+            self.close()
+            raise
+        return True
+
+    def _announce(self, aligner: Any) -> None:
+        from lightning.pytorch.utilities import rank_zero_info
+
+        cfg = getattr(self.module, "cfg", None) or {}
+        optim = cfg.get("optim") or {}
+        counts = [len(w) for w in aligner.weights]
+        if not any(counts):
+            logger.warning(
+                "nemo_fp8_align: no FP8 weights found in the model chunks (model.fp8_params=%s): "
+                "nothing to transpose. With Transformer Engine, model.fp8=True and "
+                "model.fp8_params=True build Float8Tensor parameters.", cfg.get("fp8_params"))
+        # Lightning's rank-zero logger is the one NeMo's logs show (once, not per rank).
+        rank_zero_info(
+            f"nemo_fp8_align: {self.config.policy.value} FP8 transposes attached ({self.entry}; "
+            f"{len(counts)} chunks, FP8 weights per chunk {counts}, backend "
+            f"{aligner.backend.name}, optimizer {optim.get('name')}, "
+            f"overlap_param_sync={optim.get('overlap_param_sync')})")
+
+    # ------------------------------------------------------------------ per step
+    def fwd_bwd_step(self, run: Callable[..., Any], dataloader_iter: Any, forward_only: bool,
+                     first_val_step: Any = None) -> Any:
+        """``run`` (NeMo's ``fwd_bwd_step``); a training one reports its launches and closes
+        the step when it returns (see the module docstring); any error closes the session."""
+        aligner = self.aligner  # set only while attached
+        if forward_only or aligner is None:
+            return run(dataloader_iter, forward_only, first_val_step)
+        try:
+            # Telemetry steps follow global_step (also after a resume from a checkpoint).
+            aligner.set_next_step(self.module.trainer.global_step)
+            with self._reporting_launches(aligner):
+                out = run(dataloader_iter, forward_only, first_val_step)
+            aligner.on_step_end()  # every planned forward ran: judged before the optimizer step
+        except BaseException:
+            self.close()
+            raise
+        self._stepped = True
+        return out
+
+    @contextlib.contextmanager
+    def _reporting_launches(self, aligner: Any) -> Iterator[None]:
+        launches = _Shadows()
+        self.in_training_step = True
+        try:
+            if getattr(self.module, "use_mcore_dist_optim", False):
+                # NeMo builds param_sync_func from these attributes inside fwd_bwd_step.
+                for c, chunk in enumerate(model_chunks(self.module)):
+                    launches.set(chunk, "start_param_sync",
+                                 schedule_launch(aligner, c, chunk.start_param_sync))
+            yield
+        finally:
+            self.in_training_step = False
+            launches.restore()
+
+    def sync_overlap_parameters(self, run: Callable[[Any], Any], params: Any = None) -> None:
+        """``run`` (NeMo's Apex ``sync_overlap_parameters``); inside a training step, the
+        chunk whose parameters were passed is reported as launched."""
+        aligner = self.aligner
+        if params is None or aligner is None or not self.in_training_step:
+            return run(params)
+        params = list(params)  # the schedule passes a generator: read it once
+        run(params)
+        chunk = self._first_param.get(id(params[0])) if params else None
+        if chunk is not None:
+            aligner.on_param_sync_launched(chunk)
+        return None
+
+    def log_metrics(self, trainer: Any) -> List[Any]:
+        """After each training batch, on every rank (the gather over the pipeline ranks is a
+        collective; rank 0 logs): the newest step's metrics, each step once. Returns that
+        step's records ([] when the batch brought none)."""
+        aligner = self.aligner
+        if aligner is None:
+            return []
+        self._warn_if_no_step()
+        new = last_step_records(aligner.records)
+        if not new or new[-1].step == self._logged_step:
+            new = []
+        else:
+            self._logged_step = new[-1].step
+        try:
+            log_step_metrics(self.module, trainer, new, every_n_steps=self.log_every_n_steps)
+        except BaseException:
+            self.close()
+            raise
+        return new
+
+    def _warn_if_no_step(self) -> None:
+        stepped, self._stepped = self._stepped, False
+        if not stepped and not self._warned_no_step:
+            self._warned_no_step = True
+            logger.warning(
+                "nemo_fp8_align: a training batch ended without a training fwd_bwd_step: %s's "
+                "training_step does not call self.fwd_bwd_step(dataloader_iter, False), so the "
+                "plugin saw no launch and aligned nothing", type(self.module).__name__)
+
+    # ------------------------------------------------------------------ end
+    def close(self) -> None:
+        """Remove the aligner's hooks and chunk claim and every shadow (idempotent)."""
+        aligner, self.aligner = self.aligner, None
+        self.in_training_step = False
+        try:
+            self._shadows.restore()
+        finally:
+            if aligner is not None:
+                aligner.detach()
