@@ -383,6 +383,11 @@ class TEBackend:
             w._transpose = out
             w._transpose_invalid = False
 
+    def watch_builds(self, on_built: Callable[[Any], None]) -> Callable[[], None]:
+        """Report every transpose TE builds, also those the plugin does not ask for."""
+        from nemo_fp8_align.backends.te_watch import watch_te_builds
+        return watch_te_builds(self, on_built)
+
     def describe(self) -> Dict[str, Any]:
         """Name, API generation, whether transposes are needed (and why), skip counts."""
         needed, reason = self.transpose_needed()

@@ -1,64 +1,48 @@
-"""``nemo-fp8-align report TELEMETRY...``: a real run's telemetry (every rank's files), judged
-by the project's one judge (:func:`~nemo_fp8_align.core.telemetry.record_problems`), printed
-per chunk, and with ``--plot`` drawn: where each rank built each chunk's transposes, per step.
+"""``nemo-fp8-align report TELEMETRY...``: a real run's telemetry (every rank's files, ``{rank}``
+templates expanded), judged by the project's judge
+(:func:`~nemo_fp8_align.core.telemetry.record_problems`, each record) and by
+:func:`~nemo_fp8_align.core.completeness.completeness_problems` (what should exist and does not,
+ranks that disagree), printed per chunk, with ``--plot`` drawn and with ``--baseline`` set
+against another run (A/B). Exit status: 1 when an invariant is broken (whatever else went
+wrong), else 2 for bad input (one line, before anything is judged) or a picture that could not
+be drawn (after the verdict is printed), else 0.
 
-Records written before the ``valid`` count and the ``t_slot`` / ``t_gathered`` / ``t_done``
-timestamps existed are read as well (the judge skips what they lack; the columns say so).
+Records written before the ``valid`` count, the timestamps, the schedule shape or the observed
+builds existed are read as well (the judges skip what they lack; the columns say so).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from collections import defaultdict
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
+from nemo_fp8_align.cli.report_input import REQUIRED, load_telemetry, plot_path_problem
+from nemo_fp8_align.core.completeness import completeness_problems
 from nemo_fp8_align.core.telemetry import record_problems
 from nemo_fp8_align.errors import TelemetryError
 
-__all__ = ["add_report_parser", "load_telemetry", "format_report", "run_report", "TelemetryError"]
-
-REQUIRED = ("step", "pp_rank", "dp_rank", "chunk", "policy", "vmid", "slot", "aligned_slot",
-            "transposed", "weights", "after_all_gather", "seconds")
+__all__ = ["add_report_parser", "load_telemetry", "format_report", "judge", "run_report",
+           "TelemetryError", "REQUIRED"]
 
 
 def add_report_parser(sub: "argparse._SubParsersAction") -> None:
-    p = sub.add_parser("report", help="check and summarise a run's FP8 transpose telemetry "
-                       "(JSON lines from every rank)")
+    p = sub.add_parser(
+        "report", help="check and summarise a run's FP8 transpose telemetry (JSON lines from "
+        "every rank)", description="Judge a run's FP8 transpose telemetry: every record's "
+        "invariants, every record and rank that should exist, the ranks' agreement on each "
+        "chunk's aligned slot, and where the builds were observed.")
     p.add_argument("telemetry", nargs="+", metavar="TELEMETRY",
-                   help="telemetry files (JSON lines), all ranks of one run")
+                   help="telemetry files (JSON lines), all ranks of one run; '{rank}' in a path "
+                   "stands for every rank's file, e.g. 'out/telemetry.rank{rank}.jsonl'")
     p.add_argument("--plot", metavar="PATH", default=None,
-                   help="write a PNG: the slot where each rank built each chunk's transposes")
+                   help="write a picture (.png/.svg/.pdf): the slot where each rank built each "
+                   "chunk's transposes, per step")
+    p.add_argument("--baseline", metavar="TELEMETRY", nargs="+", default=None,
+                   help="another run's files (e.g. the lazy run): print an A/B summary")
     p.set_defaults(func=run_report)
-
-
-def load_telemetry(paths: Sequence[str]) -> List[dict]:
-    """Every record of ``paths``; raises TelemetryError naming the file and line at fault."""
-    records: List[dict] = []
-    for path in paths:
-        try:
-            with open(path, encoding="utf-8") as f:
-                lines = f.readlines()
-        except OSError as err:
-            raise TelemetryError(f"{path}: cannot read ({err.strerror})") from err
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise TelemetryError(f"{path}:{number}: not JSON ({err.msg})") from err
-            missing = [k for k in REQUIRED if not isinstance(record, dict) or k not in record]
-            if missing:
-                raise TelemetryError(f"{path}:{number}: not a transpose record, missing "
-                                     f"{', '.join(missing)} (is this nemo_fp8_align telemetry?)")
-            records.append(record)
-    if not records:
-        raise TelemetryError(f"no records in {', '.join(paths)}")
-    records.sort(key=lambda r: (r["step"], r["chunk"], r["pp_rank"], r["dp_rank"]))
-    return records
 
 
 def _policy(records: List[dict]) -> str:
@@ -85,18 +69,38 @@ def _timings(recs: List[dict]) -> Tuple[str, str]:
     return _ms([r.get("seconds") for r in recs]), "-"
 
 
+def judge(records: List[dict]) -> List[str]:
+    """Every problem of one run's records: per record, then what is missing or disagrees."""
+    return record_problems(records, policy=_policy(records)) + completeness_problems(records)
+
+
+def _shape(records: List[dict]) -> str:
+    r = records[-1]
+    if r.get("pp_size") is None:
+        return "schedule shape not recorded (older records): completeness judged from the ranks seen"
+    return (f"PP={r['pp_size']} VP={r['vp_size']} DP={r.get('dp_size') or '?'} "
+            f"M={r['microbatches']} N={r.get('group_size') or 'legacy'}, world size "
+            f"{r.get('world_size') or '?'}")
+
+
+def _slots(per_rank: Dict[int, List[dict]], key: str) -> str:
+    return " ".join(f"r{k}:{sorted({r[key] for r in v if r.get(key) is not None}) or '-'}"
+                    for k, v in sorted(per_rank.items()))
+
+
 def format_report(records: List[dict]) -> Tuple[str, List[str]]:
-    """The per-chunk table and the judge's problems."""
-    policy = _policy(records)
-    problems = record_problems(records, policy=policy)
+    """The per-chunk table and the judges' problems."""
+    policy, problems = _policy(records), judge(records)
     pp = sorted({r["pp_rank"] for r in records})
     dp = sorted({r["dp_rank"] for r in records})
     steps = sorted({r["step"] for r in records})
     head = (f"{len(records)} records: steps {steps[0]}-{steps[-1]}, pipeline ranks "
-            f"{','.join(map(str, pp))}, data-parallel ranks {','.join(map(str, dp))}, policy {policy}")
-    has_times = any("t_slot" in r for r in records)
-    rows = [head, "", f"{'chunk':<6}{'aligned':>8}  {'slot per pp rank (all steps)':<32}"
-            f"{'transposes ms (median per rank)':<34}{'all-gather wait ms':<24}valid/weights"]
+            f"{','.join(map(str, pp))}, data-parallel ranks {','.join(map(str, dp))}, policy {policy}"
+            f"\nschedule: {_shape(records)}")
+    observed = any(r.get("obs_slot") is not None for r in records)
+    rows = [head, "", f"{'chunk':<6}{'aligned':>8}  {'slot per pp rank (all steps)':<30}"
+            f"{'observed slot' if observed else '':<22}{'transposes ms':<22}"
+            f"{'all-gather wait ms':<22}valid/weights"]
     by_chunk: Dict[int, List[dict]] = defaultdict(list)
     for r in records:
         by_chunk[r["chunk"]].append(r)
@@ -104,79 +108,74 @@ def format_report(records: List[dict]) -> Tuple[str, List[str]]:
         per_rank: Dict[int, List[dict]] = defaultdict(list)
         for r in recs:
             per_rank[r["pp_rank"]].append(r)
-        slots = " ".join(f"r{k}:{sorted({r['slot'] for r in v})}" for k, v in sorted(per_rank.items()))
         times = [(k, _timings(v)) for k, v in sorted(per_rank.items())]
         built = sorted({f"{r['valid'] if r.get('valid', -1) >= 0 else r['transposed']}/{r['weights']}"
                         for r in recs})
-        rows.append(f"{chunk:<6}{str(sorted({r['aligned_slot'] for r in recs})):>8}  {slots:<32}"
-                    f"{' '.join(f'r{k}:{t}' for k, (t, _) in times):<34}"
-                    f"{' '.join(f'r{k}:{w}' for k, (_, w) in times):<24}{' '.join(built)}")
+        rows.append(f"{chunk:<6}{str(sorted({r['aligned_slot'] for r in recs})):>8}  "
+                    f"{_slots(per_rank, 'slot'):<30}"
+                    f"{_slots(per_rank, 'obs_slot') if observed else '':<22}"
+                    f"{' '.join(f'r{k}:{t}' for k, (t, _) in times):<22}"
+                    f"{' '.join(f'r{k}:{w}' for k, (_, w) in times):<22}{' '.join(built)}")
     if policy == "lazy":
         rows.append("(lazy: the transposes run inside each rank's first forward of the chunk; "
                     "their time is not separated)")
-    elif not has_times:
+    elif not any("t_slot" in r for r in records):
         rows.append("(records without t_slot/t_gathered/t_done timestamps: the transposes column is "
                     "the aligner's all-gather finish + build, the wait is unknown)")
+    if not observed:
+        rows.append("(no observed builds in these records (telemetry of an older version): "
+                    "placement judged from the aligner's own slot only)")
     return "\n".join(rows) + "\n", problems
 
 
-def plot_slots(records: List[dict], path: str) -> None:
-    """One panel per chunk: the slot at which each pipeline rank built it, per step."""
-    from nemo_fp8_align.planner.gantt import require_matplotlib
+def _plot(records: List[dict], path: str) -> Optional[str]:
+    from nemo_fp8_align.cli.report_plot import plot_slots
 
-    plt = require_matplotlib()
-    from matplotlib.ticker import MaxNLocator
+    try:
+        plot_slots(records, path)
+    except (ImportError, OSError, ValueError) as err:
+        return str(err)
+    return None
 
-    chunks = sorted({r["chunk"] for r in records})
-    ranks = sorted({r["pp_rank"] for r in records})
-    fig, axes = plt.subplots(1, len(chunks), figsize=(4.5 * len(chunks), 3.6), squeeze=False,
-                             sharey=True)
-    colours = plt.get_cmap("tab10")
-    for ax, chunk in zip(axes[0], chunks):
-        recs = [r for r in records if r["chunk"] == chunk]
-        for aligned in sorted({r["aligned_slot"] for r in recs}):
-            ax.axhline(aligned, color="black", linestyle="--", linewidth=1)
-        for i, rank in enumerate(ranks):
-            mine = [r for r in recs if r["pp_rank"] == rank and r["dp_rank"] == min(
-                x["dp_rank"] for x in recs)]
-            offset = (i - (len(ranks) - 1) / 2) * 0.08  # side by side where slots coincide
-            ax.scatter([r["step"] + offset for r in mine], [r["slot"] for r in mine],
-                       color=colours(i), label=f"pp rank {rank}", s=36,
-                       marker="o" if all(r["after_all_gather"] for r in mine) else "x")
-        ax.set_title(f"chunk {chunk} (dashed: aligned slot)", fontsize=10)
-        ax.set_xlabel("training step")
-        ax.set_xticks(sorted({r["step"] for r in recs}))
-        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    top = max(r["slot"] for r in records)
-    axes[0, 0].set_ylim(-0.6, top + 0.6)
-    axes[0, 0].set_ylabel("schedule slot of the transposes")
-    handles, labels = axes[0, 0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(ranks), fontsize=8, frameon=False)
-    fig.suptitle(f"where each rank built each chunk's FP8 transposes (policy "
-                 f"{_policy(records)}; x: before the all-gather finished)", fontsize=11)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+
+def _inputs(args: argparse.Namespace) -> Tuple[List[dict], Optional[List[dict]]]:
+    problem = plot_path_problem(args.plot)
+    if problem:
+        raise TelemetryError(problem)
+    records = load_telemetry(args.telemetry)
+    _policy(records)
+    baseline = load_telemetry(args.baseline) if args.baseline else None
+    if baseline is not None:
+        _policy(baseline)
+    return records, baseline
 
 
 def run_report(args: argparse.Namespace) -> int:
     try:
-        records = load_telemetry(args.telemetry)
-        text, problems = format_report(records)
+        records, baseline = _inputs(args)
     except TelemetryError as err:
-        print(f"nemo-fp8-align report: {err}", file=sys.stderr)
+        print(f"nemo-fp8-align report: error: {err}", file=sys.stderr)
         return 2
+    text, problems = format_report(records)
     print(text, end="")
-    if args.plot:
-        try:
-            plot_slots(records, args.plot)
-        except ImportError as err:
-            print(f"nemo-fp8-align report: {err}", file=sys.stderr)
-            return 2
+    if baseline is not None:
+        from nemo_fp8_align.cli.report_ab import ab_summary
+
+        summary, base_problems = ab_summary(records, baseline, judge)
+        print("\n" + summary, end="")
+        problems = problems + [f"baseline: {p}" for p in base_problems]
+    plot_error = _plot(records, args.plot) if args.plot else None
+    if args.plot and plot_error is None:
         print(f"wrote {args.plot}")
     for problem in problems:
         print(f"FAILED: {problem}", file=sys.stderr)
+    if plot_error is not None:  # after the verdict, never instead of it
+        print(f"nemo-fp8-align report: --plot {args.plot}: {plot_error}", file=sys.stderr)
     if not problems:
         print("OK: every record passes the invariants (slot per policy, after the all-gather, "
-              "all weights, one record per step/chunk/rank).")
-    return 1 if problems else 0
+              "all weights, observed builds where the policy puts them), the ranks agree on "
+              "each slot, and every record is there (every rank, one record per "
+              "step/chunk/rank).")
+    if problems:
+        return 1
+    return 2 if plot_error is not None else 0

@@ -37,6 +37,7 @@ from nemo_fp8_align.core import claims
 from nemo_fp8_align import errors
 from nemo_fp8_align.core.config_wrap import ConfigWrap
 from nemo_fp8_align.core.gpu_spans import GpuSpans
+from nemo_fp8_align.core.observe import RecordExtras
 from nemo_fp8_align.core.param_sync import ChunkParamSync
 from nemo_fp8_align.errors import StepMismatchError, TransposeVerifyError
 from nemo_fp8_align.core.schedule import AT_START, InterleavedSchedule
@@ -65,7 +66,7 @@ class TransposeAligner:
             calls, e.g. megatron-core DDP wrappers); hooks go on these outer modules so they
             run before DDP's own pre-hooks on inner modules.
         schedule: the step's interleaved schedule (the same on every rank).
-        pp_rank, dp_rank: this rank's pipeline and data-parallel ranks.
+        pp_rank, dp_rank, dp_size: this rank's pipeline and data-parallel ranks; the DP size.
         param_sync: finishes a chunk's all-gather (:class:`ChunkParamSync`).
         weights: per chunk, the FP8 weights whose transposes the backend builds.
         backend: the FP8 backend owning those weights.
@@ -85,7 +86,7 @@ class TransposeAligner:
                  config: AlignConfig, telemetry: Optional[TelemetryWriter] = None,
                  clock: Callable[[], float] = time.monotonic,
                  num_microbatches: Optional[Callable[[], int]] = None,
-                 error_group: Any = None) -> None:
+                 error_group: Any = None, dp_size: Optional[int] = None) -> None:
         if len(model_chunks) != schedule.vp or len(weights) != schedule.vp:
             raise ValueError(
                 f"virtual_pipeline_model_parallel_size={schedule.vp} but got "
@@ -110,6 +111,7 @@ class TransposeAligner:
         self._error_group = error_group
         self._failure: Optional[Exception] = None  # this rank's first error of the open step
         self._spans = GpuSpans(enabled=torch.cuda.is_available())  # GPU times at the step end
+        self._extras = RecordExtras(dp_size)  # shape, sizes and (telemetry on) observed builds
         self._plan(schedule)
         self._handles: List[Any] = []
         self._wrap: Optional[ConfigWrap] = None  # set by attach(model_config)
@@ -160,7 +162,7 @@ class TransposeAligner:
             self._handles.append(module.register_forward_pre_hook(
                 partial(self._pre_forward, chunk), prepend=True))
             self._handles.append(module.register_forward_hook(partial(self._post_forward, chunk)))
-        return True
+        return self._extras.attach(self)  # True; with telemetry on, builds are observed too
 
     def __repr__(self) -> str:
         return f"TransposeAligner(pp_rank={self.pp_rank}, policy={self.config.policy.value})"
@@ -170,6 +172,7 @@ class TransposeAligner:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._extras.detach()
         claims.release(self.chunks, self)
         if self._wrap is not None:
             self._wrap.restore()
@@ -382,9 +385,9 @@ class TransposeAligner:
         record = TransposeRecord(
             step=self._step, pp_rank=self.pp_rank, dp_rank=self.dp_rank, chunk=chunk,
             policy=self.config.policy.value, backend=self.backend.name, vmid=vmid,
-            slot=self.schedule.slot_of(self.pp_rank, vmid),
-            aligned_slot=self.schedule.aligned_slot(chunk), weights=len(self.weights[chunk]),
-            t_launch=self._launched.get(chunk), rank=self.rank, run=self.run_id, **fields)
+            slot=self.schedule.slot_of(self.pp_rank, vmid), weights=len(self.weights[chunk]),
+            aligned_slot=self.schedule.aligned_slot(chunk), t_launch=self._launched.get(chunk),
+            rank=self.rank, run=self.run_id, **fields, **self._extras.fields(self, chunk))
         self.records.append(record)
         if len(self.records) >= 2 * RECORDS_KEPT:  # trimmed in halves: amortised O(1) per record
             del self.records[:-RECORDS_KEPT]
@@ -392,8 +395,6 @@ class TransposeAligner:
             self.telemetry.write(record)  # held ones are written with their GPU times
 
     def _flush(self) -> None:
-        for record in self._spans.resolve(self.records):
-            if self.telemetry is not None:
-                self.telemetry.write(record)
+        resolved = self._spans.resolve(self.records)  # resolved with or without a writer
         if self.telemetry is not None:
-            self.telemetry.flush()
+            self.telemetry.write_all(resolved)

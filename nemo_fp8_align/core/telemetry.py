@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 from collections import Counter
 from dataclasses import dataclass
-from typing import IO, Iterable, List, Mapping, Optional
+
+from nemo_fp8_align.core.observe import observed_problems, schedule_of
+from typing import IO, Any, Iterable, List, Mapping, Optional
 
 __all__ = ["TransposeRecord", "TelemetryWriter", "read_records", "record_problems"]
 
@@ -41,6 +43,14 @@ class TransposeRecord:
     ``rank`` is the process's global rank (-1 without torch.distributed), so tensor- and
     context-parallel peers, which share pp and dp ranks, stay apart; ``run`` is one id per
     aligner, so a resumed job re-running steps into the same file is not a duplicate.
+
+    What should exist: ``pp_size``, ``vp_size``, ``microbatches`` (M), ``group_size`` (N in use)
+    and ``legacy_order`` give the step's schedule; ``dp_size`` and ``world_size`` the ranks that
+    write records (``None``: not known to the writer). What was observed
+    (:mod:`~nemo_fp8_align.core.observe`, when telemetry is on): ``obs_built`` transposes of the
+    chunk seen built in the step, ``obs_at`` their distinct positions ``[k, inside]`` (after k
+    finished forwards of this rank, inside a running one or not), ``obs_slot`` the slot of the
+    first (``None``: not observed).
     """
 
     step: int
@@ -66,6 +76,16 @@ class TransposeRecord:
     run: str = ""
     gpu_wait_ms: Optional[float] = None
     gpu_build_ms: Optional[float] = None
+    pp_size: Optional[int] = None
+    vp_size: Optional[int] = None
+    microbatches: Optional[int] = None
+    group_size: Optional[int] = None
+    legacy_order: bool = False
+    dp_size: Optional[int] = None
+    world_size: Optional[int] = None
+    obs_built: Optional[int] = None
+    obs_at: Optional[List[List[Any]]] = None
+    obs_slot: Optional[int] = None
 
     def to_json(self) -> str:
         # Every field is a plain value: vars() is enough, and 4x faster than asdict()'s deep copy
@@ -89,6 +109,12 @@ class TelemetryWriter:
         if self._file is None:
             self._file = open(self.path, "a", encoding="utf-8")
         self._file.write(record.to_json() + "\n")
+
+    def write_all(self, records: Iterable[TransposeRecord]) -> None:
+        """Write ``records`` and flush (a step's end)."""
+        for record in records:
+            self.write(record)
+        self.flush()
 
     def flush(self) -> None:
         if self._file is not None:
@@ -121,14 +147,31 @@ def _time_problems(r: Mapping, policy: str) -> List[str]:
             if ta > tb]
 
 
+def _shape_problems(r: Mapping, where: str) -> List[str]:
+    """The record's aligned slot against the schedule its own shape fields describe."""
+    schedule = schedule_of(r)
+    if schedule is None:
+        return []
+    if not 0 <= r["chunk"] < schedule.vp or not 0 <= r["pp_rank"] < schedule.pp:
+        return [f"{where}: outside the schedule's PP={schedule.pp} VP={schedule.vp}"]
+    t_c = schedule.first_vmid(r["chunk"])
+    if r["aligned_slot"] != t_c:
+        return [f"{where}: aligned slot {r['aligned_slot']}, but PP={schedule.pp} "
+                f"VP={schedule.vp} M={schedule.microbatches} N={schedule.n} put the chunk's "
+                f"first forward at slot {t_c}"]
+    return []
+
+
 def record_problems(records: Iterable[Mapping], *, policy: str = "aligned") -> List[str]:
     """Every invariant the records break, as sentences (empty when all hold).
 
     Per record: the slot is the chunk's aligned slot (``lazy``: plus the pipeline rank), the
     all-gather had finished, every weight of the chunk had a valid transpose and none was built
     twice, and the timestamps run launch <= slot <= all-gather complete <= transposes valid
-    (<= first use, under ``aligned``); and exactly one record per (step, chunk, pp_rank,
-    dp_rank, rank, run). The demo, the NeMo smoke run, ``report`` and the step-time benchmarks
+    (<= first use, under ``aligned``); the aligned slot is the one the record's schedule shape
+    gives; the observed builds (``obs_*``) happened once each, where the policy puts them; and
+    exactly one record per (step, chunk, pp_rank, dp_rank, rank, run). Which records should
+    exist is :func:`~nemo_fp8_align.core.completeness.completeness_problems`. The demo, the NeMo smoke run, ``report`` and the step-time benchmarks
     all judge their telemetry with this one function.
     """
     problems: List[str] = []
@@ -146,10 +189,13 @@ def record_problems(records: Iterable[Mapping], *, policy: str = "aligned") -> L
             problems.append(f"{where}: transposes built before the chunk's all-gather finished")
         valid = r.get("valid", -1)
         valid = r["transposed"] if valid is None or valid < 0 else valid
-        if r["weights"] < 1 or valid != r["weights"] or r["transposed"] > r["weights"]:
+        # A chunk may hold no FP8 weight (first/last layers kept in BF16): nothing to build.
+        if valid != r["weights"] or r["transposed"] > r["weights"]:
             problems.append(f"{where}: {valid} of {r['weights']} transposes valid, "
                             f"{r['transposed']} built (expected all valid, each built once)")
         problems.extend(f"{where}: timestamps out of order: {p}" for p in _time_problems(r, policy))
+        problems.extend(_shape_problems(r, where))
+        problems.extend(observed_problems(r, where, policy))
     problems.extend(f"step/chunk/pp/dp/rank/run {key}: {n} records, expected exactly 1"
                     for key, n in seen.items() if n != 1)
     return problems

@@ -63,6 +63,21 @@ def slot_shift() -> Undo:
     return _patch(InterleavedSchedule, "trigger_vmid", trigger_vmid)
 
 
+def slot_shift_unreported() -> Undo:
+    """As ``slot_shift``, but the records report the planned slot: as a cluster run's telemetry
+    would, where the aligner's own counter is the plan. Only observed evidence (the core
+    telemetry's ``obs_*`` and the demo's :mod:`~nemo_fp8_align.demo.evidence`) can see it."""
+    undo_shift = slot_shift()
+    original = TransposeAligner._emit
+
+    def emit(self: TransposeAligner, chunk: int, *, vmid: int, **fields: Any) -> None:
+        if self.config.policy.value == "aligned" and vmid != AT_START:
+            vmid = max(self.schedule.aligned_slot(chunk) - self.pp_rank, 0)
+        original(self, chunk, vmid=vmid, **fields)
+    undo_emit = _patch(TransposeAligner, "_emit", emit)
+    return lambda: (undo_emit(), undo_shift())
+
+
 def _drop_trigger(chunk_of: Callable[[int], int]) -> Undo:
     original = TransposeAligner._plan
 
@@ -211,8 +226,8 @@ def verify_fails_on_one_rank() -> Undo:
 
 
 FAULTS: Dict[str, Callable[[], Undo]] = {f.__name__: f for f in (
-    no_wait, transpose_before_all_gather, slot_shift, skip_chunk, last_chunk_to_first_use,
-    transpose_twice)}
+    no_wait, transpose_before_all_gather, slot_shift, slot_shift_unreported, skip_chunk,
+    last_chunk_to_first_use, transpose_twice)}
 #: Variations that must change nothing the checks see.
 HARMLESS: Dict[str, Callable[[], Undo]] = {f.__name__: f for f in (reversed_bucket_order,)}
 #: Errors the plugin finds on one rank only: every rank must stop at the step's end.

@@ -130,6 +130,7 @@ def align_fp8_transposes(
         param_sync=McoreParamSync(model), weights=[weights_of(chunk) for chunk in model],
         backend=backend, config=align_config,
         telemetry=telemetry_writer(align_config.telemetry_path),
-        num_microbatches=num_microbatches if callable(num_microbatches) else None)
+        num_microbatches=num_microbatches if callable(num_microbatches) else None,
+        dp_size=parallel_state.get_data_parallel_world_size())
     aligner.attach(config)
     return aligner

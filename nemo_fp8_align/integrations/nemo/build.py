@@ -136,6 +136,7 @@ def build_aligner(model: Any, config: AlignConfig, *,
     aligner = TransposeAligner(
         chunks, schedule=schedule, pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
         dp_rank=parallel_state.get_data_parallel_rank(with_context_parallel=True),
+        dp_size=parallel_state.get_data_parallel_world_size(with_context_parallel=True),
         param_sync=_param_sync(model, chunks), weights=fp8_weights, backend=backend,
         config=config, telemetry=telemetry_writer(config.telemetry_path))
     return aligner

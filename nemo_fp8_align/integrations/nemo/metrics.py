@@ -10,7 +10,9 @@ Keys (``c`` = model chunk; times in milliseconds, host clock, except ``wait_ms``
 ``transpose_ms`` on a GPU: the records' CUDA-event times there):
 
 * ``fp8_align/chunk{c}/slot_skew``: largest minus smallest schedule slot at which the pipeline
-  ranks had the chunk's transposes (``aligned``: 0; ``lazy``: PP-1, each rank at its first use);
+  ranks had the chunk's transposes (``aligned``: 0; ``lazy``: PP-1, each rank at its first use),
+  from the *observed* slot where the record has one (``obs_slot``: where the builds really
+  happened, counted by hooks apart from the aligner's; its own ``slot`` is the plan);
 * ``fp8_align/chunk{c}/time_skew_ms``: the same spread in time, each rank's slot measured from
   its own launch of chunk 0's all-gather at the step start (no clock shared across hosts needed);
 * ``fp8_align/chunk{c}/wait_ms``: the longest all-gather wait at the slot (``aligned`` only:
@@ -37,8 +39,8 @@ _MS = 1000.0
 def _compact(record: Any) -> Dict[str, Any]:
     """What the metrics need from one record (small, picklable, clock-relative)."""
     return {k: getattr(record, k, None) for k in (
-        "chunk", "pp_rank", "slot", "transposed", "valid", "seconds", "t_launch", "t_slot",
-        "t_gathered", "t_done", "gpu_wait_ms", "gpu_build_ms")}
+        "chunk", "pp_rank", "slot", "obs_slot", "transposed", "valid", "seconds", "t_launch",
+        "t_slot", "t_gathered", "t_done", "gpu_wait_ms", "gpu_build_ms")}
 
 
 def _spread(values: Sequence[Optional[float]]) -> Optional[float]:
@@ -82,7 +84,8 @@ def step_metrics(rows: Sequence[Mapping[str, Any]]) -> Dict[str, float]:
     for chunk, mine in sorted(by_chunk.items()):
         p = f"fp8_align/chunk{chunk}/"
         values = {
-            "slot_skew": _spread([r["slot"] for r in mine]),
+            "slot_skew": _spread([r["slot"] if r.get("obs_slot") is None else r["obs_slot"]
+                                  for r in mine]),
             "time_skew_ms": _spread([
                 (r["t_slot"] - start[r["pp_rank"]]) * _MS if r["t_slot"] is not None else None
                 for r in mine]),

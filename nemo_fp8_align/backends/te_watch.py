@@ -1,0 +1,55 @@
+"""Observing Transformer Engine's own transpose builds, whoever triggers them.
+
+Where TE builds a ``Float8Tensor``'s transpose itself (megatron-core's post-all-gather
+processing inside ``finish_param_sync``, TE's ``post_all_gather_processing``, a module at first
+use), no call of the plugin's backend is involved; the one entry every such build goes through
+is the tensor class's own method: ``_create_transpose`` (TE 2.x) or ``transpose_2d`` (TE 1.x).
+:func:`watch_te_builds` wraps it on the class, reports each call that left the tensor's transpose
+valid, and returns the undo. The kernel path (``te_kernel_writes_transpose``) writes the buffers
+without TE and is reported by the backend itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List
+
+__all__ = ["watch_te_builds"]
+
+
+def watch_te_builds(backend: Any, on_built: Callable[[Any], None]) -> Callable[[], None]:
+    """Call ``on_built(tensor)`` after every TE build of a Float8Tensor transpose; returns the
+    undo (restores the class's method and the backend's kernel builder)."""
+    cls = backend.float8_cls
+    name = "_create_transpose" if backend.generation.startswith("2.") else "transpose_2d"
+    original = getattr(cls, name, None)
+    own = name in cls.__dict__  # else inherited (a subclass of TE's class): deleted on undo
+    undos: List[Callable[[], None]] = []
+    if original is not None:
+        def build(self: Any, *args: Any, **kwargs: Any) -> Any:
+            out = original(self, *args, **kwargs)
+            if backend.has_valid_transpose(self):
+                on_built(self)
+            return out
+        setattr(cls, name, build)
+
+        def restore() -> None:
+            if cls.__dict__.get(name) is not build:  # an aligner attached later wrapped ours
+                return
+            if own:
+                setattr(cls, name, original)
+            else:
+                delattr(cls, name)
+        undos.append(restore)
+    kernel = backend._build_with_kernel
+
+    def build_with_kernel(stale: List[Any]) -> None:
+        kernel(stale)
+        for w in stale:
+            on_built(w)
+    backend._build_with_kernel = build_with_kernel
+    undos.append(lambda: backend.__dict__.pop("_build_with_kernel", None))
+
+    def undo_all() -> None:
+        for undo in reversed(undos):
+            undo()
+    return undo_all
