@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import replace
 from typing import Dict, List, Optional, Tuple
 
 from nemo_fp8_align.core.schedule import InterleavedSchedule, ScheduleError
-from nemo_fp8_align.planner.costs import (GPUS, MODELS, OVERLAP_PENALTY_H200, Layout, ModelShape,
+from nemo_fp8_align.cli.plan_inputs import DEFAULTS, PlanInputs, flag, resolve
+from nemo_fp8_align.planner.costs import (GPUS, MODELS, OVERLAP_PENALTY_H200, Layout,
                                            PlanInputError, chunk_costs)
 from nemo_fp8_align.planner.program import Placement
 from nemo_fp8_align.planner.simulate import Costs, Timeline, simulate
@@ -20,27 +20,53 @@ _MODELLED_ONLY = (Placement.BUBBLE, Placement.OVERLAP)
 
 
 def add_plan_parser(sub: "argparse._SubParsersAction") -> None:
-    p = sub.add_parser("plan", help="predict the step time with lazy / aligned / modelled FP8 "
-                       "transpose placements for a model and parallel layout")
+    p = sub.add_parser(
+        "plan", help="predict the step time with lazy / aligned / modelled FP8 transpose "
+        "placements for a model and parallel layout",
+        description="Predict, with the timeline model of megatron-core's interleaved 1F1B step, "
+        "what aligning the FP8 weight transposes saves a model and parallel layout. Sizes come "
+        "from a NeMo or NeMo-Framework-Launcher CONFIG.yaml (with Hydra overrides), a --model "
+        "preset or explicit flags (flags win); the output names every default it used.")
+    p.add_argument("config", nargs="?", default=None, metavar="CONFIG.yaml",
+                   help="NeMo training YAML (NeMo 1.x layout or launcher); read as check reads it")
+    p.add_argument("overrides", nargs="*", metavar="OVERRIDE",
+                   help="Hydra overrides of CONFIG.yaml: a.b=c, +a.b=c, ++a.b=c")
     p.add_argument("--model", choices=sorted(MODELS), default=None,
                    help="a preset; or give --layers --hidden --heads --ffn (and --kv-heads)")
     for name, help_ in (("--layers", "transformer layers"), ("--hidden", "hidden size"),
-                        ("--heads", "attention heads"), ("--kv-heads", "KV heads (default: heads)"),
-                        ("--ffn", "MLP hidden size")):
+                        ("--heads", "attention heads"),
+                        ("--kv-heads", "KV heads, num_query_groups (default: heads)"),
+                        ("--ffn", "MLP hidden size"),
+                        ("--seq", "sequence length (preset's or config's by default)"),
+                        ("--experts", "MoE experts per layer (num_moe_experts; default: dense)"),
+                        ("--topk", "MoE experts per token (moe_router_topk, default 2)"),
+                        ("--moe-ffn", "an expert's MLP hidden size (default: --ffn)")):
         p.add_argument(name, type=int, default=None, help=help_)
     p.add_argument("--gated-mlp", action=argparse.BooleanOptionalAction, default=None,
-                   help="SwiGLU-style MLP with 3 matrices (presets know theirs)")
-    p.add_argument("--seq", type=int, default=None, help="sequence length (preset's by default)")
-    p.add_argument("--tp", type=int, default=8)
-    p.add_argument("--pp", type=int, default=8)
-    p.add_argument("--vp", type=int, default=2)
-    p.add_argument("--dp", type=int, default=1)
-    p.add_argument("--micro-batch", type=int, default=1)
-    p.add_argument("--global-batch", type=int, default=None, help="default: 8 x PP x micro x DP")
-    p.add_argument("--group-size", type=int, default=None,
-                   help="microbatch_group_size_per_vp_stage N (default PP)")
-    p.add_argument("--gpu", default="h200", help=f"one of {', '.join(sorted(GPUS))}")
-    p.add_argument("--recipe", choices=["delayed", "tensorwise", "mxfp8"], default="delayed")
+                   help="SwiGLU-style MLP with 3 matrices (presets and configs know theirs)")
+    for name, help_ in (("--tp", "tensor-parallel size (default 8)"),
+                        ("--pp", "pipeline-parallel size, >= 2 (default 8)"),
+                        ("--vp", "model chunks per pipeline rank, >= 2 (default 2)"),
+                        ("--dp", "data-parallel size (default 1; from a config: devices x "
+                                 "nodes / (TP x PP x CP))"),
+                        ("--cp", "context-parallel size (default 1)"),
+                        ("--ep", "expert-parallel size (default 1)"),
+                        ("--expert-tp", "expert tensor-parallel size (default: TP)"),
+                        ("--micro-batch", "micro-batch size (default 1)"),
+                        ("--global-batch", "global batch (default: 8 x PP x micro x DP)"),
+                        ("--group-size", "microbatch_group_size_per_vp_stage N (default PP)")):
+        p.add_argument(name, type=int, default=None, help=help_)
+    p.add_argument("--overlap-p2p-comm", dest="overlap_p2p", default=None,
+                   action=argparse.BooleanOptionalAction,
+                   help="megatron-core overlap_p2p_comm (default on: Megatron-LM's with "
+                   "interleaving; a NeMo config without the key: off)")
+    p.add_argument("--batch-p2p-comm", dest="batch_p2p", default=None,
+                   action=argparse.BooleanOptionalAction,
+                   help="megatron-core batch_p2p_comm (default off; a NeMo config without the "
+                   "key: on); timed as unbatched blocking calls")
+    p.add_argument("--gpu", default="h200", help=f"one of {', '.join(sorted(GPUS))} (any case)")
+    p.add_argument("--recipe", choices=["delayed", "tensorwise", "mxfp8"], default="delayed",
+                   help="FP8 recipe (mxfp8 has no byte transpose)")
     p.add_argument("--tflops", type=float, default=None,
                    help="achieved forward+backward TFLOP/s per GPU (GPU default otherwise)")
     p.add_argument("--transpose-tbps", type=float, default=None,
@@ -52,72 +78,68 @@ def add_plan_parser(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--overlap-penalty", type=float, default=OVERLAP_PENALTY_H200,
                    help="side-stream transposes cost this many times their own time "
                    f"(default {OVERLAP_PENALTY_H200:.2f}, measured on the H200)")
-    p.add_argument("--plot", metavar="PATH", default=None, help="write a Gantt PNG of lazy vs aligned")
+    p.add_argument("--plot", metavar="PATH", default=None,
+                   help="write a Gantt picture (.png/.svg/.pdf) of lazy vs aligned")
     p.add_argument("--plot-window", choices=["auto", "full"], default="auto",
                    help="auto: a long step shows its warm-up, where the transposes are (default)")
     p.set_defaults(func=run_plan)
 
 
-def _model(args: argparse.Namespace) -> ModelShape:
-    explicit = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "ffn")}
-    if args.model is None:
-        missing = [f"--{k}" for k, v in explicit.items() if v is None]
-        if missing:
-            raise PlanInputError(f"give --model ({', '.join(sorted(MODELS))}) or all of --layers "
-                                 f"--hidden --heads --ffn (missing {' '.join(missing)})")
-        model = ModelShape(args.layers, args.hidden, args.heads, args.kv_heads or args.heads,
-                           args.ffn, bool(args.gated_mlp), args.seq or 2048)
-    else:
-        model = MODELS[args.model]
-        overrides = {k: v for k, v in explicit.items() if v is not None}
-        if args.kv_heads is not None:
-            overrides["kv_heads"] = args.kv_heads
-        if args.gated_mlp is not None:
-            overrides["gated_mlp"] = args.gated_mlp
-        model = replace(model, **overrides)
-    if args.seq is not None:
-        model = replace(model, seq=args.seq)
-    return model
-
-
-def _nothing_to_align(args: argparse.Namespace) -> Optional[str]:
-    if args.gpu not in GPUS:
-        raise PlanInputError(f"--gpu {args.gpu!r} is not known; use one of {', '.join(sorted(GPUS))}"
-                             " (or the closest one with --tflops and --transpose-tbps)")
-    needed, reason = GPUS[args.gpu].needs_transpose
+def _nothing_to_align(x: PlanInputs) -> Optional[str]:
+    needed, reason = GPUS[x.gpu].needs_transpose
     if not needed:
         return reason
-    if args.recipe == "mxfp8":
+    if x.recipe == "mxfp8":
         return ("MXFP8 quantises its columnwise copy from high precision with its own block "
                 "scales; there is no byte transpose to build or align")
     return None
 
 
+def _head(x: PlanInputs, model, global_batch: int, m: int, n: int) -> str:
+    moe = (f", MoE {model.experts} experts top-{model.topk} EP={x.ep} ETP={x.expert_tp or x.tp}"
+           if model.experts else "")
+    lines = [f"{x.source}: {model.layers} layers, hidden {model.hidden}, seq {model.seq}{moe}; "
+             f"TP={x.tp} PP={x.pp} VP={x.vp} DP={x.dp} CP={x.cp} micro-batch {x.micro_batch}, "
+             f"global batch {global_batch} -> M={m} (N={n}); {x.gpu}"]
+    p2p = (f"p2p: overlap_p2p_comm={x.overlap_p2p} batch_p2p_comm={x.batch_p2p}"
+           + (" (Megatron-LM's default with interleaving; NeMo 1.x configs use "
+              "--no-overlap-p2p-comm --batch-p2p-comm)" if {"overlap_p2p", "batch_p2p"} <=
+              set(x.defaulted) else ""))
+    lines.append(p2p)
+    shown = [d for d in x.defaulted if d not in ("overlap_p2p", "batch_p2p")]
+    if shown:
+        lines.append("defaults used (not given): " + " ".join(
+            f"{name.upper().replace('_', '-')}{DEFAULTS[name]}" if name in ("tp", "pp", "vp", "dp",
+                                                                            "cp", "ep")
+            else f"{flag(name)} {DEFAULTS[name]}" for name in shown))
+    return "\n".join(lines)
+
+
 def plan_report(args: argparse.Namespace) -> Tuple[str, Dict[Placement, Timeline]]:
     """The text ``plan`` prints and the timelines behind it; raises PlanInputError / ScheduleError."""
-    reason = _nothing_to_align(args)
-    model = _model(args)
-    global_batch = args.global_batch or 8 * args.pp * args.micro_batch * args.dp
-    layout = Layout(args.tp, args.pp, args.vp, args.dp, args.micro_batch, global_batch)
+    x = resolve(args)
+    model = x.model
+    global_batch = x.global_batch or 8 * x.pp * x.micro_batch * x.dp
+    layout = Layout(x.tp, x.pp, x.vp, x.dp, x.micro_batch, global_batch, cp=x.cp, ep=x.ep,
+                    etp=x.expert_tp)
     m = layout.microbatches()
-    schedule = InterleavedSchedule(args.pp, args.vp, m, args.group_size)
+    schedule = InterleavedSchedule(x.pp, x.vp, m, x.group_size)
     layout.layers_per_chunk(model)
-    head = (f"{args.model or 'custom model'}: {model.layers} layers, hidden {model.hidden}, seq "
-            f"{model.seq}; TP={args.tp} PP={args.pp} VP={args.vp} DP={args.dp} micro-batch "
-            f"{args.micro_batch}, global batch {global_batch} -> M={m} (N={schedule.n}); {args.gpu}")
+    head = _head(x, model, global_batch, m, schedule.n)
+    reason = _nothing_to_align(x)
     if reason:
         return f"{head}\nnothing to align: {reason}.\n", {}
-    costs, info = chunk_costs(model, layout, GPUS[args.gpu], tflops=args.tflops,
-                              transpose_tbps=args.transpose_tbps,
-                              allgather_gbps=args.allgather_gbps, p2p_gbps=args.p2p_gbps,
-                              overlap_penalty=args.overlap_penalty)
-    timelines = {p: simulate(schedule, p, costs) for p in Placement}
-    lines = [head, _costs_line(costs, info, args), "", _table(timelines, schedule.pp),
+    costs, info = chunk_costs(model, layout, GPUS[x.gpu], tflops=x.tflops,
+                              transpose_tbps=x.transpose_tbps,
+                              allgather_gbps=x.allgather_gbps, p2p_gbps=x.p2p_gbps,
+                              overlap_penalty=x.overlap_penalty)
+    timelines = {p: simulate(schedule, p, costs, overlap_p2p=x.overlap_p2p) for p in Placement}
+    lines = [head, _costs_line(costs, info, x), "", _table(timelines, schedule.pp),
              "", _recommendation(timelines)]
     return "\n".join(lines) + "\n", timelines
 
 
-def _costs_line(c: Costs, info: Dict[str, float], args: argparse.Namespace) -> str:
+def _costs_line(c: Costs, info: Dict[str, float], args: PlanInputs) -> str:
     src = GPUS[args.gpu].source
     return (f"per chunk and microbatch: {info['layers_per_chunk']} layers, "
             f"{info['weight_bytes'] / 1e6:.0f} MB of FP8 weights per GPU; forward {c.forward * 1e3:.2f} ms, "
@@ -164,24 +186,25 @@ def _recommendation(tls: Dict[Placement, Timeline]) -> str:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    from nemo_fp8_align.cli.report_input import plot_path_problem
+
     try:
+        problem = plot_path_problem(args.plot)
+        if problem:
+            raise PlanInputError(problem)
         text, timelines = plan_report(args)
     except (PlanInputError, ScheduleError) as err:
-        print(f"nemo-fp8-align plan: {err}", file=sys.stderr)
+        print(f"nemo-fp8-align plan: error: {err}", file=sys.stderr)
         return 2
     print(text, end="")
     if args.plot and timelines:
-        from nemo_fp8_align.planner.gantt import plot_timelines, warmup_window
+        from nemo_fp8_align.planner.gantt import plot_plan
 
-        lazy, aligned = timelines[Placement.LAZY], timelines[Placement.ALIGNED]
-        window = None
-        if args.plot_window == "auto" and warmup_window(lazy) < 0.6 * lazy.step_time:
-            window = max(warmup_window(lazy), warmup_window(aligned))
         try:
-            plot_timelines([lazy, aligned], ["lazy (today)", "aligned (this plugin)"], args.plot,
-                           window=window)
-        except ImportError as err:
-            print(f"nemo-fp8-align plan: {err}", file=sys.stderr)
+            plot_plan(timelines[Placement.LAZY], timelines[Placement.ALIGNED], args.plot,
+                      full=args.plot_window == "full")
+        except (ImportError, OSError, ValueError) as err:
+            print(f"nemo-fp8-align plan: error: --plot {args.plot}: {err}", file=sys.stderr)
             return 2
         print(f"wrote {args.plot}")
     return 0

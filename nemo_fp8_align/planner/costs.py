@@ -11,6 +11,13 @@ where one exists, and say "assumed" where none does:
   forward GEMMs at 2048 tokens: sequential 1738 us, side stream 1842 us, transposes 339 us:
   (1842 - (1738 - 339)) / 339);
 * data-parallel all-gather and pipeline p2p: 40 GB/s per GPU, *assumed* (a 400 Gb/s NIC).
+
+Context parallelism (CP) splits each sequence over CP ranks: compute, attention and activations
+per GPU shrink by CP, the weights do not; the distributed optimizer shards (and all-gathers) the
+dense weights over DP x CP ranks. Mixture of experts: each GPU holds experts / EP experts, each
+split over expert TP (ETP); their FP8 weights are transposed like the dense ones and
+all-gathered over the expert data-parallel group, TP x CP x DP / (EP x ETP) ranks; routing is
+assumed balanced (each token's top-k experts cost top-k dense MLPs, spread like the dense layers).
 """
 
 from __future__ import annotations
@@ -36,13 +43,22 @@ class ModelShape:
     ffn: int
     gated_mlp: bool
     seq: int
+    experts: int = 0  #: MoE experts per layer (0: a dense MLP)
+    topk: int = 2  #: experts each token is routed to
+    moe_ffn: Optional[int] = None  #: an expert's MLP hidden size (default: ffn)
+
+    def attention_weights(self) -> int:
+        head_dim = self.hidden // self.heads
+        return self.hidden * (self.hidden + 2 * self.kv_heads * head_dim) + self.hidden ** 2
+
+    def mlp_weights(self) -> int:
+        """One MLP's (one expert's) weights."""
+        ffn = self.moe_ffn if self.experts and self.moe_ffn else self.ffn
+        return (3 if self.gated_mlp else 2) * self.hidden * ffn
 
     def weights_per_layer(self) -> int:
-        """FP8 GEMM weights of one transformer layer (all tensor-parallel ranks together)."""
-        head_dim = self.hidden // self.heads
-        qkv = self.hidden * (self.hidden + 2 * self.kv_heads * head_dim)
-        mlp = (3 if self.gated_mlp else 2) * self.hidden * self.ffn
-        return qkv + self.hidden * self.hidden + mlp
+        """FP8 GEMM weights of one dense transformer layer (all tensor-parallel ranks together)."""
+        return self.attention_weights() + self.mlp_weights()
 
 
 #: Public architecture numbers (GPT-3 paper; Llama 2 / Llama 3 model cards).
@@ -85,6 +101,22 @@ class Layout:
     dp: int
     micro_batch: int
     global_batch: int
+    cp: int = 1
+    ep: int = 1
+    etp: Optional[int] = None  #: expert tensor parallel size (megatron-core's default: TP)
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    def expert_dp(self) -> int:
+        """Ranks an expert's weights are sharded over: TP x CP x DP / (EP x ETP)."""
+        ranks, per = self.tp * self.cp * self.dp, self.ep * self.expert_tp
+        if ranks % per:
+            raise PlanInputError(
+                f"--ep {self.ep} x --expert-tp {self.expert_tp} = {per} does not divide TP x CP x "
+                f"DP = {ranks} (megatron-core carves the expert groups out of these ranks)")
+        return ranks // per
 
     def microbatches(self) -> int:
         per_step = self.micro_batch * self.dp
@@ -109,7 +141,8 @@ def chunk_costs(model: ModelShape, layout: Layout, gpu: GpuProfile, *,
                 overlap_penalty: float = OVERLAP_PENALTY_H200) -> Tuple[Costs, Dict[str, float]]:
     """Per-chunk durations on one GPU, and the figures they came from."""
     for name, value in (("--tp", layout.tp), ("--pp", layout.pp), ("--vp", layout.vp),
-                        ("--dp", layout.dp), ("--micro-batch", layout.micro_batch)):
+                        ("--dp", layout.dp), ("--cp", layout.cp), ("--ep", layout.ep),
+                        ("--micro-batch", layout.micro_batch)):
         if value < 1:
             raise PlanInputError(f"{name} {value}: must be >= 1")
     if model.hidden % layout.tp or model.hidden % model.heads:
@@ -123,14 +156,27 @@ def chunk_costs(model: ModelShape, layout: Layout, gpu: GpuProfile, *,
     rate = (tflops if tflops is not None else gpu.tflops) * 1e12
     tbps = (transpose_tbps if transpose_tbps is not None else gpu.transpose_tbps) * 1e12
     layers = layout.layers_per_chunk(model)
-    weights = layers * model.weights_per_layer() / layout.tp  # FP8: one byte each
-    tokens = layout.micro_batch * model.seq
-    # Forward FLOPs: 2 per weight per token, plus causal attention (QK^T and AV, half the square).
-    fwd_flops = layers * (2 * tokens * model.weights_per_layer()
-                          + 2 * layout.micro_batch * model.seq ** 2 * model.hidden) / layout.tp
+    dense = model.attention_weights() + (0 if model.experts else model.mlp_weights())
+    experts = 0.0
+    if model.experts:
+        if model.experts % layout.ep:
+            raise PlanInputError(f"--experts {model.experts} is not divisible by --ep {layout.ep}"
+                                 " (each expert-parallel rank holds experts / EP experts)")
+        experts = model.experts // layout.ep * model.mlp_weights() / layout.expert_tp
+    weights = layers * (dense / layout.tp + experts)  # FP8: one byte each
+    tokens = layout.micro_batch * model.seq / layout.cp
+    # Forward FLOPs: 2 per weight per token (top-k expert MLPs for MoE), plus causal attention
+    # (QK^T and AV, half the square), each sequence split over CP ranks.
+    active = model.attention_weights() + model.mlp_weights() * (model.topk if model.experts else 1)
+    fwd_flops = layers * (2 * tokens * active + 2 * layout.micro_batch * model.seq ** 2
+                          * model.hidden / layout.cp) / layout.tp
     forward = fwd_flops / rate  # the rate holds over forward + backward (backward = 2 forwards)
     transpose = 2 * weights / tbps
-    gathered = weights * (layout.dp - 1) / layout.dp
+    dp_ranks = layout.dp * layout.cp
+    gathered = layers * (dense / layout.tp * (dp_ranks - 1) / dp_ranks)
+    if model.experts:
+        edp = layout.expert_dp()
+        gathered += layers * experts * (edp - 1) / edp
     activation = tokens * model.hidden * 2 / layout.tp  # bf16, sequence parallel
     costs = Costs(forward=forward, backward=2 * forward, transpose=transpose,
                   allgather=gathered / (allgather_gbps * 1e9), p2p=activation / (p2p_gbps * 1e9),

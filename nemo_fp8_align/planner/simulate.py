@@ -6,7 +6,12 @@ Rules (one rank = one compute stream):
 * compute, transposes and all-gather waits run one after another on their rank;
 * a p2p call posts all its sends and receives when the rank reaches it and returns when every
   transfer is done; a transfer is done ``p2p`` seconds after both of its ends were posted
-  (rendezvous: gloo and NCCL both wait for the receiver);
+  (rendezvous: gloo and NCCL both wait for the receiver). This is megatron-core's
+  ``batch_p2p_comm=True`` (one batched call) and, as timed here, also its unbatched isend/irecv
+  pairs, which are waited for together too;
+* ``overlap_p2p_comm=True`` (Megatron-LM's default with interleaving): the call only posts; the
+  rank waits for a receive just before the compute that reads it (a received activation before
+  the next forward, a received gradient before the next backward), never for its sends;
 * a chunk's all-gather completes ``allgather`` seconds after its launch (data-parallel peers
   are assumed to run the same timeline); a wait before that completion is idle;
 * ``bubble``: the transposes of chunks whose all-gather completed are slid into the rank's p2p
@@ -65,6 +70,7 @@ class Timeline:
     placement: Placement
     costs: Costs
     intervals: List[Interval] = field(default_factory=list)
+    overlap_p2p: bool = False  #: megatron-core's overlap_p2p_comm
 
     @property
     def step_time(self) -> float:
@@ -88,6 +94,7 @@ class _Rank:
         self.rank, self.ops, self.pc, self.t = rank, ops, 0, 0.0
         self.gather_done: Dict[int, float] = {}
         self.pending: List[List] = []  # bubble / side work: [chunk, remaining, eligible]
+        self.receiving: List[Tuple] = []  # overlap_p2p_comm: posted receives not yet waited for
 
     @property
     def finished(self) -> bool:
@@ -122,6 +129,12 @@ class _Sim:
     def step(self, rank: _Rank) -> bool:
         """Execute ``rank``'s current op; False when it must wait for a peer to post."""
         op, c = rank.ops[rank.pc], self.c
+        # overlap_p2p_comm: megatron-core waits for the receives before the forward (backward)
+        # step, i.e. before the module hooks that wait for all-gathers and build transposes.
+        kind = op.kind if isinstance(op, Compute) else "B" if isinstance(op, BubbleDeadline) \
+            else "F" if isinstance(op, (GatherWait, Transpose, SideStart)) else None
+        if kind is not None and not self.await_receives(rank, kind):
+            return False
         if isinstance(op, Compute):
             dur = c.forward if op.kind == "F" else c.backward
             self.add(rank, "forward" if op.kind == "F" else "backward", rank.t, rank.t + dur,
@@ -155,9 +168,24 @@ class _Sim:
                 rank.pending.append([op.chunk, c.transpose, rank.t])
         return True
 
+    def await_receives(self, rank: _Rank, kind: str) -> bool:
+        """overlap_p2p_comm: wait for the posted receives a ``kind`` compute reads."""
+        due = [x for x in rank.receiving if x[0][0] == kind]
+        if any((ch, i, True) not in self.posted for ch, i, _ in due):
+            return False
+        done = max([rank.t] + [max(t, self.posted[(ch, i, True)]) + self.c.p2p for ch, i, t in due])
+        self.add(rank, "p2p_wait", rank.t, done)
+        self.fill_idle(rank, rank.t, done)
+        rank.t = done
+        rank.receiving = [x for x in rank.receiving if x[0][0] != kind]
+        return True
+
     def comm(self, rank: _Rank, op: Comm) -> bool:
         for channel, index, is_send in op.transfers:
             self.posted.setdefault((channel, index, is_send), rank.t)
+        if self.tl.overlap_p2p:
+            rank.receiving += [(ch, i, rank.t) for ch, i, is_send in op.transfers if not is_send]
+            return True
         done = rank.t
         for channel, index, is_send in op.transfers:
             peer = self.posted.get((channel, index, not is_send))
@@ -195,11 +223,17 @@ class _Sim:
                 rank.pending.remove(p)
 
 
-def simulate(schedule: InterleavedSchedule, placement: Placement, costs: Costs) -> Timeline:
-    """One training step's timeline on every rank."""
-    tl = Timeline(schedule, Placement(placement), costs)
+def simulate(schedule: InterleavedSchedule, placement: Placement, costs: Costs, *,
+             overlap_p2p: bool = False) -> Timeline:
+    """One training step's timeline on every rank (``overlap_p2p``: megatron-core's
+    ``overlap_p2p_comm``; without it, its batched or unbatched blocking calls)."""
+    tl = Timeline(schedule, Placement(placement), costs, overlap_p2p=overlap_p2p)
     sim = _Sim(tl)
     sim.run()
+    for rank in sim.ranks:  # the step ends with every posted receive waited for
+        for kind in ("F", "B"):
+            if not sim.await_receives(rank, kind):
+                raise RuntimeError(f"timeline model: rank {rank.rank} receives never sent")
     leftover = [(r.rank, p[0]) for r in sim.ranks for p in r.pending]
     if leftover:
         raise RuntimeError(f"timeline model: transposes never built (rank, chunk): {leftover}")
