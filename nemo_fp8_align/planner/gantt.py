@@ -42,15 +42,17 @@ def warmup_window(tl: Timeline) -> float:
 def first_chunk_window(tl: Timeline) -> float:
     """End of the first chunk's warm-up forwards on every rank: the zoom where lazy and aligned
     differ first (a rank's chunk-0 transposes are due before or inside these forwards)."""
-    ends = [i.end for i in tl.of_kind("forward") if i.chunk == 0 and i.microbatch < tl.schedule.n]
-    return max(ends) + tl.costs.forward
+    last = tl.schedule.pp - 1
+    return min(i.end for i in tl.of_kind("forward", last)) + tl.costs.forward
 
 
-def _draw(ax, tl: Timeline, unit: float, window: Optional[float]) -> None:
+def _draw(ax, tl: Timeline, unit: float, window: Optional[float], min_transpose: float = 0.0) -> None:
     pp = tl.schedule.pp
     for kind, (colour, _) in COLOURS.items():
         for rank in range(pp):
-            bars = [(i.start / unit, (i.end - i.start) / unit) for i in tl.of_kind(kind, rank)]
+            least = min_transpose if kind == "transpose" else 0.0
+            bars = [(i.start / unit, max(i.end - i.start, least) / unit)
+                    for i in tl.of_kind(kind, rank)]
             if bars:  # thin white edges keep neighbouring ops apart while they are wide
                 wide = window is not None or len(tl.of_kind("forward", rank)) <= 64
                 ax.broken_barh(bars, (rank - 0.4, 0.8), facecolors=colour,
@@ -84,9 +86,10 @@ def plot_plan(lazy: Timeline, aligned: Timeline, path: str, *, full: bool = Fals
         shown = "" if window is None else f" (first {window / unit:.0f} ms shown)"
         axes[row, 0].set_title(f"{title}: step {tl.step_time / unit:.2f} ms{shown}", fontsize=10,
                                loc="left")
-        _draw(axes[row, 1], tl, unit, zoom)
-        axes[row, 1].set_title(f"zoom: chunk 0's first forwards ({title.split()[0]})",
-                               fontsize=9, loc="left")
+        # Transposes are ~1% of a forward: in the zoom they are drawn at least 1% of it wide.
+        _draw(axes[row, 1], tl, unit, zoom, min_transpose=0.01 * zoom)
+        axes[row, 1].set_title(f"zoom: chunk 0's first forwards ({title.split()[0]}; "
+                               "transposes >= 1% wide)", fontsize=9, loc="left")
     for ax in axes[1]:
         ax.set_xlabel("time from step start (ms)")
     saved = lazy.step_time - aligned.step_time
