@@ -74,3 +74,12 @@ def test_the_demo_chunk_has_several_bucket_groups():
     first pipeline rank (embedding + layer) it spans two bucket groups."""
     groups = {rank["pp_rank"]: rank["bucket_groups"] for rank in demo(*SHAPE, "aligned").ranks}
     assert groups[0][0] >= 2
+
+
+def test_a_misreported_slot_is_seen_by_the_core_telemetry():
+    """The records report the planned slot (as a cluster's would): the telemetry's own observed
+    builds, not only the demo's evidence log, must place chunk 1 one forward late on pp rank 1."""
+    problems = verdict("slot_shift_unreported")
+    assert any("observed built before forward 2 of this rank's step (slot 3); aligned means "
+               "before forward 1" in p for p in problems), problems
+    assert not any("transposes at slot" in p for p in problems), problems

@@ -25,8 +25,8 @@ PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 
 
 def expand_paths(paths: Sequence[str]) -> List[str]:
-    """``{rank}`` in a path stands for every rank's file: ``t.rank{rank}.jsonl`` is all of
-    ``t.rank0.jsonl``, ``t.rank1.jsonl``, ... that exist (in rank order)."""
+    """``{rank}`` in a path stands for every rank's file: each existing file with a number in
+    its place, in rank order."""
     out: List[str] = []
     for path in paths:
         if "{rank}" not in path:
