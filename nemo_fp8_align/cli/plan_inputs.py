@@ -71,7 +71,7 @@ def _check_numbers(args: argparse.Namespace) -> None:
 
 def _from_config(path: str, overrides: List[str]) -> Dict[str, Any]:
     """The sizes a NeMo (or launcher: under ``training:``) config gives, by flag name."""
-    from nemo_fp8_align.cli.check import load_config
+    from nemo_fp8_align.cli.check_load import load_config
     from nemo_fp8_align.config_check.context import CheckContext
     from nemo_fp8_align.config_check.reader import ABSENT, Reader
     from nemo_fp8_align.errors import ConfigLoadError
