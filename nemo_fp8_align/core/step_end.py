@@ -10,7 +10,7 @@ are then built at first use, as with the plugin off) and, at the step end every 
 rank calls :func:`agree`: one 4-byte all-reduce (MAX) over the job's ranks says whether any rank
 failed; only then an ``all_gather_object`` of the messages follows, and every rank raises,
 its own message first. Both collectives sit outside the schedule, at the same point on every
-rank, once per step (DESIGN.md invariant 3 is about the schedule's own collectives).
+rank, once per step (the invariant "no new collectives" is about the schedule's own).
 """
 
 from __future__ import annotations
