@@ -19,11 +19,12 @@ record's schedule shape says the policy puts it at.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from nemo_fp8_align.core.schedule import InterleavedSchedule
+
+if TYPE_CHECKING:  # torch is imported on use: `report` reads records without it
+    import torch
 
 __all__ = ["BuildObserver", "RecordExtras", "expected_position", "observed_problems",
            "schedule_of"]
@@ -40,7 +41,7 @@ class BuildObserver:
     logged.
     """
 
-    def __init__(self, chunks: Sequence[torch.nn.Module], weights: Sequence[Sequence[Any]],
+    def __init__(self, chunks: Sequence["torch.nn.Module"], weights: Sequence[Sequence[Any]],
                  backend: Any, step_of: Optional[Callable[[], Optional[int]]] = None) -> None:
         self._chunk_of = {id(w): c for c, ws in enumerate(weights) for w in ws}
         self._backend = backend
@@ -85,11 +86,15 @@ class BuildObserver:
                 self.open_step()
         return self._open
 
-    def _started(self, module: torch.nn.Module, args: Any) -> None:
+    def _started(self, module: "torch.nn.Module", args: Any) -> None:
+        import torch
+
         if self._in_step() and torch.is_grad_enabled():
             self.started += 1
 
-    def _ended(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+    def _ended(self, module: "torch.nn.Module", args: Any, output: Any) -> None:
+        import torch
+
         if self._in_step() and torch.is_grad_enabled():
             self.ended += 1
 
@@ -179,6 +184,8 @@ class RecordExtras:
     builds of a :class:`BuildObserver` (what really happened)."""
 
     def __init__(self, dp_size: Optional[int]) -> None:
+        import torch
+
         dist = torch.distributed
         up = dist.is_available() and dist.is_initialized()
         self.dp_size, self.world_size = dp_size, (dist.get_world_size() if up else None)
