@@ -55,6 +55,7 @@ _LAZY: Dict[str, str] = {
     "StepMismatchError": "errors",
     "TelemetryError": "errors",
     "TransposeVerifyError": "errors",
+    "UnsupportedSetupError": "errors",
 }
 
 __all__ = ["AlignConfig", "Policy", "__version__", *_LAZY]

@@ -3,7 +3,8 @@ what differed and the fix).
 
 Startup: ``ScheduleError`` (a pipeline shape megatron-core would reject),
 ``SharedEmbeddingBucketError`` (megatron-core 0.12.3's bucket bug under NeMo), ``ConfigLoadError``,
-``PlanInputError`` and ``TelemetryError`` (the command line's inputs); the config check's
+``PlanInputError`` and ``TelemetryError`` (the command line's inputs),
+``UnsupportedSetupError`` (a megatron-core setting the plugin cannot align); the config check's
 ``FP8AlignConfigError`` lives with its ``Violation`` (``nemo_fp8_align.config_check``). Run time:
 ``StepMismatchError``, ``ScheduleRebindError``, ``TransposeVerifyError``, ``CudaGraphCaptureError``,
 ``StaleFP8Error`` (the reference backend read stale bytes) and ``DemoRankError`` (demo ranks
@@ -15,11 +16,16 @@ from typing import Any, Dict, List
 
 __all__ = ["ConfigLoadError", "CudaGraphCaptureError", "DemoRankError", "PlanInputError",
            "ScheduleError", "ScheduleRebindError", "SharedEmbeddingBucketError", "StaleFP8Error",
-           "StepMismatchError", "TelemetryError", "TransposeVerifyError"]
+           "StepMismatchError", "TelemetryError", "TransposeVerifyError", "UnsupportedSetupError"]
 
 
 class ScheduleError(ValueError):
     """A pipeline shape megatron-core's interleaved schedule would reject."""
+
+
+class UnsupportedSetupError(ValueError):
+    """A megatron-core setting the plugin cannot align (the table in
+    ``nemo_fp8_align/integrations/refusals.py``)."""
 
 
 class PlanInputError(ValueError):

@@ -382,10 +382,30 @@ def test_batch_size_rampup_is_rejected():
     assert find_violations(seed_config(rampup_batch_size=None)) == []
 
 
-def test_overlap_param_gather_with_optimizer_step_is_refused():
-    cfg = seed_config(optim={"name": "mcore_distributed_optim", "overlap_param_sync": True,
-                             "overlap_grad_sync": True, "align_param_gather": True,
-                             "overlap_param_gather_with_optimizer_step": True})
-    v = only(find_violations(cfg))
-    assert (v.key, v.fix) == ("model.optim.overlap_param_gather_with_optimizer_step",
-                              "model.optim.overlap_param_gather_with_optimizer_step=False")
+def test_overlap_param_gather_with_optimizer_step_is_accepted():
+    """Supported on megatron-core's DDP path (tests/test_gather_with_optimizer.py runs it);
+    a value that is not a boolean is still reported."""
+    optim = {"name": "mcore_distributed_optim", "overlap_param_sync": True,
+             "overlap_grad_sync": True, "align_param_gather": True}
+    key = "overlap_param_gather_with_optimizer_step"
+    assert find_violations(seed_config(optim={**optim, key: True})) == []
+    v = only(find_violations(seed_config(optim={**optim, key: "sometimes"})))
+    assert v.key == "model.optim." + key
+
+
+@pytest.mark.parametrize("key,value,fix", [
+    ("overlap_moe_expert_parallel_comm", True, "model.overlap_moe_expert_parallel_comm=False"),
+    ("cuda_graph_impl", "full_iteration", "model.cuda_graph_impl=transformer_engine"),
+    ("cuda_graph_scope", "full_iteration", "model.cuda_graph_scope=full"),
+    ("cuda_graph_scope", ["attn", "full_iteration"], "model.cuda_graph_scope=full"),
+])
+def test_settings_refused_at_attach_are_reported_by_the_check(key, value, fix):
+    """The rows of integrations/refusals.py that NeMo passes through to TransformerConfig."""
+    v = only(find_violations(seed_config(**{key: value})))
+    assert (v.key, v.fix) == ("model." + key, fix)
+
+
+def test_per_layer_cuda_graphs_and_no_combined_schedule_pass_the_check():
+    assert find_violations(seed_config(cuda_graph_impl="transformer_engine",
+                                       cuda_graph_scope="attn",
+                                       overlap_moe_expert_parallel_comm=False)) == []

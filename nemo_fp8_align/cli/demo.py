@@ -41,6 +41,9 @@ def add_demo_parser(sub: "argparse._SubParsersAction") -> None:
                    "1; the demo then exits 1 with every rank's message")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                    help="process-group timeout (default: torch's 30 minutes)")
+    p.add_argument("--overlap-param-gather-with-optimizer-step", action="store_true",
+                   help="OptimizerConfig(overlap_param_gather_with_optimizer_step=True): the "
+                   "optimizer step dispatches chunk 0's all-gather")
     p.set_defaults(func=run_demo_command)
 
 
@@ -119,7 +122,9 @@ def run_demo_command(args: argparse.Namespace) -> int:
 
     opts = DemoOptions(pp=args.pp, vp=args.vp, dp=args.dp, microbatches=args.microbatches,
                        group_size=args.group_size, steps=args.steps, policy=Policy(args.policy),
-                       fault=args.fault, pg_timeout_s=args.timeout)
+                       fault=args.fault, pg_timeout_s=args.timeout,
+                       overlap_param_gather_with_optimizer_step=(
+                           args.overlap_param_gather_with_optimizer_step))
     try:
         result = run_demo(opts, args.telemetry)
     except DemoRankError as err:

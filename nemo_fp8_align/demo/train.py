@@ -65,6 +65,12 @@ class DemoOptions:
     #: The process groups' timeout in seconds (None: torch's default, 30 minutes): a short one
     #: turns a rank blocked in a collective or p2p receive into an error quickly (tests).
     pg_timeout_s: Optional[float] = None
+    #: ``OptimizerConfig(overlap_param_gather_with_optimizer_step=True)``: chunk 0's all-gather is
+    #: dispatched by the optimizer step (megatron-core then builds a ChainedOptimizer).
+    overlap_param_gather_with_optimizer_step: bool = False
+    #: Fill every gradient with inf after this step's backward, so the optimizer skips the step
+    #: (a constant loss scale of 1.0 makes it check; bytes are unchanged by it).
+    skip_step_at: Optional[int] = None
 
     @property
     def world_size(self) -> int:
@@ -141,11 +147,14 @@ def _build(opts: DemoOptions, pp_rank: int):
     return config, chunks, backend
 
 
-def _optimizer(chunks):
+def _optimizer(chunks, opts: DemoOptions):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    cfg = OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.0, clip_grad=1.0,
-                          use_distributed_optimizer=True, params_dtype=torch.float32)
+    cfg = OptimizerConfig(
+        optimizer="adam", lr=1e-3, weight_decay=0.0, clip_grad=1.0,
+        use_distributed_optimizer=True, params_dtype=torch.float32,
+        overlap_param_gather_with_optimizer_step=opts.overlap_param_gather_with_optimizer_step,
+        loss_scale=None if opts.skip_step_at is None else 1.0)
     return get_megatron_optimizer(cfg, chunks)
 
 
@@ -167,7 +176,7 @@ class PipelineRun:
         self.dp_rank = parallel_state.get_data_parallel_rank()
         with torch.device(opts.device):
             self.config, self.chunks, self.backend = _build(opts, self.pp_rank)
-        self.optimizer = _optimizer(self.chunks)
+        self.optimizer = _optimizer(self.chunks, opts)
         self.weights = [w for chunk in self.chunks for w in chunk.module.fp8_weights()]
         # Policy off still builds the aligner (unattached), so every policy runs the same code.
         self.aligner = align_fp8_transposes(
@@ -197,10 +206,12 @@ class PipelineRun:
         out = self._run(step, forward_only=False)
         return float(torch.stack([o["lm loss"] for o in out]).mean()) if out else None
 
-    def optimizer_step(self) -> None:
-        self.optimizer.step()
+    def optimizer_step(self) -> bool:
+        """The optimizer step; returns whether it updated the parameters (False: skipped)."""
+        updated = self.optimizer.step()[0]
         for w in self.weights:  # the next all-gather brings new values: FP8 copies are stale
             w.invalidate()
+        return updated
 
     def evaluate(self, step: int) -> None:
         """A forward-only pass, as validation runs it."""
@@ -230,6 +241,9 @@ def _train(opts: DemoOptions, telemetry_path: Optional[str], out_dir: str) -> Di
     result: Dict[str, Any] = {"pp_rank": run.pp_rank, "dp_rank": run.dp_rank, "losses": [],
                               "grads": [], "params": [], "builds_per_step": [], "eval_builds": 0,
                               "records": [], "unlaunched_steps": [], "unlaunched_forwards": 0,
+                              "skipped_steps": [], "gather_by_optimizer": [
+                                  bool(getattr(c, "overlap_param_gather_with_optimizer_step",
+                                               False)) for c in run.chunks],
                               "bucket_groups": [len(c.bucket_groups) for c in run.chunks]}
     for step in range(opts.steps):
         after_load = opts.resume_at == step
@@ -271,10 +285,30 @@ def _train_step(run: PipelineRun, evidence: Any, step: int, result: Dict[str, An
     result["builds_per_step"].append(
         [w.transposes_built - b for w, b in zip(run.weights, built_before)])
     result["grads"].append(_digest([b.grad_data for c in run.chunks for b in c.buffers]))
-    run.optimizer_step()
-    result["params"].append(_digest([b.param_data for c in run.chunks for b in c.buffers]))
+    if step == run.opts.skip_step_at:
+        for buffer in (b for c in run.chunks for b in c.buffers):
+            buffer.grad_data.fill_(float("inf"))
+    if not run.optimizer_step():
+        result["skipped_steps"].append(step)
+    result["params"].append(_digest([p for c in run.chunks for p in _settled_params(c)]))
     if loss is not None:
         result["losses"].append(loss)
+
+
+def _settled_params(chunk: Any) -> List[torch.Tensor]:
+    """The chunk's parameter bytes right after the optimizer step. A chunk whose all-gather the
+    optimizer step dispatched (overlap_param_gather_with_optimizer_step) is still receiving the
+    other ranks' shards, so only this rank's own shard of each bucket is settled."""
+    if not getattr(chunk, "overlap_param_gather_with_optimizer_step", False):
+        return [b.param_data for b in chunk.buffers]
+    out = []
+    for group in chunk.bucket_groups:
+        n, r = group.intra_distributed_optimizer_instance_size, \
+            group.intra_distributed_optimizer_instance_rank
+        for bucket in group.buckets:
+            size = bucket.param_data.numel() // n
+            out.append(bucket.param_data.view(-1)[r * size:(r + 1) * size])
+    return out
 
 
 def _quiet_cpu_warnings() -> None:

@@ -17,6 +17,7 @@ import torch
 
 from nemo_fp8_align.config import AlignConfig
 from nemo_fp8_align.core.aligner import TransposeAligner
+from nemo_fp8_align.integrations.refusals import Setup, refuse_unsupported
 from nemo_fp8_align.sync.mcore import McoreParamSync
 from nemo_fp8_align.core.schedule import InterleavedSchedule
 from nemo_fp8_align.core.telemetry import TelemetryWriter
@@ -67,32 +68,6 @@ def telemetry_writer(path: Optional[str]) -> Optional[TelemetryWriter]:
     return TelemetryWriter(path.replace("{rank}", str(rank)))
 
 
-def _refuse_unsupported_ddp(model: Sequence[torch.nn.Module]) -> None:
-    ddp_config = getattr(model[0], "ddp_config", None)
-    if getattr(ddp_config, "overlap_param_gather_with_optimizer_step", False):
-        # Chunk 0's all-gather is then dispatched by the optimizer step, not by the schedule's
-        # pre-loop launch that opens the aligner's step; the CUDA-graph setups that use it
-        # capture the whole step. Neither has been run with the plugin.
-        raise ValueError(
-            "DistributedDataParallelConfig(overlap_param_gather_with_optimizer_step=True) is "
-            "not supported by nemo_fp8_align: chunk 0's all-gather is launched by the optimizer "
-            "step instead of the schedule. Set overlap_param_gather_with_optimizer_step=False, "
-            "or do not attach the plugin (policy=off).")
-
-
-def _refuse_whole_step_graphs(config: Any) -> None:
-    scopes = getattr(config, "cuda_graph_scope", None) or []
-    scopes = scopes if isinstance(scopes, (list, tuple)) else [scopes]
-    if any(getattr(s, "name", s) == "full_iteration" for s in scopes):
-        # Replays of a captured step run no Python: no hook could place, time or check a
-        # transpose, and one captured inside would replay on the capture step's bytes.
-        raise ValueError(
-            f"cuda_graph_scope={[getattr(s, 'name', s) for s in scopes]} captures whole training "
-            "steps, which nemo_fp8_align cannot align (its hooks do not run in a replay). Use "
-            "per-layer CUDA graphs (cuda_graph_scope without full_iteration), or do not attach "
-            "the plugin (policy=off).")
-
-
 def align_fp8_transposes(
     model: Sequence[torch.nn.Module], *, num_microbatches: Union[int, Callable[[], int]],
     backend: FP8TransposeBackend,
@@ -114,10 +89,9 @@ def align_fp8_transposes(
     """
     from megatron.core import parallel_state  # optional dependency: imported on use
 
-    _refuse_unsupported_ddp(model)
-    check_telemetry_path(align_config.telemetry_path)
     config = config if config is not None else model[0].config
-    _refuse_whole_step_graphs(config)
+    refuse_unsupported(Setup(config=config, chunks=model))
+    check_telemetry_path(align_config.telemetry_path)
     if pp_rank is None:
         pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     if dp_rank is None:

@@ -5,6 +5,15 @@ of a bucket; this adapter lets the aligner call it earlier, at the aligned slot,
 group of the chunk (the dense ones and the expert-parallel ones). On core 0.16 with Transformer
 Engine, ``finish_param_sync`` also runs TE's post-all-gather processing (the transposes), so the
 backend then finds nothing left to build. Later pre-hooks find no pending handle and do nothing.
+
+With ``OptimizerConfig(overlap_param_gather_with_optimizer_step=True)``, ``get_megatron_optimizer``
+marks chunk 0's DDP instance, and chunk 0's all-gather is dispatched by the optimizer step
+(``ChainedOptimizer.step_with_ready_grads``), not by the schedule: the schedule's
+``start_param_sync`` returns at once for it. Before the first optimizer step, and after a step
+skipped for inf/nan (``ChainedOptimizer.step`` returns before dispatching), nothing was dispatched;
+megatron-core's own pre-hook then dispatches and waits at first use, and :meth:`finish` does the
+same at the aligned slot: the same one all-gather, on the same group, in the same order on every
+rank of that group, and the schedule dispatches nothing for chunk 0 afterwards.
 """
 
 from __future__ import annotations
@@ -31,26 +40,39 @@ class McoreParamSync:
         ddp = self._chunks[chunk]
         return list(ddp.bucket_groups) + list(getattr(ddp, "expert_parallel_bucket_groups", []))
 
+    def _dispatched_by_optimizer(self, chunk: int) -> bool:
+        # Set on the DDP instance by get_megatron_optimizer (DistributedDataParallelConfig has
+        # no such field in any megatron-core version).
+        return bool(getattr(self._chunks[chunk], "overlap_param_gather_with_optimizer_step", False))
+
     def wait(self, chunk: int) -> None:
         """Wait for ``chunk``'s in-flight all-gathers only, without megatron-core's FP8
         post-processing (on >= 0.16 with TE >= 2.10 that is the transposes' build, run by
         ``finish_param_sync``): the aligner times the wait apart from the build."""
+        by_optimizer = self._dispatched_by_optimizer(chunk)
         for group in self._bucket_groups(chunk):
-            self._check_launched(group, chunk)
+            if not self._check_launched(group, chunk, by_optimizer):
+                group.start_param_sync()  # what megatron-core's pre-hook would dispatch
             if group.param_gather_handle is not None:
                 group.param_gather_handle.wait()  # finish_param_sync's own wait then returns
 
     def finish(self, chunk: int) -> bool:
+        by_optimizer = self._dispatched_by_optimizer(chunk)
         for group in self._bucket_groups(chunk):
-            self._check_launched(group, chunk)
+            self._check_launched(group, chunk, by_optimizer)  # undispatched: dispatched below
             # skip_next_bucket_dispatch: with align_param_gather the schedule dispatches every
             # chunk's all-gather itself; dispatching the next bucket here would reorder them.
             group.finish_param_sync(skip_next_bucket_dispatch=True)
         return self.finished(chunk)
 
     @staticmethod
-    def _check_launched(group: Any, chunk: int) -> None:
-        if not group.param_gather_dispatched:
+    def _check_launched(group: Any, chunk: int, by_optimizer: bool) -> bool:
+        """Whether ``group``'s all-gather was dispatched; raises where only the schedule could
+        have (an undispatched group of a chunk the optimizer step dispatches is for the caller
+        to dispatch, as megatron-core's own pre-hook does at first use)."""
+        if group.param_gather_dispatched:
+            return True
+        if not by_optimizer:
             # finish_param_sync would issue the all-gather itself and the schedule's later
             # start_param_sync a duplicate one: a collective out of order on this rank.
             raise RuntimeError(
@@ -59,6 +81,7 @@ class McoreParamSync:
                 "needs DistributedDataParallelConfig(overlap_param_gather=True, "
                 "align_param_gather=True) and config.param_sync_func = "
                 "[chunk.start_param_sync for chunk in model].")
+        return False
 
     def finished(self, chunk: int) -> bool:
         return all(g.param_gather_dispatched and g.param_gather_handle is None

@@ -122,12 +122,10 @@ def rule_apex_current_scaling(ctx: CheckContext) -> None:
 
 
 def rule_gather_with_optimizer(ctx: CheckContext) -> None:
-    """``optim.overlap_param_gather_with_optimizer_step`` (NeMo 2.3.3, megatron-core DDP): chunk
-    0's all-gather is then launched by the optimizer step, not by the schedule's pre-loop launch
-    that opens the plugin's step; ``align_fp8_transposes`` refuses it too."""
-    key = "optim.overlap_param_gather_with_optimizer_step"
-    if ctx.model.bool_or_default(key, False, "whether the optimizer step launches the first "
-                                 "all-gather"):
-        ctx.model.add(key, True, "False (the plugin aligns with the schedule's all-gather "
-                      "launches; with this option the optimizer step launches chunk 0's, which "
-                      "the plugin does not support)", False)
+    """``optim.overlap_param_gather_with_optimizer_step`` (NeMo 2.3.3 passes it to megatron-core's
+    ``OptimizerConfig``) is accepted: chunk 0's all-gather is then dispatched by the optimizer
+    step and the plugin still builds its transposes at slot 0 (``nemo_fp8_align/sync/mcore.py``). NeMo's own
+    constraints with it (``overlap_param_sync``, VP > 1) are the plugin's too, reported by their
+    rules; only a value that is not a boolean is reported here."""
+    ctx.model.bool_or_default("optim.overlap_param_gather_with_optimizer_step", False,
+                              "whether the optimizer step launches the first all-gather")
