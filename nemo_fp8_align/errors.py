@@ -117,6 +117,17 @@ def rebound(name: str) -> ScheduleRebindError:
     return ScheduleRebindError(
         f"nemo_fp8_align: config.{name} was replaced after the aligner wrapped it, so the "
         "aligner no longer sees the schedule (Megatron-LM's train() binds param_sync_func and "
-        "finalize_model_grads_func right before its training loop). Call align_fp8_transposes "
-        "after those functions are bound: in Megatron-LM's train(), right after "
-        "'config.finalize_model_grads_func = finalize_model_grads'.")
+        "finalize_model_grads_func right before its training loop). In Megatron-LM's or "
+        "Megatron-Bridge's loop attach with nemo_fp8_align.integrations.megatron_lm (it hooks "
+        "the DDP chunks, so that rebinding is expected); elsewhere call align_fp8_transposes "
+        "after those functions are bound, i.e. after 'config.finalize_model_grads_func = "
+        "finalize_model_grads'.")
+
+
+def foreign_param_sync() -> ScheduleRebindError:
+    return ScheduleRebindError(
+        "nemo_fp8_align: config.param_sync_func holds functions that are not the model chunks' "
+        "start_param_sync, so the aligner (attached to the chunks for Megatron-LM's loop) does "
+        "not see the schedule's all-gather launches. Bind config.param_sync_func = "
+        "[chunk.start_param_sync for chunk in model] (what Megatron-LM's train() does), or leave "
+        "it to the training loop.")

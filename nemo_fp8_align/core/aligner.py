@@ -35,6 +35,7 @@ import torch
 from nemo_fp8_align.config import AlignConfig, Policy
 from nemo_fp8_align.core import claims
 from nemo_fp8_align import errors
+from nemo_fp8_align.core.chunk_wrap import ChunkWrap
 from nemo_fp8_align.core.config_wrap import ConfigWrap
 from nemo_fp8_align.core.gpu_spans import GpuSpans
 from nemo_fp8_align.core.observe import RecordExtras
@@ -114,7 +115,7 @@ class TransposeAligner:
         self._extras = RecordExtras(dp_size)  # shape, sizes and (telemetry on) observed builds
         self._plan(schedule)
         self._handles: List[Any] = []
-        self._wrap: Optional[ConfigWrap] = None  # set by attach(model_config)
+        self._wrap: Any = None  # ConfigWrap or ChunkWrap, set by attach(model_config)
         self._step = -1
         self._vmid: Optional[int] = None  # forwards run in the open training step; None: closed
         self._done: set = set()  # chunks handled (aligned) or observed (lazy) this step
@@ -136,13 +137,16 @@ class TransposeAligner:
     def attached(self) -> bool:
         return bool(self._handles)
 
-    def attach(self, model_config: Any = None) -> bool:
+    def attach(self, model_config: Any = None, *, rebinding_loop: bool = False) -> bool:
         """Register the hooks (idempotent). Returns whether the engine is active.
 
         With ``model_config`` (megatron-core's ``TransformerConfig`` the schedule reads), its
-        ``param_sync_func`` entries and ``finalize_model_grads_func`` are wrapped; callers that
-        re-bind those every step (NeMo) call :meth:`on_param_sync_launched` and
-        :meth:`on_step_end` themselves instead.
+        ``param_sync_func`` entries and ``finalize_model_grads_func`` are wrapped, and replacing
+        them later is an error; callers that re-bind those every step (NeMo) call
+        :meth:`on_param_sync_launched` and :meth:`on_step_end` themselves instead. With
+        ``rebinding_loop`` (Megatron-LM, Megatron-Bridge: the loop binds the chunks'
+        ``start_param_sync`` into the config itself, possibly after this call) the chunks'
+        methods are wrapped instead (:class:`~nemo_fp8_align.core.chunk_wrap.ChunkWrap`).
         """
         if self.attached or not self.config.active:
             return self.attached
@@ -153,8 +157,10 @@ class TransposeAligner:
         claims.claim(self.chunks, self)  # refuses before anything is wrapped
         if model_config is not None:
             try:
-                self._wrap = ConfigWrap(model_config, self.schedule.vp,
-                                        self.on_param_sync_launched, self.on_step_end)
+                self._wrap = ChunkWrap(self.chunks, model_config, self.on_param_sync_launched,
+                                       self.on_step_end) if rebinding_loop else ConfigWrap(
+                    model_config, self.schedule.vp, self.on_param_sync_launched,
+                    self.on_step_end)
             except Exception:
                 claims.release(self.chunks, self)
                 raise

@@ -71,6 +71,10 @@ class DemoOptions:
     #: Fill every gradient with inf after this step's backward, so the optimizer skips the step
     #: (a constant loss scale of 1.0 makes it check; bytes are unchanged by it).
     skip_step_at: Optional[int] = None
+    #: Attach the way :mod:`nemo_fp8_align.integrations.megatron_lm` does (to the DDP chunks,
+    #: before the loop binds ``config.param_sync_func``), then bind it as Megatron-LM's
+    #: ``train()`` does, and run the first step as its first iteration (no launches).
+    rebinding_loop: bool = False
 
     @property
     def world_size(self) -> int:
@@ -112,6 +116,16 @@ def _digest(tensors: List[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def bind_schedule_funcs(config: Any, chunks: List[Any]) -> None:
+    """What Megatron-LM's training loop binds with overlap_param_gather and
+    align_param_gather."""
+    from megatron.core.distributed import finalize_model_grads
+
+    config.param_sync_func = [chunk.start_param_sync for chunk in chunks]
+    config.no_sync_func = [chunk.no_sync for chunk in chunks]
+    config.finalize_model_grads_func = finalize_model_grads
+
+
 def _build(opts: DemoOptions, pp_rank: int):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer import TransformerConfig
@@ -139,11 +153,8 @@ def _build(opts: DemoOptions, pp_rank: int):
         # As Megatron-LM does: only the first chunk is bucketed.
         chunks.append(DistributedDataParallel(config=config, ddp_config=ddp_config, module=module,
                                               disable_bucketing=c > 0))
-    # As Megatron-LM's training loop does with overlap_param_gather and align_param_gather:
-    config.param_sync_func = [chunk.start_param_sync for chunk in chunks]
-    config.no_sync_func = [chunk.no_sync for chunk in chunks]
-    from megatron.core.distributed import finalize_model_grads
-    config.finalize_model_grads_func = finalize_model_grads
+    if not opts.rebinding_loop:  # else bound after the plugin attached, as train() does
+        bind_schedule_funcs(config, chunks)
     return config, chunks, backend
 
 
@@ -182,7 +193,10 @@ class PipelineRun:
         self.aligner = align_fp8_transposes(
             self.chunks, num_microbatches=opts.microbatches, backend=self.backend,
             weights_of=lambda chunk: chunk.module.fp8_weights(), config=self.config,
-            align_config=AlignConfig(policy=opts.policy, telemetry_path=telemetry_path))
+            align_config=AlignConfig(policy=opts.policy, telemetry_path=telemetry_path),
+            rebinding_loop=opts.rebinding_loop)
+        if opts.rebinding_loop:
+            bind_schedule_funcs(self.config, self.chunks)
         self._fwd_bwd = get_forward_backward_func()
         hidden = opts.model.hidden_size
         self.probe = torch.nn.Linear(hidden, hidden, device=opts.device) \
@@ -247,6 +261,7 @@ def _train(opts: DemoOptions, telemetry_path: Optional[str], out_dir: str) -> Di
                               "bucket_groups": [len(c.bucket_groups) for c in run.chunks]}
     for step in range(opts.steps):
         after_load = opts.resume_at == step
+        first_of_loop = after_load or (opts.rebinding_loop and step == 0)
         if after_load:  # save, then continue in a new run loaded from the checkpoint
             checkpoint.save(run, out_dir)
             result["records"] += [asdict(r) for r in run.aligner.records]
@@ -258,7 +273,10 @@ def _train(opts: DemoOptions, telemetry_path: Optional[str], out_dir: str) -> Di
             checkpoint.load(run, out_dir)
             evidence = start(run)
             result["unlaunched_steps"].append(step)
-        with checkpoint.first_step_after_load(run) if after_load else nullcontext():
+        if first_of_loop and not after_load:
+            result["unlaunched_steps"].append(step)
+            run.aligner.set_next_step(step + 1)
+        with checkpoint.first_step_after_load(run) if first_of_loop else nullcontext():
             _train_step(run, evidence, step, result)
         _foreign_forward(run.probe)
         if opts.eval_after_each_step:

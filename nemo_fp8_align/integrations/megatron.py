@@ -73,7 +73,7 @@ def align_fp8_transposes(
     backend: FP8TransposeBackend,
     weights_of: Callable[[torch.nn.Module], List[Any]], config: Any = None,
     align_config: AlignConfig = AlignConfig(), pp_rank: Optional[int] = None,
-    dp_rank: Optional[int] = None,
+    dp_rank: Optional[int] = None, rebinding_loop: bool = False,
 ) -> TransposeAligner:
     """Attach the aligned FP8-transpose engine to megatron-core DDP model chunks.
 
@@ -86,6 +86,10 @@ def align_fp8_transposes(
         config: the ``TransformerConfig`` the schedule reads; defaults to ``model[0].config``.
         align_config: policy and telemetry settings.
         pp_rank, dp_rank: default to megatron-core's ``parallel_state``.
+        rebinding_loop: the training loop binds ``config.param_sync_func`` itself, after this
+            call and again after a load (Megatron-LM, Megatron-Bridge): hook the chunks'
+            ``start_param_sync`` instead of the config (see
+            :mod:`nemo_fp8_align.integrations.megatron_lm`).
     """
     from megatron.core import parallel_state  # optional dependency: imported on use
 
@@ -106,5 +110,5 @@ def align_fp8_transposes(
         telemetry=telemetry_writer(align_config.telemetry_path),
         num_microbatches=num_microbatches if callable(num_microbatches) else None,
         dp_size=parallel_state.get_data_parallel_world_size())
-    aligner.attach(config)
+    aligner.attach(config, rebinding_loop=rebinding_loop)
     return aligner
