@@ -40,7 +40,7 @@ def add_check_parser(subparsers: Any) -> argparse.ArgumentParser:
                      "FP8-transpose plugin from working, and one override line, re-checked "
                      "before it is printed, that fixes them all. Exit 0 when valid, 2 "
                      "otherwise."))
-    parser.add_argument("config", metavar="CONFIG.yaml",
+    parser.add_argument("config", metavar="CONFIG.yaml", nargs="?",
                         help="NeMo training YAML (NeMo 1.x layout), a NeMo-Framework-Launcher "
                              "training YAML, or the launcher's conf/config.yaml (with "
                              "training=<model>/<size>)")
@@ -56,6 +56,11 @@ def add_check_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="the model class has FP8TransposeAlignMixin (the plugin runs without "
                              "a model.fp8_transpose_align block); default: the entry-point "
                              "callback, which stays inert without the block")
+    parser.add_argument("--megatron-lm", action="store_true",
+                        help="check a Megatron-LM argument list instead: check --megatron-lm "
+                             "[--world-size N] -- --pipeline-model-parallel-size 2 ...")
+    parser.add_argument("--world-size", type=int, default=None, metavar="N",
+                        help="with --megatron-lm: processes of the job (default: $WORLD_SIZE)")
     parser.set_defaults(func=run_check)
     return parser
 
@@ -65,6 +70,15 @@ def run_check(args: argparse.Namespace, *, out: Optional[TextIO] = None,
     """Run the check for parsed ``args``; returns the exit status (0 valid, 2 otherwise)."""
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
+    if getattr(args, "megatron_lm", False):
+        from nemo_fp8_align.cli.check_megatron_lm import run_megatron_lm_check
+
+        argv = ([args.config] if args.config else []) + list(args.overrides)
+        return run_megatron_lm_check(args, argv, out, err)
+    if args.config is None:
+        print("error: CONFIG.yaml is missing: pass a NeMo training YAML, or --megatron-lm -- "
+              "ARGS for a Megatron-LM command line", file=err)
+        return EXIT_INVALID
     problem = _argument_problem(args) or missing_dependency("check", CHECK_NEEDS)
     if problem is not None:  # before anything imports OmegaConf or Hydra
         if getattr(args, "format", "text") == "json":

@@ -126,6 +126,9 @@ class TransposeAligner:
         #: (``param_sync_func`` None: Megatron-LM's first iteration after a checkpoint load).
         self.unlaunched_forwards = 0
         self._unlaunched: set = set()
+        #: Called with this aligner after each training step's end passed its checks (same
+        #: point on every rank: e.g. a logger gathering the step's records).
+        self.step_end_listeners: List[Callable[["TransposeAligner"], None]] = []
 
     def _plan(self, schedule: InterleavedSchedule) -> None:
         self.schedule = schedule
@@ -252,6 +255,8 @@ class TransposeAligner:
                                              if self._pending else "")))
         agree(failure, group=self._error_group, label=f"rank {self.rank} (pipeline rank "
               f"{self.pp_rank}, data-parallel rank {self.dp_rank}, step {self._step})")
+        for listener in self.step_end_listeners:
+            listener(self)
 
     def _open_step(self) -> None:
         self._flush()  # the last step's records, if nothing ended it

@@ -1,0 +1,248 @@
+"""The startup check for Megatron-LM's (and megatron-core 0.19's ``megatron.training``) command-line
+arguments: the same rules as the NeMo check, with messages that name Megatron-LM's flags.
+
+The rules read a NeMo-style config (``model.*``, ``trainer.*``); this adapter maps Megatron-LM's
+arguments onto the values they read (:data:`FLAGS`), runs every rule, and translates each
+violation's key and fix back into the flag a Megatron-LM user sets::
+
+    from nemo_fp8_align.config_check.megatron_lm_args import megatron_lm_violations
+    megatron_lm_violations(vars(megatron.training.get_args()), world_size=8)
+    megatron_lm_violations(parse_megatron_lm_argv(sys.argv[1:]), world_size=8)
+
+What NeMo needs and Megatron-LM does not (``megatron_amp_O2``, a half ``trainer.precision``) is
+filled in so those rules hold; what only Megatron-LM has (whole-iteration CUDA graphs, FSDP
+instead of DDP) is checked here. Nothing here imports megatron-core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from functools import partial
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence
+
+from nemo_fp8_align.config_check.reader import Violation
+
+__all__ = ["FLAGS", "megatron_lm_config", "megatron_lm_violations", "parse_megatron_lm_argv"]
+
+STORE_TRUE, STORE_FALSE, VALUE = "store_true", "store_false", "value"
+
+
+class Flag(NamedTuple):
+    dest: str  # Megatron-LM's argparse dest
+    flag: str  # how it is spelt on the command line
+    kind: str  # STORE_TRUE, STORE_FALSE or VALUE
+    default: Any  # Megatron-LM's default
+
+
+#: The rules' keys (without ``model.``), the Megatron-LM argument each one is read from.
+FLAGS: Dict[str, Flag] = {
+    "pipeline_model_parallel_size": Flag("pipeline_model_parallel_size",
+                                         "--pipeline-model-parallel-size", VALUE, 1),
+    "tensor_model_parallel_size": Flag("tensor_model_parallel_size",
+                                       "--tensor-model-parallel-size", VALUE, 1),
+    "context_parallel_size": Flag("context_parallel_size", "--context-parallel-size", VALUE, 1),
+    "expert_model_parallel_size": Flag("expert_model_parallel_size",
+                                       "--expert-model-parallel-size", VALUE, 1),
+    "expert_tensor_parallel_size": Flag("expert_tensor_parallel_size",
+                                        "--expert-tensor-parallel-size", VALUE, None),
+    "num_moe_experts": Flag("num_experts", "--num-experts", VALUE, None),
+    "sequence_parallel": Flag("sequence_parallel", "--sequence-parallel", STORE_TRUE, False),
+    "num_layers": Flag("num_layers", "--num-layers", VALUE, None),
+    "num_layers_in_first_pipeline_stage": Flag("decoder_first_pipeline_num_layers",
+                                               "--decoder-first-pipeline-num-layers", VALUE, None),
+    "num_layers_in_last_pipeline_stage": Flag("decoder_last_pipeline_num_layers",
+                                              "--decoder-last-pipeline-num-layers", VALUE, None),
+    "account_for_embedding_in_pipeline_split": Flag(
+        "account_for_embedding_in_pipeline_split", "--account-for-embedding-in-pipeline-split",
+        STORE_TRUE, False),
+    "account_for_loss_in_pipeline_split": Flag(
+        "account_for_loss_in_pipeline_split", "--account-for-loss-in-pipeline-split",
+        STORE_TRUE, False),
+    "pipeline_model_parallel_layout": Flag("pipeline_model_parallel_layout",
+                                           "--pipeline-model-parallel-layout", VALUE, None),
+    "fp8_recipe": Flag("fp8_recipe", "--fp8-recipe", VALUE, "delayed"),
+    "fp8_params": Flag("fp8_param_gather", "--fp8-param-gather", STORE_TRUE, False),
+    "first_last_layers_bf16": Flag("first_last_layers_bf16", "--first-last-layers-bf16",
+                                   STORE_TRUE, False),
+    "optim.overlap_param_sync": Flag("overlap_param_gather", "--overlap-param-gather",
+                                     STORE_TRUE, False),
+    "optim.overlap_grad_sync": Flag("overlap_grad_reduce", "--overlap-grad-reduce",
+                                    STORE_TRUE, False),
+    "optim.align_param_gather": Flag("align_param_gather", "--no-align-param-gather",
+                                     STORE_FALSE, True),
+    "optim.overlap_param_gather_with_optimizer_step": Flag(
+        "overlap_param_gather_with_optimizer_step",
+        "--overlap-param-gather-with-optimizer-step", STORE_TRUE, False),
+    "micro_batch_size": Flag("micro_batch_size", "--micro-batch-size", VALUE, None),
+    "global_batch_size": Flag("global_batch_size", "--global-batch-size", VALUE, None),
+    "rampup_batch_size": Flag("rampup_batch_size", "--rampup-batch-size", VALUE, None),
+    "microbatch_group_size_per_vp_stage": Flag(
+        "microbatch_group_size_per_vp_stage",
+        "--microbatch-group-size-per-virtual-pipeline-stage", VALUE, None),
+}
+
+#: Arguments read to derive a rule's value (not one-to-one), with Megatron-LM's defaults.
+_DERIVED: Dict[str, Flag] = {f.dest: f for f in (
+    Flag("num_layers_per_virtual_pipeline_stage", "--num-layers-per-virtual-pipeline-stage",
+         VALUE, None),
+    Flag("num_virtual_stages_per_pipeline_rank", "--num-virtual-stages-per-pipeline-rank",
+         VALUE, None),
+    Flag("fp8", "--fp8-format", VALUE, None),
+    Flag("transformer_impl", "--transformer-impl", VALUE, "transformer_engine"),
+    Flag("use_distributed_optimizer", "--use-distributed-optimizer", STORE_TRUE, False),
+    Flag("cuda_graph_impl", "--cuda-graph-impl", VALUE, "none"),
+    Flag("use_megatron_fsdp", "--use-megatron-fsdp", STORE_TRUE, False),
+    Flag("use_torch_fsdp2", "--use-torch-fsdp2", STORE_TRUE, False),
+)}
+
+#: Derived keys: how a fix of the rule's key is spelt in Megatron-LM.
+_DERIVED_FIX = {
+    "virtual_pipeline_model_parallel_size": "--num-virtual-stages-per-pipeline-rank {}",
+    "fp8": "--fp8-format hybrid", "fp8_hybrid": "--fp8-format hybrid",
+    "fp8_e4m3": "--fp8-format e4m3", "transformer_engine": "--transformer-impl transformer_engine",
+    "optim.name": "--use-distributed-optimizer",
+}
+_DERIVED_KEY = {"virtual_pipeline_model_parallel_size": "--num-layers-per-virtual-pipeline-stage",
+                "fp8": "--fp8-format", "fp8_hybrid": "--fp8-format", "fp8_e4m3": "--fp8-format",
+                "transformer_engine": "--transformer-impl",
+                "optim.name": "--use-distributed-optimizer"}
+
+_DERIVED_EXPECTED = {
+    "fp8": "hybrid or e4m3 (FP8 GEMMs are what need the transposed weights)",
+    "fp8_hybrid": "hybrid or e4m3 (FP8 GEMMs are what need the transposed weights)",
+    "optim.name": "set (megatron-core's DistributedOptimizer all-gathers the FP8 parameters "
+                  "the plugin transposes)",
+    "transformer_engine": "transformer_engine (FP8 weights are Transformer Engine tensors)",
+}
+
+
+def parse_megatron_lm_argv(argv: Sequence[str]) -> Dict[str, Any]:
+    """The arguments the rules read, parsed from a Megatron-LM command line (other arguments
+    are ignored), with Megatron-LM's defaults for those not given."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    for f in list(FLAGS.values()) + list(_DERIVED.values()):
+        if f.kind == STORE_TRUE:
+            parser.add_argument(f.flag, dest=f.dest, action="store_true")
+        elif f.kind == STORE_FALSE:
+            parser.add_argument(f.flag, dest=f.dest, action="store_false")
+        elif f.dest == "rampup_batch_size":
+            parser.add_argument(f.flag, dest=f.dest, nargs="*", default=None)
+        else:
+            parser.add_argument(f.flag, dest=f.dest, type=_int_or_str, default=f.default)
+    known, _ = parser.parse_known_args(list(argv))
+    return vars(known)
+
+
+def _int_or_str(text: str) -> Any:
+    return int(text) if re.fullmatch(r"-?\d+", text) else text
+
+
+def megatron_lm_config(args: Mapping[str, Any], world_size: Optional[int] = None) -> dict:
+    """The NeMo-style config (``model:``, ``trainer:``) the rules read, from Megatron-LM's
+    arguments (``vars(get_args())`` or :func:`parse_megatron_lm_argv`)."""
+    def get(dest: str, default: Any = None) -> Any:
+        return args.get(dest, default)
+
+    model: Dict[str, Any] = {}
+    for key, f in FLAGS.items():
+        _put(model, key, get(f.dest, f.default))
+    fmt = get("fp8")
+    model.update(fp8=fmt is not None, fp8_hybrid=fmt == "hybrid", fp8_e4m3=fmt == "e4m3",
+                 transformer_engine=get("transformer_impl", "transformer_engine")
+                 == "transformer_engine",
+                 virtual_pipeline_model_parallel_size=_vp(args),
+                 megatron_amp_O2=True,  # NeMo's requirement; Megatron-LM keeps FP32 main params
+                 fp8_transpose_align={"enabled": True})
+    model["optim"]["name"] = ("mcore_distributed_optim" if get("use_distributed_optimizer")
+                              else "adam")
+    trainer = {"precision": "bf16-mixed"}  # NeMo's O2 needs a half precision, Megatron-LM not
+    if world_size is not None:
+        trainer.update(devices=world_size, num_nodes=1)
+    return {"trainer": trainer, "model": model}
+
+
+def _put(node: Dict[str, Any], key: str, value: Any) -> None:
+    head, _, rest = key.partition(".")
+    if rest:
+        _put(node.setdefault(head, {}), rest, value)
+    else:
+        node[head] = value
+
+
+def _vp(args: Mapping[str, Any]) -> Any:
+    """Model chunks per pipeline rank, as Megatron-LM derives them (validated args carry it)."""
+    if args.get("virtual_pipeline_model_parallel_size") is not None:
+        return args["virtual_pipeline_model_parallel_size"]
+    if args.get("num_virtual_stages_per_pipeline_rank") is not None:
+        return args["num_virtual_stages_per_pipeline_rank"]
+    per_stage, layers = args.get("num_layers_per_virtual_pipeline_stage"), args.get("num_layers")
+    pp = args.get("pipeline_model_parallel_size") or 1
+    if per_stage is None:
+        return None
+    if isinstance(layers, int) and isinstance(per_stage, int) and per_stage > 0 \
+            and layers % (pp * per_stage) == 0:
+        return layers // (pp * per_stage)
+    return f"num_layers {layers} / (PP {pp} x {per_stage} per virtual stage): not a whole number"
+
+
+def megatron_lm_violations(args: Mapping[str, Any], world_size: Optional[int] = None
+                           ) -> List[Violation]:
+    """Every violation, keyed and fixed in Megatron-LM's flags; empty when valid."""
+    from nemo_fp8_align.config_check.check import find_violations
+
+    out: List[Violation] = _megatron_lm_only(args)
+    for v in map(partial(_translate, args), find_violations(megatron_lm_config(args, world_size))):
+        if not any(v.key == o.key and v.fix == o.fix for o in out):  # fp8 and its format
+            out.append(v)
+    return out
+
+
+def _megatron_lm_only(args: Mapping[str, Any]) -> List[Violation]:
+    out = []
+    if args.get("cuda_graph_impl") == "full_iteration":
+        out.append(Violation("--cuda-graph-impl", "full_iteration", "per-layer CUDA graphs or "
+                             "none (a whole captured step runs no hook of the plugin)",
+                             "--cuda-graph-impl transformer_engine, or leave it out"))
+    for dest in ("use_megatron_fsdp", "use_torch_fsdp2"):
+        if args.get(dest):
+            flag = _DERIVED[dest].flag
+            out.append(Violation(flag, "set", "megatron-core's DistributedDataParallel (the "
+                                 "plugin finishes its bucket groups' all-gathers)",
+                                 f"drop {flag}; use --use-distributed-optimizer"))
+    return out
+
+
+def _translate(args: Mapping[str, Any], v: Violation) -> Violation:
+    key = v.key[len("model."):] if v.key.startswith("model.") else v.key
+    if key in FLAGS:
+        flag = FLAGS[key].flag
+    elif key in _DERIVED_KEY:
+        flag = _DERIVED_KEY[key]
+    elif v.key.startswith("trainer."):
+        flag = "world size (WORLD_SIZE)"
+    else:
+        flag = "--" + key.replace("_", "-").replace(".", "-")
+    if key in _DERIVED_EXPECTED:
+        dest = {"transformer_engine": "transformer_impl", "optim.name":
+                "use_distributed_optimizer"}.get(key, "fp8")
+        return Violation(flag, repr(args.get(dest)) if args.get(dest) else "not set",
+                         _DERIVED_EXPECTED[key], _translate_fix(v.fix))
+    return Violation(flag, v.found, v.expected, _translate_fix(v.fix))
+
+
+def _translate_fix(fix: str) -> str:
+    """``model.key=value`` overrides in a fix, spelt as Megatron-LM flags."""
+    def one(match: "re.Match[str]") -> str:
+        key, value = match.group(2), match.group(3)
+        if key in _DERIVED_FIX:
+            return _DERIVED_FIX[key].format(value)
+        f = FLAGS.get(key)
+        if f is None:
+            return "--" + key.replace("_", "-") + ("" if value == "True" else f" {value}")
+        if f.kind == VALUE:
+            return f"{f.flag} {value}" if value != "null" else f"drop {f.flag}"
+        wanted = value == "True"
+        on = wanted if f.kind == STORE_TRUE else not wanted
+        return f.flag if on else f"drop {f.flag}"
+    return re.sub(r"([+~]{0,2})model\.([A-Za-z0-9_.]+)=(\S+)", one, fix)
