@@ -15,6 +15,12 @@ EXIT_OK, EXIT_INVALID = 0, 2
 
 def run_megatron_lm_check(args: argparse.Namespace, argv: List[str], out: TextIO,
                           err: TextIO) -> int:
+    from nemo_fp8_align.cli.deps import missing_dependency
+
+    missing = missing_dependency("check --megatron-lm", (("omegaconf", "omegaconf", "hydra"),))
+    if missing is not None:
+        print(f"error: {missing}", file=err)
+        return EXIT_INVALID
     from nemo_fp8_align.config_check.megatron_lm_args import (megatron_lm_violations,
                                                               parse_megatron_lm_argv)
 

@@ -18,6 +18,7 @@ from nemo_fp8_align.cli.deps import DEMO_NEEDS, missing_dependency
 __all__ = ["EXIT_BAD_INPUT", "add_demo_parser", "demo_input_problem", "telemetry_path_problem"]
 
 EXIT_BAD_INPUT = 2
+LOOPS = ("schedule", "megatron-lm")
 
 
 def add_demo_parser(sub: "argparse._SubParsersAction") -> None:
@@ -44,6 +45,12 @@ def add_demo_parser(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--overlap-param-gather-with-optimizer-step", action="store_true",
                    help="OptimizerConfig(overlap_param_gather_with_optimizer_step=True): the "
                    "optimizer step dispatches chunk 0's all-gather")
+    p.add_argument("--loop", choices=LOOPS, default=LOOPS[0],
+                   help="'schedule': the demo's own loop around megatron-core's schedule "
+                        "(default); 'megatron-lm': Megatron-LM's own pretrain/train() "
+                        "(megatron-core >= 0.19), the plugin attached by a post-wrap hook")
+    p.add_argument("--resume-at", type=int, default=None, metavar="K",
+                   help="save a checkpoint after K steps and resume from it in a new run")
     p.set_defaults(func=run_demo_command)
 
 
@@ -83,6 +90,11 @@ def demo_input_problem(args: argparse.Namespace) -> Optional[str]:
     timeout = getattr(args, "timeout", None)
     if timeout is not None and not timeout > 0:
         return f"--timeout {timeout}: must be a number of seconds > 0; pass e.g. --timeout 60"
+    k = getattr(args, "resume_at", None)
+    if k is not None and not 1 <= k < steps:
+        return (f"--resume-at {k}: the checkpoint is saved after step K and the run resumes "
+                f"from it, so 1 <= K < --steps = {steps}; pass --resume-at 1"
+                if steps > 1 else f"--resume-at {k}: needs --steps 2 or more")
     return telemetry_path_problem(args.telemetry)
 
 
@@ -90,6 +102,19 @@ def _fault_names() -> list:
     from nemo_fp8_align.demo.faults import FAULTS, HARMLESS, RANK_ERRORS  # torch only
 
     return sorted({**FAULTS, **HARMLESS, **RANK_ERRORS})
+
+
+def loop_problem(loop: str) -> Optional[str]:
+    """Why ``--loop megatron-lm`` cannot run here (None when it can)."""
+    if loop != "megatron-lm":
+        return None
+    from nemo_fp8_align.cli.deps import _importable
+
+    if not _importable("megatron.training.models"):
+        return ("--loop megatron-lm: Megatron-LM's training loop (megatron.training with its "
+                "model builders) is not installed; it ships in the megatron-core >= 0.19 wheel "
+                "(Python >= 3.12): pip install 'megatron-core>=0.19' omegaconf")
+    return None
 
 
 def telemetry_path_problem(path: Optional[str]) -> Optional[str]:
@@ -112,7 +137,8 @@ def telemetry_path_problem(path: Optional[str]) -> Optional[str]:
 
 
 def run_demo_command(args: argparse.Namespace) -> int:
-    problem = demo_input_problem(args) or missing_dependency("demo", DEMO_NEEDS)
+    problem = (demo_input_problem(args) or missing_dependency("demo", DEMO_NEEDS)
+               or loop_problem(getattr(args, "loop", LOOPS[0])))
     if problem is not None:
         print(f"nemo-fp8-align demo: error: {problem}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -124,9 +150,15 @@ def run_demo_command(args: argparse.Namespace) -> int:
                        group_size=args.group_size, steps=args.steps, policy=Policy(args.policy),
                        fault=args.fault, pg_timeout_s=args.timeout,
                        overlap_param_gather_with_optimizer_step=(
-                           args.overlap_param_gather_with_optimizer_step))
+                           args.overlap_param_gather_with_optimizer_step),
+                       resume_at=args.resume_at)
     try:
-        result = run_demo(opts, args.telemetry)
+        if args.loop == "megatron-lm":
+            from nemo_fp8_align.demo.launch_megatron_lm import run_megatron_lm_demo
+
+            result = run_megatron_lm_demo(opts, args.telemetry)
+        else:
+            result = run_demo(opts, args.telemetry)
     except DemoRankError as err:
         for text in err.reports.values():
             print(f"FAILED: {text}", file=sys.stderr)

@@ -129,6 +129,9 @@ class TransposeAligner:
         #: Called with this aligner after each training step's end passed its checks (same
         #: point on every rank: e.g. a logger gathering the step's records).
         self.step_end_listeners: List[Callable[["TransposeAligner"], None]] = []
+        #: Optional: the number of the step being opened (e.g. Megatron-LM's iteration), so
+        #: records keep the loop's numbering across its unlaunched steps and resumes.
+        self.step_number: Optional[Callable[[], int]] = None
 
     def _plan(self, schedule: InterleavedSchedule) -> None:
         self.schedule = schedule
@@ -269,7 +272,7 @@ class TransposeAligner:
             m = int(self._num_microbatches())
             if m != self.schedule.microbatches:  # raises ScheduleError for a shape mcore rejects
                 self._plan(dataclasses.replace(self.schedule, microbatches=m))
-        self._step += 1
+        self._step = self.step_number() if self.step_number is not None else self._step + 1
         self._vmid = 0
         self._done, self._pending, self._observing, self._launched = set(), {}, {}, {}
 

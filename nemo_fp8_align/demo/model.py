@@ -73,6 +73,10 @@ class GPTChunk(torch.nn.Module):
 
         return ModelType.encoder_or_decoder
 
+    @model_type.setter
+    def model_type(self, value: Any) -> None:
+        pass  # Megatron-LM's get_model sets it on every chunk; the demo GPT has the one type
+
     def __init__(self, cfg: DemoModelConfig, *, config: Any, stage: int, vp_stage: int,
                  pre_process: bool, post_process: bool, backend: ReferenceBackend) -> None:
         super().__init__()
@@ -96,6 +100,10 @@ class GPTChunk(torch.nn.Module):
     def set_input_tensor(self, input_tensor: Any) -> None:
         """Called by megatron-core's schedule with the activation received from upstream."""
         self.input_tensor = input_tensor[0] if isinstance(input_tensor, list) else input_tensor
+
+    def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False) -> Any:
+        """What Megatron-LM's checkpointing saves (``--ckpt-format torch``): the state dict."""
+        return self.state_dict(prefix=prefix, keep_vars=keep_vars)
 
     def fp8_weights(self) -> List[ReferenceFP8Weight]:
         return [m.fp8_weight for m in self.modules() if isinstance(m, ReferenceFP8Linear)]

@@ -49,7 +49,7 @@ def check_args(args: Any, world_size: Optional[int] = None) -> None:
 def attach(model: Sequence[Any], *, backend: Any = None,
            weights_of: Optional[Callable[[Any], List[Any]]] = None,
            align_config: AlignConfig = AlignConfig(), args: Any = None,
-           log_metrics: bool = True) -> Any:
+           log_metrics: bool = True, step_number: Optional[Callable[[], int]] = None) -> Any:
     """Attach the aligner to Megatron-LM's DDP model chunks; returns it.
 
     Args:
@@ -60,6 +60,7 @@ def attach(model: Sequence[Any], *, backend: Any = None,
         args: Megatron-LM's arguments to check (default ``megatron.training.get_args()``;
             None and no Megatron-LM globals: not checked).
         log_metrics: write the per-step metrics through Megatron-LM's writers.
+        step_number: numbers each step's records (default: Megatron-LM's iteration).
     """
     import torch
 
@@ -81,9 +82,17 @@ def attach(model: Sequence[Any], *, backend: Any = None,
         list(model), num_microbatches=get_num_microbatches, backend=backend,
         weights_of=weights_of or backend.weights_of, config=config,
         align_config=align_config, rebinding_loop=True)
+    if step_number is not None:
+        aligner.step_number = step_number
+    elif _megatron_args() is not None:  # numbered by Megatron-LM's iteration (resumes go on)
+        aligner.step_number = _current_iteration
     if log_metrics and aligner.attached:
         aligner.step_end_listeners.append(WriterMetrics(args))
     return aligner
+
+
+def _current_iteration() -> int:
+    return int(_megatron_args().curr_iteration)
 
 
 def post_wrap_hook(**kwargs: Any) -> Callable[[List[Any]], List[Any]]:

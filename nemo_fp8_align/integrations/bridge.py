@@ -1,0 +1,106 @@
+"""The plugin in Megatron-Bridge's training loop (megatron-bridge 0.6.x), as one callback::
+
+    from nemo_fp8_align.integrations.bridge import FP8TransposeAlignCallback
+    pretrain(config, forward_step_func, callbacks=[FP8TransposeAlignCallback()])
+
+Bridge binds ``config.param_sync_func`` (``setup.py::_update_model_config_funcs``) and then fires
+``on_data_init_start`` with the DDP chunks in ``context.model``; the callback checks Bridge's
+config with the startup rules (mapped as Megatron-LM's arguments) and attaches to the chunks the
+way :mod:`~nemo_fp8_align.integrations.megatron_lm` does, pointing the bound list at the chunks'
+wrapped ``start_param_sync``. Bridge's ``train()`` then sets ``param_sync_func`` to None for its
+first iteration and puts it back, which the chunk-level attachment expects.
+
+Bridge's ``Callback`` base class is used when megatron-bridge imports; without it the class is a
+plain object (Bridge's ``CallbackManager.add`` registers overriding methods by name either way).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any, Optional
+
+from nemo_fp8_align.config import AlignConfig
+
+try:  # optional dependency: megatron-bridge (its package import needs transformers)
+    from megatron.bridge.training.callbacks import Callback as _Base
+except ImportError:  # pragma: no cover - exercised where megatron-bridge is missing
+    _Base = object
+
+__all__ = ["FP8TransposeAlignCallback", "bridge_args"]
+
+
+def bridge_args(cfg: Any) -> SimpleNamespace:
+    """Bridge's ``ConfigContainer`` as the Megatron-LM argument names the startup check reads."""
+    model, ddp = getattr(cfg, "model", None), getattr(cfg, "ddp", None)
+    optim, train = getattr(cfg, "optimizer", None), getattr(cfg, "train", None)
+
+    def of(node: Any, name: str, default: Any = None) -> Any:
+        return getattr(node, name, default) if node is not None else default
+
+    return SimpleNamespace(
+        pipeline_model_parallel_size=of(model, "pipeline_model_parallel_size", 1),
+        virtual_pipeline_model_parallel_size=of(model, "virtual_pipeline_model_parallel_size"),
+        tensor_model_parallel_size=of(model, "tensor_model_parallel_size", 1),
+        context_parallel_size=of(model, "context_parallel_size", 1),
+        expert_model_parallel_size=of(model, "expert_model_parallel_size", 1),
+        expert_tensor_parallel_size=of(model, "expert_tensor_parallel_size"),
+        num_experts=of(model, "num_moe_experts"), num_layers=of(model, "num_layers"),
+        sequence_parallel=of(model, "sequence_parallel", False),
+        fp8=of(model, "fp8"), fp8_recipe=of(model, "fp8_recipe", "delayed"),
+        fp8_param_gather=of(ddp, "fp8_param_gather", False) or of(model, "fp8_param", False),
+        transformer_impl=of(model, "transformer_impl", "transformer_engine"),
+        first_last_layers_bf16=of(model, "first_last_layers_bf16", False),
+        cuda_graph_impl=of(model, "cuda_graph_impl", "none"),
+        use_distributed_optimizer=of(ddp, "use_distributed_optimizer", False),
+        overlap_param_gather=of(ddp, "overlap_param_gather", False),
+        overlap_grad_reduce=of(ddp, "overlap_grad_reduce", False),
+        align_param_gather=of(ddp, "align_param_gather", False),
+        use_megatron_fsdp=of(ddp, "use_megatron_fsdp", False),
+        overlap_param_gather_with_optimizer_step=of(
+            optim, "overlap_param_gather_with_optimizer_step", False),
+        micro_batch_size=of(train, "micro_batch_size"),
+        global_batch_size=of(train, "global_batch_size"),
+        rampup_batch_size=of(train, "rampup_batch_size"),
+        microbatch_group_size_per_vp_stage=of(model, "microbatch_group_size_per_vp_stage"),
+        log_interval=of(getattr(cfg, "logger", None), "log_interval", 1))
+
+
+class FP8TransposeAlignCallback(_Base):  # type: ignore[misc, valid-type]
+    """Attaches the aligned FP8-transpose engine at Bridge's ``on_data_init_start``.
+
+    Args: as :func:`nemo_fp8_align.integrations.megatron_lm.attach` (``backend``,
+    ``weights_of``, ``align_config``); ``check`` runs the startup rules on Bridge's config.
+    """
+
+    def __init__(self, *, backend: Any = None, weights_of: Any = None,
+                 align_config: AlignConfig = AlignConfig(), check: bool = True) -> None:
+        if not isinstance(align_config, AlignConfig):
+            raise TypeError(f"align_config={align_config!r}: pass an AlignConfig")
+        self.backend, self.weights_of = backend, weights_of
+        self.align_config, self.check = align_config, check
+        self.aligner: Optional[Any] = None
+
+    def on_data_init_start(self, context: Any) -> None:
+        from nemo_fp8_align.integrations import megatron_lm
+
+        if self.aligner is not None:
+            return  # attach once (a restarted setup keeps the first engine)
+        state = getattr(context, "state", None)
+        cfg = getattr(state, "cfg", None)
+        args = bridge_args(cfg) if self.check and cfg is not None else None
+        self.aligner = megatron_lm.attach(
+            context.model, backend=self.backend, weights_of=self.weights_of,
+            align_config=self.align_config, args=args, log_metrics=False,
+            step_number=_train_step(state))
+
+    def on_train_end(self, context: Any) -> None:
+        if self.aligner is not None:
+            self.aligner.detach()
+            self.aligner = None
+
+
+def _train_step(state: Any) -> Any:
+    """Bridge's step counter (``state.train_state.step``) for the records, when it has one."""
+    if getattr(getattr(state, "train_state", None), "step", None) is None:
+        return None
+    return lambda: int(state.train_state.step)

@@ -1,0 +1,80 @@
+"""``demo --loop megatron-lm``: the demo GPT trained by Megatron-LM's own pretrain/train()
+(megatron-core 0.19's ``megatron.training``, unedited) on the CPU over gloo, PP=2 VP=2 DP=2, the
+plugin attached by a ``ModelConfig.post_wrap_hooks`` entry. Needs megatron-core >= 0.19
+(.venv-mcore019); each run spawns 4 processes (~1-5 minutes each, depending on load)."""
+
+import functools
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("megatron.training.models", reason="Megatron-LM's loop ships in "
+                    "megatron-core >= 0.19 (.venv-mcore019)")
+pytest.importorskip("omegaconf")
+
+from nemo_fp8_align.config import Policy  # noqa: E402
+from nemo_fp8_align.demo.launch import alignment_problems, differences  # noqa: E402
+from nemo_fp8_align.demo.launch_megatron_lm import run_megatron_lm_demo  # noqa: E402
+from nemo_fp8_align.demo.train import DemoOptions  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@functools.lru_cache(maxsize=None)
+def run(policy, resume_at=None):
+    return run_megatron_lm_demo(DemoOptions(pp=2, vp=2, dp=2, microbatches=4, steps=3,
+                                            policy=Policy(policy), resume_at=resume_at))
+
+
+@pytest.mark.parametrize("policy", ["aligned", "lazy"])
+def test_megatron_lm_loop_passes_the_judge(policy):
+    result = run(policy)
+    assert alignment_problems(result) == []
+    # train()'s first iteration runs without launches (pre-hooks off, param_sync_func None):
+    # built at first use, judged lazy; the plugin is in the loop from iteration 1 on.
+    assert all(r["unlaunched_steps"] == [0] and r["unlaunched_forwards"] > 0
+               for r in result.ranks)
+    assert sorted({r["step"] for r in result.records}) == [1, 2]
+    for rec in result.records:
+        assert rec["after_all_gather"] and rec["transposed"] == rec["weights"]
+        if policy == "aligned":
+            assert rec["slot"] == rec["aligned_slot"]
+        else:
+            assert rec["slot"] == rec["aligned_slot"] + rec["pp_rank"]
+
+
+@pytest.mark.parametrize("policy, skew", [("aligned", 0.0), ("lazy", 1.0)])
+def test_metrics_reach_megatron_lm_writers_path_every_log_interval(policy, skew):
+    """--log-interval 1: the step-end listener gathered iterations 2 and 3 over the pipeline
+    group (identical on both pipeline ranks) and handed them to Megatron-LM's writers."""
+    result = run(policy)
+    for dp in (0, 1):  # the pipeline ranks of one pipeline gathered the same
+        written = [r["metrics"] for r in result.ranks if r["dp_rank"] == dp]
+        assert len(written) == 2 and written[0] == written[1]
+        assert [m["iteration"] for m in written[0]] == [2, 3]
+    for m in written[0]:
+        assert m["fp8_align/records"] == 4.0  # 2 chunks x 2 pipeline ranks
+        assert m["fp8_align/chunk0/slot_skew"] == m["fp8_align/chunk1/slot_skew"] == skew
+
+
+def test_bit_identical_losses_gradients_and_parameters_across_policies():
+    assert differences(run("lazy"), run("aligned")) == []
+
+
+def test_save_and_resume_through_megatron_lm_checkpointing_is_bit_identical():
+    resumed, whole = run("aligned", resume_at=2), run("aligned")
+    assert alignment_problems(resumed) == []
+    assert all(r["unlaunched_steps"] == [0, 2] for r in resumed.ranks)  # each job's first
+    assert differences(resumed, whole) == []
+    assert len(resumed.losses()) == 3
+
+
+def test_cli_demo_loop_megatron_lm(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "nemo_fp8_align", "demo", "--loop",
+                          "megatron-lm", "--dp", "1", "--steps", "2",
+                          "--telemetry", str(tmp_path / "t.jsonl")],
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "chunk 1: aligned slot 2; built at slots r0:2 r1:2" in out.stdout
+    assert (tmp_path / "t.jsonl").read_text().count("\n") == 4  # step 1 x 2 ranks x 2 chunks
