@@ -188,6 +188,8 @@ def _train(opts: Any, phase: Dict[str, Any], telemetry_path: Optional[str]) -> D
     model_cfg.post_wrap_hooks += [hook, book]
     original = DistributedOptimizer._copy_main_params_to_model_params
     set_states = DistributedOptimizer._set_main_param_and_optimizer_states
+    load_sd = DistributedOptimizer.load_state_dict
+    DistributedOptimizer.load_state_dict = _own_step_tensors(load_sd)
     DistributedOptimizer._copy_main_params_to_model_params = book.optimizer_copies(original)
     DistributedOptimizer._set_main_param_and_optimizer_states = _load_states(set_states)
     try:
@@ -203,6 +205,7 @@ def _train(opts: Any, phase: Dict[str, Any], telemetry_path: Optional[str]) -> D
     finally:
         DistributedOptimizer._copy_main_params_to_model_params = original
         DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+        DistributedOptimizer.load_state_dict = load_sd
     book.close_step()
     aligner = hook.aligners[0]
     first = int(phase["load"] is not None and opts.resume_at or 0)
@@ -239,6 +242,20 @@ def _load_states(fn: Any) -> Any:
         with torch.no_grad():
             return fn(optimizer, model_param, _SkipMissing(tensors))
     return set_states
+
+
+def _own_step_tensors(fn: Any) -> Any:
+    """megatron-core 0.19.2's load into the fallback torch Adam (no TE or apex) gives every
+    parameter the same ``step`` tensor, which torch's Adam then increments once per parameter
+    per step: the bias correction after a resume would be wrong. Each gets its own copy."""
+    def load_state_dict(optimizer: Any, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
+        out = fn(optimizer, state_dict, *args, **kwargs)
+        for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+            for state in inner.optimizer.state.values():
+                if isinstance(state.get("step"), torch.Tensor):
+                    state["step"] = state["step"].clone()
+        return out
+    return load_state_dict
 
 
 class _DemoArgs:
