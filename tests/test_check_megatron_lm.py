@@ -42,8 +42,9 @@ def test_a_valid_command_line_passes_and_other_arguments_are_ignored():
     (["--use-torch-fsdp2"], [], "--use-torch-fsdp2", None),
     (["--num-layers-per-virtual-pipeline-stage", "4"], ["--num-layers-per-virtual-pipeline-stage"],
      "--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank 2"),
-    (["--global-batch-size", "6"], ["--global-batch-size", "16"], "--global-batch-size",
-     "--global-batch-size 8"),
+    (["--global-batch-size", "6"], ["--global-batch-size", "16"],  # M = 3 with N = PP = 2
+     "--microbatch-group-size-per-virtual-pipeline-stage",
+     "--microbatch-group-size-per-virtual-pipeline-stage 3"),
 ])
 def test_each_bad_setting_is_reported_with_its_flag_and_fix(extra, drop, flag, fix):
     found = _found(extra, drop)

@@ -153,6 +153,7 @@ def megatron_lm_config(args: Mapping[str, Any], world_size: Optional[int] = None
                  == "transformer_engine",
                  virtual_pipeline_model_parallel_size=_vp(args),
                  megatron_amp_O2=True,  # NeMo's requirement; Megatron-LM keeps FP32 main params
+                 mcore_gpt=True,  # NeMo's switch; Megatron-LM's models are megatron-core's
                  fp8_transpose_align={"enabled": True})
     model["optim"]["name"] = ("mcore_distributed_optim" if get("use_distributed_optimizer")
                               else "adam")
