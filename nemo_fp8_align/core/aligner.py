@@ -35,8 +35,7 @@ import torch
 from nemo_fp8_align.config import AlignConfig, Policy
 from nemo_fp8_align.core import claims
 from nemo_fp8_align import errors
-from nemo_fp8_align.core.chunk_wrap import ChunkWrap
-from nemo_fp8_align.core.config_wrap import ConfigWrap
+from nemo_fp8_align.core.chunk_wrap import schedule_wrap
 from nemo_fp8_align.core.gpu_spans import GpuSpans
 from nemo_fp8_align.core.observe import RecordExtras
 from nemo_fp8_align.core.param_sync import ChunkParamSync
@@ -126,12 +125,7 @@ class TransposeAligner:
         #: (``param_sync_func`` None: Megatron-LM's first iteration after a checkpoint load).
         self.unlaunched_forwards = 0
         self._unlaunched: set = set()
-        #: Called with this aligner after each training step's end passed its checks (same
-        #: point on every rank: e.g. a logger gathering the step's records).
-        self.step_end_listeners: List[Callable[["TransposeAligner"], None]] = []
-        #: Optional: the number of the step being opened (e.g. Megatron-LM's iteration), so
-        #: records keep the loop's numbering across its unlaunched steps and resumes.
-        self.step_number: Optional[Callable[[], int]] = None
+        self.step_number: Optional[Callable[[], int]] = None  # e.g. Megatron-LM's iteration
 
     def _plan(self, schedule: InterleavedSchedule) -> None:
         self.schedule = schedule
@@ -147,12 +141,9 @@ class TransposeAligner:
         """Register the hooks (idempotent). Returns whether the engine is active.
 
         With ``model_config`` (megatron-core's ``TransformerConfig`` the schedule reads), its
-        ``param_sync_func`` entries and ``finalize_model_grads_func`` are wrapped, and replacing
-        them later is an error; callers that re-bind those every step (NeMo) call
-        :meth:`on_param_sync_launched` and :meth:`on_step_end` themselves instead. With
-        ``rebinding_loop`` (Megatron-LM, Megatron-Bridge: the loop binds the chunks'
-        ``start_param_sync`` into the config itself, possibly after this call) the chunks'
-        methods are wrapped instead (:class:`~nemo_fp8_align.core.chunk_wrap.ChunkWrap`).
+        ``param_sync_func`` entries and ``finalize_model_grads_func`` are wrapped (the chunks'
+        methods with ``rebinding_loop``); callers that re-bind those every step (NeMo) call
+        :meth:`on_param_sync_launched` and :meth:`on_step_end` themselves instead.
         """
         if self.attached or not self.config.active:
             return self.attached
@@ -163,10 +154,7 @@ class TransposeAligner:
         claims.claim(self.chunks, self)  # refuses before anything is wrapped
         if model_config is not None:
             try:
-                self._wrap = ChunkWrap(self.chunks, model_config, self.on_param_sync_launched,
-                                       self.on_step_end) if rebinding_loop else ConfigWrap(
-                    model_config, self.schedule.vp, self.on_param_sync_launched,
-                    self.on_step_end)
+                self._wrap = schedule_wrap(self, model_config, rebinding_loop)
             except Exception:
                 claims.release(self.chunks, self)
                 raise
@@ -258,8 +246,6 @@ class TransposeAligner:
                                              if self._pending else "")))
         agree(failure, group=self._error_group, label=f"rank {self.rank} (pipeline rank "
               f"{self.pp_rank}, data-parallel rank {self.dp_rank}, step {self._step})")
-        for listener in self.step_end_listeners:
-            listener(self)
 
     def _open_step(self) -> None:
         self._flush()  # the last step's records, if nothing ended it

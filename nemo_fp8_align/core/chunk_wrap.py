@@ -20,7 +20,18 @@ from typing import Any, Callable, List, Optional, Sequence
 
 from nemo_fp8_align import errors
 
-__all__ = ["ChunkWrap"]
+__all__ = ["ChunkWrap", "schedule_wrap"]
+
+
+def schedule_wrap(aligner: Any, model_config: Any, rebinding_loop: bool) -> Any:
+    """The aligner's hold on the schedule: on the chunks for a rebinding loop, else on the
+    config (:class:`~nemo_fp8_align.core.config_wrap.ConfigWrap`)."""
+    from nemo_fp8_align.core.config_wrap import ConfigWrap
+
+    hooks = (aligner.on_param_sync_launched, aligner.on_step_end)
+    if rebinding_loop:
+        return ChunkWrap(aligner.chunks, model_config, *hooks)
+    return ConfigWrap(model_config, aligner.schedule.vp, *hooks)
 
 
 class ChunkWrap:
@@ -42,8 +53,11 @@ class ChunkWrap:
                                    for i, fn in enumerate(self.originals)]
         for chunk, fn in zip(self.chunks, self.wrapped):
             chunk.start_param_sync = fn  # an instance attribute: the loop's lookup finds it
+        #: Called after each step's end passed the aligner's checks, at the same point on every
+        #: rank (before the gradient collectives): e.g. a logger gathering the step's records.
+        self.step_end_listeners: List[Callable[[], None]] = []
         self._finish = self.chunks[0].finish_grad_sync
-        self.chunks[0].finish_grad_sync = _end_then(self._finish, on_end)
+        self.chunks[0].finish_grad_sync = _end_then(self._finish, on_end, self.step_end_listeners)
         self._rebind_bound_list()
 
     def _rebind_bound_list(self) -> None:
@@ -92,8 +106,11 @@ def _launch_then(chunk: int, fn: Callable[..., Any],
     return start_param_sync
 
 
-def _end_then(finish: Callable[..., Any], on_end: Callable[[], None]) -> Callable[..., Any]:
+def _end_then(finish: Callable[..., Any], on_end: Callable[[], None],
+              listeners: List[Callable[[], None]]) -> Callable[..., Any]:
     def finish_grad_sync(*args: Any, **kwargs: Any) -> Any:
         on_end()  # before the grad collectives: at the same point on every rank
+        for listener in listeners:
+            listener()
         return finish(*args, **kwargs)
     return finish_grad_sync

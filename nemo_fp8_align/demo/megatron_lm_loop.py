@@ -216,11 +216,16 @@ def _train(opts: Any, phase: Dict[str, Any], telemetry_path: Optional[str]) -> D
                   records=[asdict(r) for r in aligner.records], unlaunched_steps=[first],
                   unlaunched_forwards=aligner.unlaunched_forwards, first_step=first,
                   evidence=book.evidence.as_dict(),
-                  metrics=aligner.step_end_listeners[0].written if aligner.attached else [],
+                  metrics=_written(aligner),
                   bucket_groups=[len(c.bucket_groups) for c in book.chunks])
     book.evidence.close()
     aligner.detach()
     return result
+
+
+def _written(aligner: Any) -> List[dict]:
+    """The metrics the plugin handed to Megatron-LM's writers (its step-end listener's log)."""
+    return aligner._wrap.step_end_listeners[0].func.written if aligner.attached else []
 
 
 def _load_states(fn: Any) -> Any:

@@ -22,6 +22,7 @@ writers every ``--log-interval`` iterations.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable, List, Optional, Sequence
 
 from nemo_fp8_align.config import AlignConfig
@@ -86,8 +87,8 @@ def attach(model: Sequence[Any], *, backend: Any = None,
         aligner.step_number = step_number
     elif _megatron_args() is not None:  # numbered by Megatron-LM's iteration (resumes go on)
         aligner.step_number = _current_iteration
-    if log_metrics and aligner.attached:
-        aligner.step_end_listeners.append(WriterMetrics(args))
+    if log_metrics and aligner.attached:  # the chunk hooks' step end (core/chunk_wrap.py)
+        aligner._wrap.step_end_listeners.append(partial(WriterMetrics(args), aligner))
     return aligner
 
 
@@ -122,6 +123,7 @@ class WriterMetrics:
     def __init__(self, args: Any) -> None:
         self.every = max(1, int(getattr(args, "log_interval", 1) or 1))
         self.written: List[dict] = []  # what was written (the last few), for tests and logs
+        self._last: Optional[int] = None
 
     def __call__(self, aligner: Any) -> None:
         from megatron.core import parallel_state
@@ -129,8 +131,9 @@ class WriterMetrics:
         from nemo_fp8_align.integrations.nemo.metrics import gather_step_metrics, last_step_records
 
         iteration = _iteration(aligner)
-        if iteration % self.every:
-            return
+        if iteration % self.every or aligner._step == self._last:
+            return  # not a logging iteration, or no step ended since the last write
+        self._last = aligner._step
         records = [r for r in last_step_records(aligner.records) if r.step == aligner._step]
         metrics = gather_step_metrics(
             records, group=parallel_state.get_pipeline_model_parallel_group())
