@@ -9,7 +9,7 @@ PY312 ?= $(shell ls "$$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12 2
 PIP_FLAGS ?= -q --disable-pip-version-check
 DEMO_ARGS ?= --pp 2 --vp 2 --dp 2 --microbatches 4 --steps 3 --policy aligned --telemetry telemetry.jsonl
 
-.PHONY: install install-mcore016 install-mcore019 demo test smoke
+.PHONY: install install-mcore016 install-mcore019 demo test test-mcore019 smoke
 
 $(VENV)/.installed: requirements/cpu.txt requirements/nodeps.txt requirements/constraints.txt pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -63,6 +63,11 @@ test: install install-mcore016 install-mcore019 $(MCORE_TREES)/.installed
 	  PYTHONPATH=$(CURDIR)/$(MCORE_TREES)/$$v $(VENV19)/bin/python -m pytest -q -m "not nemo" \
 	    tests/test_schedule.py tests/test_refusals.py || exit 1; \
 	done
+
+# Megatron-LM's own loop (megatron/training in the 0.19.2 wheel) and the chunk-level attachment:
+# ~10 minutes on 2 cores (4 demo jobs of 4 processes, and the 0.19 rebinding-loop demo).
+test-mcore019: install-mcore019
+	$(VENV19)/bin/python -m pytest -q tests/test_megatron_lm_loop.py tests/test_megatron_lm_mode.py
 
 smoke: install
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH bash validation/smoke_nemo.sh
