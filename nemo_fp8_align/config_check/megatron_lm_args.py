@@ -205,6 +205,13 @@ def _megatron_lm_only(args: Mapping[str, Any]) -> List[Violation]:
         out.append(Violation("--cuda-graph-impl", "full_iteration", "per-layer CUDA graphs or "
                              "none (a whole captured step runs no hook of the plugin)",
                              "--cuda-graph-impl transformer_engine, or leave it out"))
+    if args.get("overlap_param_gather_with_optimizer_step"):
+        # The chunk-level attachment opens a step at the schedule's launch of chunk 0, which
+        # the optimizer step dispatches instead here (force_dispatch): not run in this mode.
+        out.append(Violation("--overlap-param-gather-with-optimizer-step", "set",
+                             "not set with Megatron-LM's loop (chunk 0's all-gather is then "
+                             "dispatched by the optimizer step; not run with the plugin there)",
+                             "drop --overlap-param-gather-with-optimizer-step"))
     for dest in ("use_megatron_fsdp", "use_torch_fsdp2"):
         if args.get(dest):
             flag = _DERIVED[dest].flag
