@@ -1,6 +1,7 @@
 # Two entry points (README quick start): `make demo` and `make test`. Both build the pinned CPU
-# environment in .venv first; `make test` also builds .venv-mcore016 to run the engine tests on
-# megatron-core 0.16.1.
+# environment in .venv first (NeMo 2.3.3 + megatron-core 0.12.3); `make test` also builds
+# .venv-mcore016 (megatron-core 0.16.1) and .venv-mcore019 (Python 3.12, megatron-core 0.19.2,
+# with Megatron-LM's loop; 0.17.1 and 0.18.2 read from their wheels) and runs the tests on each.
 PY ?= python3
 VENV ?= .venv
 VENV16 ?= .venv-mcore016
@@ -63,11 +64,14 @@ test: install install-mcore016 install-mcore019 $(MCORE_TREES)/.installed
 	  PYTHONPATH=$(CURDIR)/$(MCORE_TREES)/$$v $(VENV19)/bin/python -m pytest -q -m "not nemo" \
 	    tests/test_schedule.py tests/test_refusals.py || exit 1; \
 	done
+	$(VENV19)/bin/python -m pytest -q $(MEGATRON_LM_TESTS)
 
 # Megatron-LM's own loop (megatron/training in the 0.19.2 wheel) and the chunk-level attachment:
 # ~10 minutes on 2 cores (4 demo jobs of 4 processes, and the 0.19 rebinding-loop demo).
+MEGATRON_LM_TESTS = tests/test_megatron_lm_loop.py tests/test_megatron_lm_mode.py
+
 test-mcore019: install-mcore019
-	$(VENV19)/bin/python -m pytest -q tests/test_megatron_lm_loop.py tests/test_megatron_lm_mode.py
+	$(VENV19)/bin/python -m pytest -q $(MEGATRON_LM_TESTS)
 
 smoke: install
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH bash validation/smoke_nemo.sh
