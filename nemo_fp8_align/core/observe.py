@@ -58,22 +58,27 @@ class BuildObserver:
         self._undo = watch(self._built) if watch is not None else self._wrap_build()
 
     def _wrap_build(self) -> Callable[[], None]:
-        backend, original = self._backend, self._backend.build_transposes
+        """Wrap ``build_transposes`` on the backend's class: layers may hold their own backend
+        instance (a NeMo model's FP8 layers do); builds of other chunks' weights are ignored."""
+        cls = type(self._backend)
+        original = getattr(cls, "build_transposes")
+        own = "build_transposes" in cls.__dict__
 
-        def build_transposes(weights: Sequence[Any]) -> int:
+        def build_transposes(backend: Any, weights: Sequence[Any]) -> int:
             stale = [w for w in weights if not backend.has_valid_transpose(w)]
-            built = original(weights)
+            built = original(backend, weights)
             for w in stale:
                 if backend.has_valid_transpose(w):
                     self._built(w)
             return built
-        backend.build_transposes = build_transposes
+        cls.build_transposes = build_transposes
 
         def undo() -> None:
-            if backend.__dict__.get("build_transposes") is build_transposes:
-                del backend.build_transposes  # the class's method again (or the earlier wrapper)
-                if backend.build_transposes != original:
-                    backend.build_transposes = original
+            if cls.__dict__.get("build_transposes") is build_transposes:  # not wrapped again
+                if own:
+                    cls.build_transposes = original
+                else:
+                    delattr(cls, "build_transposes")
         return undo
 
     def _in_step(self) -> bool:
