@@ -53,6 +53,14 @@ def test_rounds_rotate_and_bad_arguments_are_refused():
 @pytest.mark.slow
 def test_cpu_dry_run(tmp_path):
     pytest.importorskip("megatron.core")
+    import inspect
+
+    from megatron.core.models.gpt import GPTModel
+
+    if "vp_stage" not in inspect.signature(GPTModel.__init__).parameters:
+        # The harness builds chunks the way megatron-core >= 0.14 does (GPTModel(vp_stage=c));
+        # make test runs this file on 0.16.1 and 0.19.2 too.
+        pytest.skip("the real-stack harness needs megatron-core >= 0.14 (GPTModel vp_stage)")
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "pipeline_step_time_mps.py"), "--cpu-dry-run",
          "--pp", "2", "--vp", "2", "--microbatches", "4", "--hidden", "64", "--heads", "4",

@@ -1,5 +1,5 @@
 """``nemo-fp8-align check --megatron-lm [--world-size N] -- ARGS...``: the startup check of a
-Megatron-LM command line (the arguments after ``--``, as given to pretrain_gpt.py). Exit status
+Megatron-LM command line (the arguments after ``--``, as given to Megatron-LM's GPT pretraining script). Exit status
 0 and one line when valid, 2 with every violation, each naming the flag and its fix."""
 
 from __future__ import annotations

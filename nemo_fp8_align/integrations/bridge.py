@@ -3,7 +3,7 @@
     from nemo_fp8_align.integrations.bridge import FP8TransposeAlignCallback
     pretrain(config, forward_step_func, callbacks=[FP8TransposeAlignCallback()])
 
-Bridge binds ``config.param_sync_func`` (``setup.py::_update_model_config_funcs``) and then fires
+Bridge binds ``config.param_sync_func`` (its training setup's ``_update_model_config_funcs``) and then fires
 ``on_data_init_start`` with the DDP chunks in ``context.model``; the callback checks Bridge's
 config with the startup rules (mapped as Megatron-LM's arguments) and attaches to the chunks the
 way :mod:`~nemo_fp8_align.integrations.megatron_lm` does, pointing the bound list at the chunks'
