@@ -73,7 +73,7 @@ def align_fp8_transposes(
     backend: FP8TransposeBackend,
     weights_of: Callable[[torch.nn.Module], List[Any]], config: Any = None,
     align_config: AlignConfig = AlignConfig(), pp_rank: Optional[int] = None,
-    dp_rank: Optional[int] = None, rebinding_loop: bool = False,
+    dp_rank: Optional[int] = None, rebinding_loop: bool = False, pg_collection: Any = None,
 ) -> TransposeAligner:
     """Attach the aligned FP8-transpose engine to megatron-core DDP model chunks.
 
@@ -85,23 +85,25 @@ def align_fp8_transposes(
         weights_of: returns the FP8 weights of one chunk (e.g. its Float8Tensor parameters).
         config: the ``TransformerConfig`` the schedule reads; defaults to ``model[0].config``.
         align_config: policy and telemetry settings.
-        pp_rank, dp_rank: default to megatron-core's ``parallel_state``.
+        pp_rank, dp_rank: default to the model's groups (below).
         rebinding_loop: the training loop binds ``config.param_sync_func`` itself, after this
             call and again after a load (Megatron-LM, Megatron-Bridge): hook the chunks'
             ``start_param_sync`` instead of the config (see
             :mod:`nemo_fp8_align.integrations.megatron_lm`).
+        pg_collection: the ``ProcessGroupCollection`` the model and schedule were built with
+            (megatron-core >= 0.14); None: the chunks' own DDP groups, else ``parallel_state``
+            (:mod:`nemo_fp8_align.integrations.groups`).
     """
-    from megatron.core import parallel_state  # optional dependency: imported on use
+    from nemo_fp8_align.integrations.groups import resolve_ranks
 
     config = config if config is not None else model[0].config
     refuse_unsupported(Setup(config=config, chunks=model))
     check_telemetry_path(align_config.telemetry_path)
-    if pp_rank is None:
-        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    if dp_rank is None:
-        dp_rank = parallel_state.get_data_parallel_rank()
+    ranks = resolve_ranks(model, pg_collection)
+    pp_rank = ranks.pp_rank if pp_rank is None else pp_rank
+    dp_rank = ranks.dp_rank if dp_rank is None else dp_rank
     m_now = num_microbatches() if callable(num_microbatches) else num_microbatches
-    schedule = schedule_for(config, pp=parallel_state.get_pipeline_model_parallel_world_size(),
+    schedule = schedule_for(config, pp=ranks.pp_size,
                             vp=len(model), num_microbatches=m_now)
     aligner = TransposeAligner(
         model, schedule=schedule, pp_rank=pp_rank, dp_rank=dp_rank,
@@ -109,6 +111,6 @@ def align_fp8_transposes(
         backend=backend, config=align_config,
         telemetry=telemetry_writer(align_config.telemetry_path),
         num_microbatches=num_microbatches if callable(num_microbatches) else None,
-        dp_size=parallel_state.get_data_parallel_world_size())
+        dp_size=ranks.dp_size)
     aligner.attach(config, rebinding_loop=rebinding_loop)
     return aligner

@@ -50,7 +50,8 @@ def check_args(args: Any, world_size: Optional[int] = None) -> None:
 def attach(model: Sequence[Any], *, backend: Any = None,
            weights_of: Optional[Callable[[Any], List[Any]]] = None,
            align_config: AlignConfig = AlignConfig(), args: Any = None,
-           log_metrics: bool = True, step_number: Optional[Callable[[], int]] = None) -> Any:
+           log_metrics: bool = True, step_number: Optional[Callable[[], int]] = None,
+           pg_collection: Any = None) -> Any:
     """Attach the aligner to Megatron-LM's DDP model chunks; returns it.
 
     Args:
@@ -62,6 +63,8 @@ def attach(model: Sequence[Any], *, backend: Any = None,
             None and no Megatron-LM globals: not checked).
         log_metrics: write the per-step metrics through Megatron-LM's writers.
         step_number: numbers each step's records (default: Megatron-LM's iteration).
+        pg_collection: the ``ProcessGroupCollection`` the model was built with (None: the
+            chunks' own groups, else ``parallel_state``; :mod:`~.groups`).
     """
     import torch
 
@@ -82,13 +85,16 @@ def attach(model: Sequence[Any], *, backend: Any = None,
     aligner = align_fp8_transposes(
         list(model), num_microbatches=get_num_microbatches, backend=backend,
         weights_of=weights_of or backend.weights_of, config=config,
-        align_config=align_config, rebinding_loop=True)
+        align_config=align_config, rebinding_loop=True, pg_collection=pg_collection)
     if step_number is not None:
         aligner.step_number = step_number
     elif _megatron_args() is not None:  # numbered by Megatron-LM's iteration (resumes go on)
         aligner.step_number = _current_iteration
     if log_metrics and aligner.attached:  # the chunk hooks' step end (core/chunk_wrap.py)
-        aligner._wrap.step_end_listeners.append(partial(WriterMetrics(args), aligner))
+        from nemo_fp8_align.integrations.groups import pipeline_group
+
+        writer = WriterMetrics(args, group=pipeline_group(model, pg_collection))
+        aligner._wrap.step_end_listeners.append(partial(writer, aligner))
     return aligner
 
 
@@ -120,14 +126,13 @@ class WriterMetrics:
     chunk 0's ``finish_grad_sync``) and writes them to Megatron-LM's TensorBoard / W&B writers
     where this rank has them (Megatron-LM creates them on the last rank)."""
 
-    def __init__(self, args: Any) -> None:
+    def __init__(self, args: Any, group: Any = None) -> None:
+        self.group = group  # the model's pipeline group (None: the default group)
         self.every = max(1, int(getattr(args, "log_interval", 1) or 1))
         self.written: List[dict] = []  # what was written (the last few), for tests and logs
         self._last: Optional[int] = None
 
     def __call__(self, aligner: Any) -> None:
-        from megatron.core import parallel_state
-
         from nemo_fp8_align.integrations.nemo.metrics import gather_step_metrics, last_step_records
 
         iteration = _iteration(aligner)
@@ -135,8 +140,7 @@ class WriterMetrics:
             return  # not a logging iteration, or no step ended since the last write
         self._last = aligner._step
         records = [r for r in last_step_records(aligner.records) if r.step == aligner._step]
-        metrics = gather_step_metrics(
-            records, group=parallel_state.get_pipeline_model_parallel_group())
+        metrics = gather_step_metrics(records, group=self.group)
         if metrics:
             _write(metrics, iteration)
             self.written = (self.written + [dict(metrics, iteration=iteration)])[-8:]

@@ -121,22 +121,22 @@ def build_aligner(model: Any, config: AlignConfig, *,
     Call after the optimizer exists and before the first optimizer step (Apex's pre-forward
     hooks are still disarmed then, so collecting parameters touches none).
     """
-    from megatron.core import parallel_state
     from megatron.core.num_microbatches_calculator import get_num_microbatches
     from megatron.core.utils import get_model_config
 
     from nemo_fp8_align.core.aligner import TransposeAligner
+    from nemo_fp8_align.integrations.groups import resolve_ranks
     from nemo_fp8_align.integrations.megatron import schedule_for, telemetry_writer
 
     chunks = model_chunks(model)
-    schedule = schedule_for(get_model_config(chunks[0]),
-                            pp=parallel_state.get_pipeline_model_parallel_world_size(),
+    # The chunks' own DDP groups where megatron-core keeps them (>= 0.14), else parallel_state.
+    ranks = resolve_ranks(chunks, with_context_parallel=True)
+    schedule = schedule_for(get_model_config(chunks[0]), pp=ranks.pp_size,
                             vp=len(chunks), num_microbatches=get_num_microbatches())
     fp8_weights, backend = _weights_and_backend(chunks, config, weights)
     aligner = TransposeAligner(
-        chunks, schedule=schedule, pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
-        dp_rank=parallel_state.get_data_parallel_rank(with_context_parallel=True),
-        dp_size=parallel_state.get_data_parallel_world_size(with_context_parallel=True),
+        chunks, schedule=schedule, pp_rank=ranks.pp_rank, dp_rank=ranks.dp_rank,
+        dp_size=ranks.dp_size,
         param_sync=_param_sync(model, chunks), weights=fp8_weights, backend=backend,
         config=config, telemetry=telemetry_writer(config.telemetry_path))
     return aligner

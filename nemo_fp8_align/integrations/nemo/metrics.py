@@ -136,15 +136,11 @@ def log_step_metrics(module: Any, trainer: Any, records: Sequence[Any], *,
     every = every_n_steps or getattr(trainer, "log_every_n_steps", 1) or 1
     if trainer.global_step % every:  # global_step counts this step already: the same on all ranks
         return {}
-    group = None
-    try:
-        from megatron.core import parallel_state
+    from nemo_fp8_align.integrations.groups import pipeline_group
+    from nemo_fp8_align.integrations.nemo.build import model_chunks
 
-        if parallel_state.model_parallel_is_initialized():
-            group = parallel_state.get_pipeline_model_parallel_group()
-    except ImportError:  # pragma: no cover - megatron-core is there whenever NeMo GPT is
-        pass
-    metrics = gather_step_metrics(records, group=group)
+    chunks = model_chunks(module) if hasattr(module, "model") else []
+    metrics = gather_step_metrics(records, group=pipeline_group(chunks))
     if trainer.is_global_zero and metrics:
         module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1, rank_zero_only=True)
     return metrics
