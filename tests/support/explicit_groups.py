@@ -65,6 +65,7 @@ def _train(out_dir: str) -> Dict[str, Any]:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+    from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer import TransformerConfig
 
     from nemo_fp8_align.backends.reference import ReferenceBackend
@@ -131,7 +132,34 @@ def _train(out_dir: str) -> Dict[str, Any]:
         records=[dict(step=r.step, pp_rank=r.pp_rank, chunk=r.chunk, vmid=r.vmid, slot=r.slot,
                       aligned_slot=r.aligned_slot, transposed=r.transposed) for r in aligner.records])
     aligner.detach()
+
+    def attach(pg_collection: Any) -> Any:
+        return align_fp8_transposes(
+            chunks, num_microbatches=M, backend=backend, config=config,
+            weights_of=lambda chunk: chunk.module.fp8_weights(), pg_collection=pg_collection)
+
+    again = attach(pgc)  # the keyword: the same groups, given explicitly
+    result.update(kw_pp_rank=again.pp_rank, kw_pp_size=again.schedule.pp)
+    again.detach()
+    try:  # parallel_state's pipeline, given explicitly, disagrees with the chunks'
+        attach(ProcessGroupCollection(pp=parallel_state.get_pipeline_model_parallel_group()))
+        result.update(disagree_pg="not refused")
+    except ValueError as err:
+        result.update(disagree_pg=str(err))
+    # A chunk built without explicit groups keeps parallel_state's.
+    other = DistributedDataParallel(config, ddp_config, torch.nn.Linear(4, 4))
+    result.update(disagree_chunks=_refusal([chunks[0], other], None))
     return result
+
+
+def _refusal(chunks: List[Any], pg_collection: Any) -> str:
+    from nemo_fp8_align.integrations.groups import resolve_ranks
+
+    try:
+        resolve_ranks(chunks, pg_collection)
+    except ValueError as err:
+        return str(err)
+    return "not refused"
 
 
 def run_rank(rank: int, port: int, out_dir: str) -> None:
