@@ -134,7 +134,8 @@ def test_four_ranks_get_the_models_pipeline_not_parallel_states(tmp_path):
         assert sorted((x["step"], x["chunk"]) for x in recs) == \
             [(s, c) for s in range(STEPS) for c in range(VP)], recs
         for x in recs:
-            assert x["pp_rank"] == rank and x["slot"] == x["aligned_slot"], x
+            assert x["pp_rank"] == rank and x["slot"] == x["aligned_slot"] == \
+                schedule.aligned_slot(x["chunk"]), x
             if x["chunk"] > 0:  # chunk 0 is built at the step start (vmid -1)
                 assert x["vmid"] == schedule.trigger_vmid(rank, x["chunk"]), x
             assert x["transposed"] > 0, x

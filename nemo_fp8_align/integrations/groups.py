@@ -24,7 +24,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["ParallelRanks", "pipeline_group", "resolve_ranks"]
+__all__ = ["ParallelRanks", "data_parallel", "pipeline_group", "resolve_ranks"]
 
 
 @dataclass(frozen=True)
@@ -89,8 +89,6 @@ def resolve_ranks(chunks: Sequence[Any] = (), pg_collection: Any = None, *,
     DDP ``chunks``' groups, else ``parallel_state`` (see the module docstring)."""
     dist = torch.distributed
     pp_group, pp_source = _explicit(chunks, pg_collection, "pp", "pp_group")
-    dp_field = "dp_cp" if with_context_parallel else "dp"
-    dp_group, dp_source = _explicit(chunks, pg_collection, dp_field, f"{dp_field}_group")
     if pp_group is not None:
         pp_rank, pp_size = dist.get_rank(group=pp_group), dist.get_world_size(group=pp_group)
     else:
@@ -101,17 +99,26 @@ def resolve_ranks(chunks: Sequence[Any] = (), pg_collection: Any = None, *,
         pp_group = parallel_state.get_pipeline_model_parallel_group() \
             if parallel_state.model_parallel_is_initialized() else None
         pp_source = "parallel_state"
-    if dp_group is not None:
-        dp_rank, dp_size = dist.get_rank(group=dp_group), dist.get_world_size(group=dp_group)
-    else:
-        from megatron.core import parallel_state
-
-        dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=with_context_parallel)
-        dp_size = parallel_state.get_data_parallel_world_size(
-            with_context_parallel=with_context_parallel)
-        dp_source = "parallel_state"
+    dp_rank, dp_size, dp_source = data_parallel(chunks, pg_collection,
+                                                with_context_parallel=with_context_parallel)
     return ParallelRanks(pp_rank=pp_rank, pp_size=pp_size, dp_rank=dp_rank, dp_size=dp_size,
                          pp_group=pp_group, pp_source=pp_source, dp_source=dp_source)
+
+
+def data_parallel(chunks: Sequence[Any] = (), pg_collection: Any = None, *,
+                  with_context_parallel: bool = False) -> Tuple[int, int, str]:
+    """(rank, size, source) in the data-parallel group alone (with context parallel when
+    asked), picked as :func:`resolve_ranks` does."""
+    dp_field = "dp_cp" if with_context_parallel else "dp"
+    group, source = _explicit(chunks, pg_collection, dp_field, f"{dp_field}_group")
+    if group is not None:
+        dist = torch.distributed
+        return dist.get_rank(group=group), dist.get_world_size(group=group), str(source)
+    from megatron.core import parallel_state
+
+    return (parallel_state.get_data_parallel_rank(with_context_parallel=with_context_parallel),
+            parallel_state.get_data_parallel_world_size(
+                with_context_parallel=with_context_parallel), "parallel_state")
 
 
 def pipeline_group(chunks: Sequence[Any] = (), pg_collection: Any = None) -> Any:

@@ -146,9 +146,9 @@ class NeMoSession:
     def setup_ddp(self, run: Callable[[], Any]) -> None:
         """``run`` (NeMo's ``setup_mcore_distributed_parallel``) with megatron-core 0.12.3's
         shared-embedding bucket workaround, then the bucket check (mcore optimizer only)."""
-        from nemo_fp8_align.integrations.groups import resolve_ranks
+        from nemo_fp8_align.integrations.groups import data_parallel
 
-        dp = resolve_ranks(model_chunks(self.module), with_context_parallel=True).dp_size
+        _, dp, _ = data_parallel(model_chunks(self.module), with_context_parallel=True)
         with shared_embedding_bucket_workaround(model_chunks(self.module), data_parallel_size=dp):
             run()
         if getattr(self.module, "use_mcore_dist_optim", False):
