@@ -69,15 +69,18 @@ class FP8TransposeAlignCallback(_Base):  # type: ignore[misc, valid-type]
     """Attaches the aligned FP8-transpose engine at Bridge's ``on_data_init_start``.
 
     Args: as :func:`nemo_fp8_align.integrations.megatron_lm.attach` (``backend``,
-    ``weights_of``, ``align_config``); ``check`` runs the startup rules on Bridge's config.
+    ``weights_of``, ``align_config``, ``pg_collection``: None takes the DDP chunks' own groups,
+    which Bridge builds them with); ``check`` runs the startup rules on Bridge's config.
     """
 
     def __init__(self, *, backend: Any = None, weights_of: Any = None,
-                 align_config: AlignConfig = AlignConfig(), check: bool = True) -> None:
+                 align_config: AlignConfig = AlignConfig(), check: bool = True,
+                 pg_collection: Any = None) -> None:
         if not isinstance(align_config, AlignConfig):
             raise TypeError(f"align_config={align_config!r}: pass an AlignConfig")
         self.backend, self.weights_of = backend, weights_of
         self.align_config, self.check = align_config, check
+        self.pg_collection = pg_collection
         self.aligner: Optional[Any] = None
 
     def on_data_init_start(self, context: Any) -> None:
@@ -91,7 +94,7 @@ class FP8TransposeAlignCallback(_Base):  # type: ignore[misc, valid-type]
         self.aligner = megatron_lm.attach(
             context.model, backend=self.backend, weights_of=self.weights_of,
             align_config=self.align_config, args=args, log_metrics=False,
-            step_number=_train_step(state))
+            step_number=_train_step(state), pg_collection=self.pg_collection)
 
     def on_train_end(self, context: Any) -> None:
         if self.aligner is not None:
