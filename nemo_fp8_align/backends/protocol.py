@@ -43,6 +43,13 @@ class FP8TransposeBackend(Protocol):
         """
         ...
 
+    def rebuild_transposes(self, weights: Sequence[Any]) -> int:
+        """Build every weight's transpose from its current bytes, whether or not it is flagged
+        valid: after an all-gather that nothing post-processed (megatron-core < 0.18's forced
+        synchronous all-gather), a transpose can be flagged valid and hold the old weights.
+        Returns how many were built."""
+        ...
+
     def transpose_mismatch(self, weight: Any) -> Optional[str]:
         """Verify mode: ``None`` when ``weight``'s cached transpose holds exactly the transpose
         of its current FP8 data, else what differs (reads every byte: not for every step)."""

@@ -35,12 +35,19 @@ class ReferenceFP8Weight:
 
     ``data`` is ``[out, in]`` as the forward GEMM reads it; ``transpose`` is ``[in, out]``
     contiguous, as the backward data-gradient GEMM needs it on Hopper (TN layout only).
-    Both are valid from :meth:`quantize` / a backend build until :meth:`invalidate`, which the
+    Both are valid from :meth:`quantize` / a backend build until :meth:`data_changed`, which the
     training loop calls whenever the source parameter receives new values (after the
     optimizer step).
+
+    ``manual_post_processing``: behave as a Transformer Engine ``Float8Tensor`` whose FP8 data
+    megatron-core (>= 0.16, TE >= 2.10) casts with ``manual_post_all_gather_processing=True``:
+    new data leaves the transpose *flagged valid* (and stale) until a build from the current
+    bytes (:meth:`ReferenceBackend.rebuild_transposes`, megatron-core's post-all-gather
+    processing for TE) replaces it. A backward that reads it before then reads old weights.
     """
 
-    def __init__(self, source: torch.nn.Parameter, *, name: str = "") -> None:
+    def __init__(self, source: torch.nn.Parameter, *, name: str = "",
+                 manual_post_processing: bool = False) -> None:
         if source.dim() != 2:
             raise ValueError(f"ReferenceFP8Weight {name!r}: source must be 2-D, got {tuple(source.shape)}")
         self.source = source
@@ -51,6 +58,7 @@ class ReferenceFP8Weight:
         self.scale_inv = torch.ones((), dtype=torch.float32, device=source.device)
         self.data_valid = False
         self.transpose_valid = False
+        self.manual_post_processing = manual_post_processing
         #: Transposes built over the object's life: tests read it to prove "exactly once".
         self.transposes_built = 0
         #: Digest of the source bytes ``data`` was cast from, and ``transpose`` was built from:
@@ -59,9 +67,16 @@ class ReferenceFP8Weight:
         self.transpose_source: Optional[bytes] = None
 
     def invalidate(self) -> None:
-        """Mark the FP8 copy and its transpose stale (the source parameter changed)."""
+        """Mark the FP8 copy and its transpose stale."""
         self.data_valid = False
         self.transpose_valid = False
+
+    def data_changed(self) -> None:
+        """The source parameter changed: the FP8 data is stale, and so is the transpose, which
+        stays flagged valid under ``manual_post_processing`` (as TE's does)."""
+        self.data_valid = False
+        if not self.manual_post_processing:
+            self.transpose_valid = False
 
     @torch.no_grad()
     def quantize(self) -> None:
@@ -72,7 +87,8 @@ class ReferenceFP8Weight:
         self.data.copy_((src * scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn))
         self.scale_inv.copy_(1.0 / scale)
         self.data_valid = True
-        self.transpose_valid = False
+        if not self.manual_post_processing:
+            self.transpose_valid = False
         self.data_source = bytes_digest(self.source)
 
     def check_provenance(self, use: str) -> None:
@@ -130,6 +146,12 @@ class ReferenceBackend:
         if weight.transpose_source != bytes_digest(weight.source):
             return "built from parameter bytes that are not the current ones"
         return None
+
+    def rebuild_transposes(self, weights: Sequence[ReferenceFP8Weight]) -> int:
+        """Cast and transpose every weight from its source's current bytes, flagged valid or not."""
+        for w in weights:
+            w.invalidate()
+        return self.build_transposes(weights)
 
     def build_transposes(self, weights: Sequence[ReferenceFP8Weight]) -> int:
         stale = [w for w in weights if not w.transpose_valid]

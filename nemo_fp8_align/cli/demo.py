@@ -45,6 +45,12 @@ def add_demo_parser(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--overlap-param-gather-with-optimizer-step", action="store_true",
                    help="OptimizerConfig(overlap_param_gather_with_optimizer_step=True): the "
                    "optimizer step dispatches chunk 0's all-gather")
+    p.add_argument("--eval-between-steps", action="store_true",
+                   help="a forward-only evaluation after every step, as Megatron-LM's evaluate "
+                   "runs it: DDP pre-hooks disabled, a forced synchronous all-gather first")
+    p.add_argument("--manual-post-processing", action="store_true",
+                   help="FP8 weights that keep a stale transpose flagged valid until megatron-"
+                   "core's post-all-gather processing, as TE's do (megatron-core >= 0.16)")
     p.add_argument("--loop", choices=LOOPS, default=LOOPS[0],
                    help="'schedule': the demo's own loop around megatron-core's schedule "
                         "(default); 'megatron-lm': Megatron-LM's own pretrain/train() "
@@ -95,7 +101,18 @@ def demo_input_problem(args: argparse.Namespace) -> Optional[str]:
         return (f"--resume-at {k}: the checkpoint is saved after step K and the run resumes "
                 f"from it, so 1 <= K < --steps = {steps}; pass --resume-at 1"
                 if steps > 1 else f"--resume-at {k}: needs --steps 2 or more")
+    if getattr(args, "manual_post_processing", False) and not _mcore_post_processes():
+        return ("--manual-post-processing: the installed megatron-core has no FP8 post-all-gather "
+                "processing to model (megatron-core >= 0.16 has); leave the flag out")
     return telemetry_path_problem(args.telemetry)
+
+
+def _mcore_post_processes() -> bool:
+    try:
+        from megatron.core.distributed import param_and_grad_buffer
+    except ImportError:
+        return True  # the missing dependency is reported on its own
+    return hasattr(param_and_grad_buffer, "post_all_gather_processing")
 
 
 def _fault_names() -> list:
@@ -151,7 +168,9 @@ def run_demo_command(args: argparse.Namespace) -> int:
                        fault=args.fault, pg_timeout_s=args.timeout,
                        overlap_param_gather_with_optimizer_step=(
                            args.overlap_param_gather_with_optimizer_step),
-                       resume_at=args.resume_at)
+                       resume_at=args.resume_at, eval_after_each_step=args.eval_between_steps,
+                       eval_forced_sync=args.eval_between_steps,
+                       manual_post_processing=args.manual_post_processing)
     try:
         if args.loop == "megatron-lm":
             from nemo_fp8_align.demo.launch_megatron_lm import run_megatron_lm_demo
@@ -169,6 +188,9 @@ def run_demo_command(args: argparse.Namespace) -> int:
         print(f"FAILED: {problem}", file=sys.stderr)
     if not problems and opts.policy is Policy.OFF:
         print("OK: every FP8 weight was transposed once per step (plugin off: no telemetry).")
+    elif not problems and opts.manual_post_processing:
+        print("OK: no GEMM read a stale FP8 copy (megatron-core built the transposes); every "
+              "chunk's all-gather finished at the same slot on every pipeline rank.")
     elif not problems:
         print("OK: every chunk's transposes ran once per step per weight, after its all-gather, "
               + ("at the same slot on every pipeline rank." if opts.policy is Policy.ALIGNED

@@ -19,6 +19,8 @@ step's start, so a step of another size is re-planned instead of misaligned.
 
 Policy ``lazy`` only observes where transposes get built (first use), for A/B runs. Hooks are
 handles; attach/detach are idempotent. Inside a CUDA-graph capture no transpose is ever built.
+On megatron-core < 0.18, transposes are also rebuilt after a forced all-gather (in either
+policy: :mod:`nemo_fp8_align.sync.forced_sync`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from nemo_fp8_align.core.schedule import AT_START, InterleavedSchedule
 from nemo_fp8_align.core.step_end import agree
 from nemo_fp8_align.core.telemetry import TelemetryWriter, TransposeRecord
 from nemo_fp8_align.backends.protocol import FP8TransposeBackend
+from nemo_fp8_align.sync.forced_sync import ForcedSyncWatch, watch_forced_syncs
 
 __all__ = ["ChunkParamSync", "StepMismatchError", "TransposeAligner", "TransposeVerifyError"]
 
@@ -73,11 +76,9 @@ class TransposeAligner:
         config: policy and telemetry settings.
         telemetry: optional writer; records are also kept in :attr:`records`.
         clock: timestamps; ``time.monotonic`` is one clock for every process of a host.
-        num_microbatches: optional function returning the coming step's M (e.g. megatron-core's
-            ``get_num_microbatches``); asked at every step's start, the schedule is re-planned
-            when it changed.
-        error_group: the process group whose ranks stop together on an error found inside a
-            step (None: the default group, every rank of the job).
+        num_microbatches: optional function giving the coming step's M (megatron-core's
+            ``get_num_microbatches``), asked at each step's start (re-planned when it changed).
+        error_group: the ranks that stop together on an error found in a step (None: all).
     """
 
     def __init__(self, model_chunks: Sequence[torch.nn.Module], *, schedule: InterleavedSchedule,
@@ -121,11 +122,11 @@ class TransposeAligner:
         self._pending: Dict[int, Dict[str, Any]] = {}  # aligned records awaiting first use
         self._observing: Dict[int, tuple] = {}  # lazy: (valid before, t) of a first forward
         self._launched: Dict[int, float] = {}
-        #: Training forwards that ran with no step opened by the schedule's launches
-        #: (``param_sync_func`` None: Megatron-LM's first iteration after a checkpoint load).
+        #: Training forwards with no step opened by the launches (Megatron-LM's first after a load).
         self.unlaunched_forwards = 0
         self._unlaunched: set = set()
         self.step_number: Optional[Callable[[], int]] = None  # e.g. Megatron-LM's iteration
+        self.forced_syncs: Optional[ForcedSyncWatch] = None  # set by attach where needed
 
     def _plan(self, schedule: InterleavedSchedule) -> None:
         self.schedule = schedule
@@ -133,9 +134,7 @@ class TransposeAligner:
         for chunk in range(schedule.vp):
             self._triggers.setdefault(schedule.trigger_vmid(self.pp_rank, chunk), []).append(chunk)
 
-    @property
-    def attached(self) -> bool:
-        return bool(self._handles)
+    attached = property(lambda self: bool(self._handles))
 
     def attach(self, model_config: Any = None, *, rebinding_loop: bool = False) -> bool:
         """Register the hooks (idempotent). Returns whether the engine is active.
@@ -158,20 +157,21 @@ class TransposeAligner:
             except Exception:
                 claims.release(self.chunks, self)
                 raise
+        # megatron-core < 0.18 leaves transposes stale after a forced all-gather: rebuilt then.
+        self.forced_syncs = watch_forced_syncs(self.param_sync, self.weights, self.backend)
         for chunk, module in enumerate(self.chunks):
             self._handles.append(module.register_forward_pre_hook(
                 partial(self._pre_forward, chunk), prepend=True))
             self._handles.append(module.register_forward_hook(partial(self._post_forward, chunk)))
         return self._extras.attach(self)  # True; with telemetry on, builds are observed too
 
-    def __repr__(self) -> str:
-        return f"TransposeAligner(pp_rank={self.pp_rank}, policy={self.config.policy.value})"
-
     def detach(self) -> None:
         """Remove every hook and restore the wrapped config functions (idempotent)."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self.forced_syncs is not None:
+            self.forced_syncs.remove()
         self._extras.detach()
         claims.release(self.chunks, self)
         if self._wrap is not None:
@@ -223,8 +223,7 @@ class TransposeAligner:
                          "built at first use); every rank stops at its end", err)
 
     def set_next_step(self, step: int) -> None:
-        """Number the next training step ``step`` in the records (e.g. the trainer's
-        ``global_step`` after a resume, so telemetry steps continue instead of restarting)."""
+        """Number the next training step ``step`` in the records (a resume's global step)."""
         if self._vmid is not None:
             raise RuntimeError(f"set_next_step({step}) inside training step {self._step}: call it "
                                "between steps")

@@ -121,11 +121,11 @@ def reversed_bucket_order() -> Undo:
     """Not a fault: a chunk's bucket groups are finished in the opposite order. megatron-core
     orders buckets by the backward pass, unlike the forward order (Megatron-LM #950 ran a chunk
     on last step's weights that way); finishing every group at the slot must not depend on it."""
-    original = McoreParamSync._bucket_groups
+    original = McoreParamSync.bucket_groups
 
     def bucket_groups(self: McoreParamSync, chunk: int) -> Any:
         return list(reversed(original(self, chunk)))
-    return _patch(McoreParamSync, "_bucket_groups", bucket_groups)
+    return _patch(McoreParamSync, "bucket_groups", bucket_groups)
 
 
 FAULTY_STEP = 1  #: the step in which a RANK_ERRORS fault strikes

@@ -130,7 +130,7 @@ class _Bookkeeping:
                                                  for b in c.buffers]))
             out = original(optimizer)
             for w in self.weights():
-                w.invalidate()
+                w.data_changed()
             self.result["params"].append(_digest([b.param_data for c in self.chunks
                                                   for b in c.buffers]))
             return out

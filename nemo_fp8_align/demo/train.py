@@ -14,7 +14,7 @@ import time
 import warnings
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from functools import partial
 from typing import Any, Dict, Iterator, List, Optional
 
@@ -22,63 +22,10 @@ import torch
 import torch.distributed as dist
 
 from nemo_fp8_align.config import AlignConfig, Policy
-from nemo_fp8_align.demo.model import DemoModelConfig, GPTChunk
+from nemo_fp8_align.demo.model import GPTChunk
+from nemo_fp8_align.demo.options import DemoOptions
 
 __all__ = ["DemoOptions", "run_rank"]
-
-
-@dataclass(frozen=True)
-class DemoOptions:
-    """Everything one demo run needs; the CLI flags map onto these fields."""
-
-    pp: int = 2
-    vp: int = 2
-    dp: int = 1
-    microbatches: int = 4
-    group_size: Optional[int] = None
-    steps: int = 3
-    policy: Policy = Policy.ALIGNED
-    micro_batch_size: int = 2
-    #: A forward-only pass after every step. Off by default: its DDP pre-hooks all-gather and
-    #: wait for the new parameters, which would hide a missing wait in the next step.
-    eval_after_each_step: bool = False
-    #: Run that evaluation as Megatron-LM's ``evaluate`` does with the distributed optimizer and
-    #: overlapped all-gathers: DDP pre-hooks disabled with a forced synchronous all-gather first
-    #: (the path where megatron-core once skipped the FP8 post-all-gather processing).
-    eval_forced_sync: bool = False
-    device: str = "cpu"
-    model: DemoModelConfig = field(default_factory=DemoModelConfig)
-    #: A named fault from :mod:`nemo_fp8_align.demo.faults` that the launcher injects in every
-    #: rank (tests, ``demo --fault``).
-    fault: Optional[str] = None
-    #: The GEMMs check that the FP8 copies they read match the parameter bytes (a digest per
-    #: read; see ReferenceFP8Weight.check_provenance). Off for timing.
-    check_provenance: bool = True
-    #: Save a checkpoint before this step and resume from it in a new model, optimizer and
-    #: aligner, Megatron-LM style (its first step without pre-hooks or launches).
-    resume_at: Optional[int] = None
-    #: A module that is not a model chunk (a probe, a reference model as in NeMo-RL) runs a
-    #: forward and backward with gradients inside every forward step, before the chunk's forward
-    #: (between the schedule's launches and the first forward, and between one microbatch's
-    #: backward and the next forward), and between steps. It must never count.
-    foreign_forwards: bool = False
-    #: The process groups' timeout in seconds (None: torch's default, 30 minutes): a short one
-    #: turns a rank blocked in a collective or p2p receive into an error quickly (tests).
-    pg_timeout_s: Optional[float] = None
-    #: ``OptimizerConfig(overlap_param_gather_with_optimizer_step=True)``: chunk 0's all-gather is
-    #: dispatched by the optimizer step (megatron-core then builds a ChainedOptimizer).
-    overlap_param_gather_with_optimizer_step: bool = False
-    #: Fill every gradient with inf after this step's backward, so the optimizer skips the step
-    #: (a constant loss scale of 1.0 makes it check; bytes are unchanged by it).
-    skip_step_at: Optional[int] = None
-    #: Attach the way :mod:`nemo_fp8_align.integrations.megatron_lm` does (to the DDP chunks,
-    #: before the loop binds ``config.param_sync_func``), then bind it as Megatron-LM's
-    #: ``train()`` does, and run the first step as its first iteration (no launches).
-    rebinding_loop: bool = False
-
-    @property
-    def world_size(self) -> int:
-        return self.pp * self.dp
 
 
 def _batches(opts: DemoOptions, step: int, dp_rank: int) -> List[Dict[str, torch.Tensor]]:
@@ -198,6 +145,8 @@ class PipelineRun:
         if opts.rebinding_loop:
             bind_schedule_funcs(self.config, self.chunks)
         self._fwd_bwd = get_forward_backward_func()
+        self._undo_post_processing = _manual_post_processing(self) if opts.manual_post_processing \
+            else (lambda: None)
         hidden = opts.model.hidden_size
         self.probe = torch.nn.Linear(hidden, hidden, device=opts.device) \
             if opts.foreign_forwards else None
@@ -224,7 +173,7 @@ class PipelineRun:
         """The optimizer step; returns whether it updated the parameters (False: skipped)."""
         updated = self.optimizer.step()[0]
         for w in self.weights:  # the next all-gather brings new values: FP8 copies are stale
-            w.invalidate()
+            w.data_changed()
         return updated
 
     def evaluate(self, step: int) -> None:
@@ -240,6 +189,16 @@ class PipelineRun:
 
     def close(self) -> None:
         self.aligner.detach()
+        self._undo_post_processing()
+
+
+def _manual_post_processing(run: PipelineRun):
+    from nemo_fp8_align.demo.te_post_processing import emulate_post_processing
+
+    for w in run.weights:
+        w.manual_post_processing = True
+    return emulate_post_processing(run.chunks, [c.module.fp8_weights() for c in run.chunks],
+                                   run.backend)
 
 
 def _train(opts: DemoOptions, telemetry_path: Optional[str], out_dir: str) -> Dict[str, Any]:
@@ -258,7 +217,9 @@ def _train(opts: DemoOptions, telemetry_path: Optional[str], out_dir: str) -> Di
                               "skipped_steps": [], "gather_by_optimizer": [
                                   bool(getattr(c, "overlap_param_gather_with_optimizer_step",
                                                False)) for c in run.chunks],
-                              "bucket_groups": [len(c.bucket_groups) for c in run.chunks]}
+                              "bucket_groups": [len(c.bucket_groups) for c in run.chunks],
+                              "forced_sync_watch": run.aligner.forced_syncs is not None,
+                              "forced_sync_rebuilds": 0}
     for step in range(opts.steps):
         after_load = opts.resume_at == step
         first_of_loop = after_load or (opts.rebinding_loop and step == 0)
@@ -290,6 +251,8 @@ def _train(opts: DemoOptions, telemetry_path: Optional[str], out_dir: str) -> Di
     logs.append(evidence.as_dict())
     result["evidence"] = {key: [row for log in logs for row in log[key]] for key in logs[0]}
     result["unlaunched_forwards"] = run.aligner.unlaunched_forwards
+    if run.aligner.forced_syncs is not None:
+        result["forced_sync_rebuilds"] = run.aligner.forced_syncs.rebuilt
     evidence.close()
     run.close()
     return result

@@ -36,7 +36,8 @@ class McoreParamSync:
                     "overlap_param_gather=True and use_distributed_optimizer=True")
         self._chunks = list(ddp_chunks)
 
-    def _bucket_groups(self, chunk: int) -> List[Any]:
+    def bucket_groups(self, chunk: int) -> List[Any]:
+        """The chunk's bucket groups: the dense ones, then the expert-parallel ones."""
         ddp = self._chunks[chunk]
         return list(ddp.bucket_groups) + list(getattr(ddp, "expert_parallel_bucket_groups", []))
 
@@ -50,7 +51,7 @@ class McoreParamSync:
         post-processing (on >= 0.16 with TE >= 2.10 that is the transposes' build, run by
         ``finish_param_sync``): the aligner times the wait apart from the build."""
         by_optimizer = self._dispatched_by_optimizer(chunk)
-        for group in self._bucket_groups(chunk):
+        for group in self.bucket_groups(chunk):
             if not self._check_launched(group, chunk, by_optimizer):
                 group.start_param_sync()  # what megatron-core's pre-hook would dispatch
             if group.param_gather_handle is not None:
@@ -58,7 +59,7 @@ class McoreParamSync:
 
     def finish(self, chunk: int) -> bool:
         by_optimizer = self._dispatched_by_optimizer(chunk)
-        for group in self._bucket_groups(chunk):
+        for group in self.bucket_groups(chunk):
             self._check_launched(group, chunk, by_optimizer)  # undispatched: dispatched below
             # skip_next_bucket_dispatch: with align_param_gather the schedule dispatches every
             # chunk's all-gather itself; dispatching the next bucket here would reorder them.
@@ -85,4 +86,4 @@ class McoreParamSync:
 
     def finished(self, chunk: int) -> bool:
         return all(g.param_gather_dispatched and g.param_gather_handle is None
-                   for g in self._bucket_groups(chunk))
+                   for g in self.bucket_groups(chunk))

@@ -1,0 +1,77 @@
+"""A forced synchronous all-gather between steps (Megatron-LM's evaluate / checkpoint save:
+``disable_forward_pre_hook()``), then the next step's backward (issue 18 item 5).
+
+The demo's FP8 weights behave as TE's under megatron-core >= 0.16 (``--manual-post-processing``:
+a transpose stays flagged valid across new data until megatron-core's post-all-gather
+processing, emulated for them where megatron-core runs it for TE). Every GEMM checks that what
+it reads was built from the parameter's current bytes (StaleFP8Error otherwise). On
+megatron-core 0.16 / 0.17 nothing post-processes after a forced all-gather, and with
+``overlap_param_gather_with_optimizer_step`` chunk 0 is not gathered again before its
+forwards: without the plugin the next backward reads the old weights. Runs on megatron-core
+0.16.1 and 0.19.2 (Makefile); skipped on 0.12.3, which has no such processing.
+"""
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from demo_runs import demo  # noqa: E402
+
+from nemo_fp8_align.demo.launch import alignment_problems, differences  # noqa: E402
+from nemo_fp8_align.errors import DemoRankError  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+SHAPE = (2, 2, 2, 4)  # PP, VP, DP, M
+STEPS = 3
+
+
+def _mcore_post_processing():
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+
+    manual = hasattr(pgb, "post_all_gather_processing")  # >= 0.16
+    after_forced = hasattr(pgb._ParamAndGradBucketGroup, "_post_param_sync")  # >= 0.18
+    return manual, after_forced
+
+
+MANUAL, AFTER_FORCED = _mcore_post_processing()
+needs_manual = pytest.mark.skipif(
+    not MANUAL, reason="megatron-core < 0.16 runs no FP8 post-all-gather processing (TE "
+    "invalidates the transposes at the cast): nothing to model")
+
+
+def _run(policy, gather_with_optimizer, evaluate=True):
+    return demo(*SHAPE, policy, steps=STEPS, eval_after_each_step=evaluate,
+                eval_forced_sync=evaluate, gather_with_optimizer=gather_with_optimizer,
+                manual_post_processing=True)
+
+
+@needs_manual
+@pytest.mark.parametrize("policy,gather_with_optimizer", [
+    ("aligned", True), ("lazy", True), ("aligned", False)])
+def test_after_a_forced_all_gather_the_next_backward_reads_current_transposes(
+        policy, gather_with_optimizer):
+    run = _run(policy, gather_with_optimizer)
+    assert alignment_problems(run) == []
+    # The plugin off and no evaluation: no forced all-gather, nothing stale.
+    assert differences(run, _run("off", gather_with_optimizer, evaluate=False)) == []
+    for rank in run.ranks:
+        weights = len(rank["builds_per_step"][0])
+        if AFTER_FORCED:  # >= 0.18 post-processes itself: the plugin builds nothing more
+            assert not rank["forced_sync_watch"] and rank["forced_sync_rebuilds"] == 0
+        else:  # every weight rebuilt once per forced all-gather (one per evaluation)
+            assert rank["forced_sync_watch"]
+            assert rank["forced_sync_rebuilds"] == weights * STEPS
+
+
+@needs_manual
+def test_without_the_plugin_the_backward_reads_stale_transposes_before_0_18():
+    """The hazard itself (megatron-core alone, Megatron-LM PRs #4560/#4563): a stale read on
+    0.16 / 0.17; none from 0.18 on."""
+    if AFTER_FORCED:
+        run = _run("off", True)
+        assert differences(run, _run("off", True, evaluate=False)) == []
+    else:
+        with pytest.raises(DemoRankError, match="transpose read by the backward GEMM was built "
+                                                "from parameter bytes that are not the current"):
+            _run("off", True)
