@@ -20,7 +20,6 @@ from demo_runs import demo  # noqa: E402
 from nemo_fp8_align.demo.launch import alignment_problems, differences  # noqa: E402
 from nemo_fp8_align.errors import DemoRankError  # noqa: E402
 
-pytestmark = pytest.mark.slow
 
 SHAPE = (2, 2, 2, 4)  # PP, VP, DP, M
 STEPS = 3
@@ -46,6 +45,7 @@ def _run(policy, gather_with_optimizer, evaluate=True):
                 manual_post_processing=True)
 
 
+@pytest.mark.slow
 @needs_manual
 @pytest.mark.parametrize("policy,gather_with_optimizer", [
     ("aligned", True), ("lazy", True), ("aligned", False)])
@@ -64,6 +64,7 @@ def test_after_a_forced_all_gather_the_next_backward_reads_current_transposes(
             assert rank["forced_sync_rebuilds"] == weights * STEPS
 
 
+@pytest.mark.slow
 @needs_manual
 def test_without_the_plugin_the_backward_reads_stale_transposes_before_0_18():
     """The hazard itself (megatron-core alone, Megatron-LM PRs #4560/#4563): a stale read on
@@ -75,3 +76,12 @@ def test_without_the_plugin_the_backward_reads_stale_transposes_before_0_18():
         with pytest.raises(DemoRankError, match="transpose read by the backward GEMM was built "
                                                 "from parameter bytes that are not the current"):
             _run("off", True)
+
+
+@pytest.mark.skipif(MANUAL, reason="megatron-core >= 0.16 has the processing the flag models")
+def test_manual_post_processing_is_refused_where_megatron_core_has_none(capsys):
+    from nemo_fp8_align.cli import main
+
+    assert main(["demo", "--manual-post-processing"]) == 2
+    err = capsys.readouterr().err
+    assert "--manual-post-processing" in err and "megatron-core >= 0.16" in err
