@@ -139,14 +139,22 @@ class FirstUseProbe:
 
 
 def weight_problems(policy: str, steps: int, watch: TransposeWatch, probe: FirstUseProbe,
-                    records: Sequence[Dict[str, Any]], n_weights: Sequence[int]) -> List[str]:
-    """The checks read from the weights (and cross-checked against the plugin's records)."""
+                    records: Sequence[Dict[str, Any]], n_weights: Sequence[int],
+                    evaluated: bool = False) -> List[str]:
+    """The checks read from the weights (and cross-checked against the plugin's records).
+
+    ``evaluated``: an evaluation with a forced all-gather ran after every step. Its
+    post-processing (megatron-core's on >= 0.18, the plugin's on older) builds the transposes
+    of the new weights before the next step, and where the next step gathers again
+    megatron-core builds them once more: one or two builds per weight, counted from the
+    evaluation before the step; that none is stale at first use is the verify mode's check."""
     problems: List[str] = []
     by_key = {(r["step"], r["chunk"]): r for r in records}
     for step in range(steps):
         for chunk, n in enumerate(n_weights):
-            evs = [e for e in watch.events if e["step"] == step and e["chunk"] == chunk
-                   and e["phase"] == "fwd_bwd"]
+            evs = [e for e in watch.events if e["chunk"] == chunk and (
+                (e["step"] == step and e["phase"] == "fwd_bwd")
+                or (evaluated and e["step"] == step - 1 and e["phase"] == "eval"))]
             builds = [e for e in evs if e["kind"] == "build"]
             per_weight = defaultdict(int)
             for e in builds:
@@ -155,7 +163,8 @@ def weight_problems(policy: str, steps: int, watch: TransposeWatch, probe: First
             # Step 0 may build none: the weights come from fp8_model_init with their transposes
             # and, on the Apex path, nothing is gathered before the first optimizer step.
             exact = step > 0 or len(per_weight) > 0
-            if any(v > 1 for v in per_weight.values()) or (exact and len(per_weight) != n):
+            if (any(v > (2 if evaluated else 1) for v in per_weight.values())
+                    or (exact and len(per_weight) != n)):
                 problems.append(f"{where}: transpose builds per weight {dict(per_weight)} "
                                 f"(expected each of {n} weights exactly once)")
             last_build = max((e["t"] for e in builds), default=None)
@@ -176,7 +185,8 @@ def weight_problems(policy: str, steps: int, watch: TransposeWatch, probe: First
             # megatron-core >= 0.16 builds them inside the finish_param_sync the plugin calls
             # (after its wait), so the window is [slot reached, transposes valid].
             lo, hi = rec.get("t_slot"), rec.get("t_done")
-            outside = [e for e in builds if lo is None or hi is None or not lo <= e["t"] <= hi]
+            outside = [e for e in builds if e["phase"] == "fwd_bwd" and (
+                lo is None or hi is None or not lo <= e["t"] <= hi)]
             if outside:
                 problems.append(f"{where}: {len(outside)} builds outside the plugin's slot "
                                 f"window [slot reached {lo}, transposes valid {hi}]")

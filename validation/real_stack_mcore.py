@@ -51,6 +51,11 @@ class Opts:
     cpu_dry_run: bool = False
     bucket_cap_mb: float = 100.0  # Apex DistributedFusedAdam's bucket size (its default)
     verify_every: int = 0  # the plugin's verify mode (TEBackend.transpose_mismatch), 0: off
+    #: A forward-only evaluation after every step with DDP's pre-hooks disabled (a forced
+    #: synchronous all-gather first), as Megatron-LM's evaluate runs it; run 0 (off) skips it
+    #: and is the reference every plugin run must equal bit for bit.
+    eval_between_steps: bool = False
+    gather_with_optimizer: bool = False  # OptimizerConfig(overlap_param_gather_with_optimizer_step)
 
 
 def gpt_config(o: Opts, **extra: Any):
@@ -139,6 +144,7 @@ def _optimizer(o: Opts, chunks):
 
     cfg = OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.0, clip_grad=1.0,
                           use_distributed_optimizer=True, bf16=not o.cpu_dry_run,
+                          overlap_param_gather_with_optimizer_step=o.gather_with_optimizer,
                           params_dtype=torch.float32 if o.cpu_dry_run else torch.bfloat16)
     return get_megatron_optimizer(cfg, chunks)
 
@@ -217,6 +223,19 @@ class GatherWatch:
         self.cls.start_param_sync, self.cls.finish_param_sync = self._start, self._finish
 
 
+def _evaluate(o: Opts, chunks, fwd_bwd, step: int, dp_rank: int, device: str) -> None:
+    """Megatron-LM's evaluate with overlapped all-gathers: pre-hooks off (forced all-gather)."""
+    for chunk in chunks:
+        chunk.disable_forward_pre_hook()
+    with torch.no_grad():
+        fwd_bwd(forward_step_func=_forward_step,
+                data_iterator=[iter(_batches(o, 1000 + step, dp_rank, device)) for _ in chunks],
+                model=chunks, num_microbatches=o.microbatches, seq_length=o.seq,
+                micro_batch_size=o.micro_batch_size, forward_only=True)
+    for chunk in chunks:
+        chunk.enable_forward_pre_hook()
+
+
 def _run_policy(o: Opts, policy: str, out_dir: str, rank: int, run_index: int) -> Dict[str, Any]:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -251,7 +270,9 @@ def _run_policy(o: Opts, policy: str, out_dir: str, rank: int, run_index: int) -
     probe = common.FirstUseProbe(chunks, weights, backend)
     gathers = GatherWatch()
     fwd_bwd = get_forward_backward_func()
+    evaluate = o.eval_between_steps and run_index > 0
     result: Dict[str, Any] = {"policy": policy, "pp_rank": pp_rank, "dp_rank": dp_rank,
+                              "evaluated": evaluate,
                               "weights": [len(w) for w in weights],
                               "weight_types": sorted({type(w).__name__ for ws in weights for w in ws}),
                               "losses": [], "grads": [], "params": [], "step_seconds": []}
@@ -278,6 +299,10 @@ def _run_policy(o: Opts, policy: str, out_dir: str, rank: int, run_index: int) -
             result["params"].append(common.digest([b.param_data for c in chunks for b in c.buffers]))
             if out:
                 result["losses"].append(float(torch.stack([x["lm loss"] for x in out]).mean()))
+            if evaluate:
+                if watch is not None:
+                    watch.phase = "eval"
+                _evaluate(o, chunks, fwd_bwd, step, dp_rank, device)
             if watch is not None:
                 watch.phase = "idle"
     finally:
@@ -291,6 +316,8 @@ def _run_policy(o: Opts, policy: str, out_dir: str, rank: int, run_index: int) -
     result["blocking_all_gathers"] = gathers.blocking
     result["all_gathers_dispatched"] = gathers.dispatched
     result["backend"] = backend.describe() if hasattr(backend, "describe") else backend.name
+    result["forced_sync_rebuilds"] = (None if aligner.forced_syncs is None
+                                      else aligner.forced_syncs.rebuilt)
     problems: List[str] = []
     if policy != "off" and not o.cpu_dry_run:
         problems += record_problems(records, policy=policy)
@@ -301,10 +328,14 @@ def _run_policy(o: Opts, policy: str, out_dir: str, rank: int, run_index: int) -
             problems += common.gpu_time_problems(records)
     if watch is not None:
         problems += common.weight_problems(policy, o.steps, watch, probe, records,
-                                           [len(w) for w in weights])
+                                           [len(w) for w in weights], evaluated=evaluate)
         result["events"] = watch.events
-    if gathers.blocking:
-        problems.append(f"{len(gathers.blocking)} blocking parameter all-gathers: {gathers.blocking[:3]}")
+    # Evaluation's forced ones are its own; with the optimizer dispatching chunk 0, megatron-core
+    # alone (off) dispatches that chunk's first all-gather inside finish_param_sync at first use.
+    blocking = [b for b in gathers.blocking if not (evaluate and b["force_sync"])
+                and not (policy == "off" and o.gather_with_optimizer)]
+    if blocking:
+        problems.append(f"{len(blocking)} blocking parameter all-gathers: {blocking[:3]}")
     result["first_use_valid"] = {str(s): v for s, v in probe.valid.items()}
     result["problems"] = problems
     del optimizer, chunks, aligner
@@ -360,7 +391,17 @@ def judge(o: Opts, out_dir: str) -> Dict[str, Any]:
         good = [r for r in runs if r["policy"] != "error"]
         for r in good:
             check(f"{name} policy {r['policy']}: plugin telemetry + weights", r["problems"])
-        if len(good) == len(common.POLICY_RUNS):
+        if len(good) == len(common.POLICY_RUNS) and o.eval_between_steps:
+            # Run 0: plugin off, no evaluation. Runs 1-2 (aligned, lazy) evaluate after every
+            # step and must equal it; run 3 (off, evaluating) is megatron-core alone.
+            check(f"{name}: aligned and lazy with evaluations equal the plugin off without",
+                  common.compare_policies(good[:3]))
+            alone = common.compare_policies([good[0], good[3]])
+            print(f"INFO {name}: megatron-core alone (plugin off) with evaluations "
+                  + ("equals the run without" if not alone else f"differs: {alone[:2]}")
+                  + f"; plugin's rebuilds after forced all-gathers: "
+                  f"{[r.get('forced_sync_rebuilds') for r in good]}")
+        elif len(good) == len(common.POLICY_RUNS):
             check(f"{name}: losses, grads, params bit-identical across policies",
                   common.compare_policies(good))
     if not o.cpu_dry_run:
@@ -400,11 +441,16 @@ def main(runner: Any = None, description: str = __doc__) -> int:
     ap.add_argument("--bucket-cap-mb", type=float, default=100.0,
                     help="Apex runner: DistributedFusedAdam bucket_cap_mb (small: every data-"
                          "parallel rank's shard holds real parameters)")
+    ap.add_argument("--eval-between-steps", action="store_true",
+                    help="evaluate after every step with a forced all-gather (run 0 does not)")
+    ap.add_argument("--gather-with-optimizer", action="store_true",
+                    help="OptimizerConfig(overlap_param_gather_with_optimizer_step=True)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     o = Opts(pp=a.pp, vp=a.vp, dp=a.dp, steps=a.steps, microbatches=a.microbatches,
              recipe=a.recipe, cpu_dry_run=a.cpu_dry_run, bucket_cap_mb=a.bucket_cap_mb,
-             verify_every=a.verify_every)
+             verify_every=a.verify_every or (1 if a.eval_between_steps else 0),
+             eval_between_steps=a.eval_between_steps, gather_with_optimizer=a.gather_with_optimizer)
     os.makedirs(a.out, exist_ok=True)
     import torch.multiprocessing as mp
     t0 = time.time()
