@@ -4,7 +4,9 @@
 # in one call), megatron-core 0.16.1 and nemo_toolkit 2.3.3 from .h200/ (carried); build TE's
 # PyTorch extension and Apex's three extensions side by side; run the real-stack harnesses.
 # Usage (repo root, .h200 carried):
-#   bash validation/run_real_stack.sh [mcore|apex|all|graphs|verify|apex1mb]; logs under $OUT
+#   bash validation/run_real_stack.sh [mcore|apex|all|graphs|verify|apex1mb|forcedsync]; logs under $OUT
+# forcedsync: evaluation with a forced all-gather after every step, optimizer-step all-gather, on
+#   megatron-core 0.16.1 then 0.19.2 (.h200/mc19/megatron_core-0.19.2-*.whl); then one plain mcore run
 # graphs: tests/test_cuda_graphs_gpu.py (while TE builds), validation/te_cuda_graph_probe.py, one mcore run
 # verify: the plugin's verify mode on real TE (probe --verify-only; one mcore run, verify every step)
 # apex1mb: the Apex path with bucket_cap_mb=1, so both data-parallel shards hold real parameters
@@ -23,7 +25,7 @@ set -o pipefail
 export PYTHONUNBUFFERED=1 NVTE_ALLOW_NONDETERMINISTIC_ALGO=0
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/rs
 REPO=$PWD; H=$REPO/.h200; T0=$(date +%s); WHAT=${1:-all}
-case $WHAT in mcore|graphs|verify) TE_ONLY=1;; *) TE_ONLY=0;; esac  # no Apex build: all cores to TE
+case $WHAT in mcore|graphs|verify|forcedsync) TE_ONLY=1;; *) TE_ONLY=0;; esac  # no Apex build: all cores to TE
 el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
   "$H"/tecore/*.whl "$H"/transformer_engine-2.20.2-py3-none-any.whl "$H"/megatron_core-*.whl \
@@ -85,6 +87,16 @@ apex_ready() {
 if [ "$WHAT" = verify ]; then
   run te_verify_probe 60 python3 validation/te_cuda_graph_probe.py --verify-only
   run mcore_dp2_delayed_verify 150 python3 validation/real_stack_mcore.py --dp 2 --recipe delayed --verify-every 1
+  finish
+fi
+if [ "$WHAT" = forcedsync ]; then
+  EV="--dp 2 --recipe tensorwise --steps 4 --eval-between-steps --gather-with-optimizer"
+  run mcore016_eval_gwo 200 python3 validation/real_stack_mcore.py $EV
+  grep "^INFO" /tmp/rs/mcore016_eval_gwo.log | cut -c1-400
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site19 "$H"/mc19/megatron_core-*.whl
+  PYTHONPATH=/tmp/site19:$PYTHONPATH run mcore019_eval_gwo 200 python3 validation/real_stack_mcore.py $EV
+  grep "^INFO" /tmp/rs/mcore019_eval_gwo.log | cut -c1-400
+  left 430 && run mcore016_dp2_delayed 150 python3 validation/real_stack_mcore.py --dp 2 --recipe delayed
   finish
 fi
 if [ "$WHAT" = apex1mb ]; then
