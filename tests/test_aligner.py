@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from support.configs import model_config
 
 from nemo_fp8_align.config import AlignConfig, Policy
 from nemo_fp8_align.core.aligner import StepMismatchError, TransposeAligner
@@ -85,9 +86,10 @@ def make_rank(pp=4, vp=3, m=8, rank=1, policy=Policy.ALIGNED, n_weights=2, neede
     backend, sync = FakeBackend(needed), FakeSync()
     weights = [[FakeWeight() for _ in range(n_weights)] for _ in range(vp)]
     chunks = [Chunk(w, backend) for w in weights]
-    config = SimpleNamespace(param_sync_func=[sync.launcher(c) for c in range(vp)])
+    config = model_config(pp, vp, param_sync_func=[sync.launcher(c) for c in range(vp)])
     aligner = TransposeAligner(chunks, schedule=schedule, pp_rank=rank, dp_rank=0, param_sync=sync,
                                weights=weights, backend=backend, config=AlignConfig(policy=policy))
+    # The test's own bundle of one rank's objects, not a megatron-core one.
     return SimpleNamespace(schedule=schedule, sync=sync, weights=weights, chunks=chunks,
                            config=config, aligner=aligner, rank=rank)
 
@@ -201,7 +203,7 @@ def test_policy_off_attaches_nothing():
 def test_missing_param_sync_func_names_the_fix():
     r = make_rank()
     with pytest.raises(ValueError, match="align_param_gather=True"):
-        r.aligner.attach(SimpleNamespace(param_sync_func=None))
+        r.aligner.attach(model_config(r.schedule.pp, r.schedule.vp))
     assert not r.aligner.attached
 
 
@@ -474,7 +476,7 @@ def test_a_second_aligner_on_the_same_chunks_is_refused_until_the_first_detaches
 def test_attach_after_an_error_in_wrapping_leaves_the_chunks_free():
     r = make_rank(pp=2, vp=2, m=2)
     with pytest.raises(ValueError, match="param_sync_func is None"):
-        r.aligner.attach(SimpleNamespace(param_sync_func=None))
+        r.aligner.attach(model_config(r.schedule.pp, r.schedule.vp))
     assert r.aligner.attach(r.config)
 
 

@@ -241,6 +241,7 @@ def test_with_the_real_te_backend_on_te_like_parameters(rank):
 
     from nemo_fp8_align.backends.te import TEBackend
 
+    # Transformer Engine's API surface: TE does not import without CUDA.
     api = SimpleNamespace(__version__="2.5.0", Float8Tensor=FakeTEFloat8Param,
                           is_non_tn_fp8_gemm_supported=lambda: False,
                           post_all_gather_processing=None, MXFP8Tensor=None,

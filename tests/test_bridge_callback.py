@@ -26,7 +26,9 @@ def _cfg(**ddp):
     settings = dict(use_distributed_optimizer=True, overlap_param_gather=True,
                     overlap_grad_reduce=True, align_param_gather=True, fp8_param_gather=True)
     settings.update(ddp)
-    return SimpleNamespace(  # the ConfigContainer's nodes the mapping reads
+    # Megatron-Bridge's ConfigContainer (and its train/logger nodes): megatron-bridge is not
+    # installed (it needs transformers >= 5.8); the real megatron-core configs go inside.
+    return SimpleNamespace(
         model=model, ddp=DistributedDataParallelConfig(**settings),
         optimizer=OptimizerConfig(optimizer="adam", lr=1e-4, use_distributed_optimizer=True),
         train=SimpleNamespace(micro_batch_size=1, global_batch_size=16, rampup_batch_size=None),

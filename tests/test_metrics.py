@@ -1,7 +1,6 @@
 """nemo_fp8_align.integrations.nemo.metrics: what lands in the experiment logger per step (pure functions)."""
 
-from types import SimpleNamespace
-
+from nemo_fp8_align.core.telemetry import TransposeRecord
 from nemo_fp8_align.integrations.nemo.metrics import gather_step_metrics, last_step_records, step_metrics
 
 
@@ -36,8 +35,10 @@ def test_lazy_ranks_show_their_one_slot_skew_and_no_wait():
 
 
 def test_last_step_records_and_the_local_gather():
-    recs = [SimpleNamespace(step=s, chunk=c, pp_rank=0, slot=2 * c, transposed=1, valid=1,
-                            seconds=0.1, t_launch=None, t_slot=None, t_gathered=None, t_done=None)
+    recs = [TransposeRecord(step=s, pp_rank=0, dp_rank=0, chunk=c, policy="aligned",
+                            backend="reference", vmid=-1 if c == 0 else 1, slot=2 * c,
+                            aligned_slot=2 * c, transposed=1, weights=1, after_all_gather=True,
+                            seconds=0.1, valid=1)
             for s in (4, 5) for c in (0, 1)]
     last = last_step_records(recs)
     assert [r.step for r in last] == [5, 5] and last_step_records([]) == []

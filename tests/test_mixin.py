@@ -52,8 +52,23 @@ def smoke_cfg():
     return OmegaConf.merge(OmegaConf.load(CPU), smoke)
 
 
-def trainer(world_size=2):
-    return SimpleNamespace(world_size=world_size)
+def trainer(world_size=2, global_step=0):
+    """Lightning's real Trainer over world_size CPU processes (none is started before fit)."""
+    from lightning.pytorch import Trainer
+
+    real = Trainer(accelerator="cpu", devices=world_size,
+                   strategy="ddp" if world_size > 1 else "auto", logger=False,
+                   enable_checkpointing=False, enable_progress_bar=False,
+                   enable_model_summary=False, log_every_n_steps=1)
+    set_global_step(real, global_step)
+    return real
+
+
+def set_global_step(real_trainer, step):
+    """The optimizer steps Trainer.global_step reports (a read-only property) without a model."""
+    loop = real_trainer.fit_loop.epoch_loop.automatic_optimization
+    loop.optim_progress.optimizer.step.total.completed = step
+    assert real_trainer.global_step == step
 
 
 def test_mixin_comes_first_and_chains_to_nemo():
@@ -124,7 +139,11 @@ def test_a_block_value_align_config_rejects_hides_no_other_violation(monkeypatch
 
 
 def spilling_ddp(param):
-    """A DDP chunk whose gradient buffer puts ``param`` past its bucket's end (the 0.12.3 bug)."""
+    """A DDP chunk whose gradient buffer puts ``param`` past its bucket's end (the 0.12.3 bug).
+
+    A stand-in: a real DistributedDataParallel needs a process group and a model laid out to
+    hit the bug; test_megatron_core_0123_shared_embedding_bucket_bug_and_workaround does that
+    in a subprocess."""
     buffer = SimpleNamespace(bucket_indices=[(0, 10)], param_index_map={param: (5, 20, 0)})
     return SimpleNamespace(buffers=[buffer])
 
@@ -140,7 +159,7 @@ def test_ddp_setup_workaround_only_when_the_plugin_is_active(monkeypatch, enable
 
     def nemo_setup(self):  # what NeMo's does: build DDP around self.model
         seen.append([p.shared_embedding for p in shared])
-        self.model = [spilling_ddp(shared[0]) if dp == 2 else SimpleNamespace(buffers=[])]
+        self.model = [spilling_ddp(shared[0]) if dp == 2 else SimpleNamespace(buffers=[])]  # as ^
 
     monkeypatch.setattr(MegatronGPTModel, "setup_mcore_distributed_parallel", nemo_setup)
     for dp in (1, 2):
@@ -208,7 +227,7 @@ def bare_model(use_mcore):
     model.fp8_align_session._first_param = {
         id(next(iter(c.parameters()))): i for i, c in enumerate(model.model)}
     model._fabric, model._jit_is_scripting = None, False
-    model._trainer = SimpleNamespace(global_step=7, log_every_n_steps=1, is_global_zero=True)
+    model._trainer = trainer(1, global_step=7)
     return model
 
 
@@ -340,6 +359,7 @@ def test_nemo_cpu_patches_refuse_on_a_gpu_machine(monkeypatch):
 def fake_te_api(float8_cls):
     from types import SimpleNamespace
 
+    # Transformer Engine's API surface: TE does not import without CUDA.
     return SimpleNamespace(__version__="2.20.2", Float8Tensor=float8_cls,
                            is_non_tn_fp8_gemm_supported=lambda: False,
                            post_all_gather_processing=lambda weights: None, MXFP8Tensor=None,
@@ -512,14 +532,13 @@ def test_mixin_has_log_every_n_steps_as_the_callback(monkeypatch):
     aligner = FakeAligner()
     aligner.records = []
     model.__dict__.update(_fabric=None, _jit_is_scripting=False, model=[FakeDDPChunk()],
-                          _trainer=SimpleNamespace(global_step=0, log_every_n_steps=1,
-                                                   is_global_zero=True))
+                          _trainer=trainer(1))
     model.fp8_align_session.aligner = aligner
     for step in range(4):  # the trainer's global_step counts the step just finished
         aligner.records.append(TransposeRecord(
             step=step, pp_rank=0, dp_rank=0, chunk=0, policy="aligned", backend="fake",
             vmid=-1, slot=0, aligned_slot=0, transposed=1, weights=1, after_all_gather=True,
             seconds=0.001))
-        model.trainer.global_step = step + 1
+        set_global_step(model.trainer, step + 1)
         model.on_train_batch_end(None, None, step)
     assert logged == [2, 4]  # not every step: the trainer's log_every_n_steps is 1

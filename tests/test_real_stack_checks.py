@@ -3,7 +3,6 @@ the H200 runs report as PASS must be able to fail."""
 
 import os
 import sys
-import types
 
 from validation import real_stack_common as common  # noqa: E402
 
@@ -12,7 +11,8 @@ def _evidence(build_times, valid_at_first_use=(True, True), step=0):
     watch = common.TransposeWatch()
     watch.events = [{"kind": "build", "weight": f"c0w{i}", "chunk": 0, "step": step,
                      "phase": "fwd_bwd", "t": t} for i, t in build_times]
-    probe = types.SimpleNamespace(valid={step: {0: list(valid_at_first_use)}})
+    probe = common.FirstUseProbe(chunks=[], weights=[], backend=None)  # no chunk hooked
+    probe.valid[step][0] = list(valid_at_first_use)
     records = [{"step": step, "chunk": 0, "t_slot": 10.0, "t_done": 11.0}]
     return watch, probe, records
 

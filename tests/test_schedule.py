@@ -6,6 +6,7 @@ import itertools
 import pytest
 
 from nemo_fp8_align.core.schedule import AT_START, InterleavedSchedule, ScheduleError
+from support.configs import model_config
 
 schedules = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
 
@@ -119,20 +120,22 @@ def _megatron_accepts(monkeypatch, pp, m, n):
     monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_rank", lambda *a, **k: 0)
     monkeypatch.setattr(parallel_state, "get_virtual_pipeline_model_parallel_world_size",
                         lambda *a, **k: 2)
-    config = SimpleNamespace(overlap_p2p_comm=False, batch_p2p_comm=False, timers=None,
-                             finalize_model_grads_func=None, no_sync_func=None,
-                             grad_sync_func=None, param_sync_func=None,
-                             microbatch_group_size_per_vp_stage=n, pipeline_model_parallel_size=pp,
-                             virtual_pipeline_model_parallel_size=2)
+    config = model_config(pp, 2, overlap_p2p_comm=False, batch_p2p_comm=False,
+                          microbatch_group_size_per_vp_stage=n)
     kwargs, early_reads = {}, 0
     if "pg_collection" in inspect.signature(
             schedules.forward_backward_pipelining_with_interleaving).parameters:
         # megatron-core >= 0.14 takes its process groups as arguments: hand it a PP group of
         # the size under test, so no process group has to exist.
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        # A torch ProcessGroup of pp ranks cannot exist in one process: a stub of its size and
+        # rank. P2PCommunicator's constructor asks torch.distributed for the neighbours' global
+        # ranks, which a stub has not: a stub of the two attributes the schedule reads first.
         group = SimpleNamespace(size=lambda: pp, rank=lambda: 0)
         kwargs = dict(p2p_communicator=SimpleNamespace(pp_group=group, config=config),
-                      pg_collection=SimpleNamespace(tp=group, cp=group, embd=None, pos_embd=None,
-                                                    pp=group, dp_cp=group))
+                      pg_collection=ProcessGroupCollection(tp=group, cp=group, embd=None,
+                                                           pos_embd=None, pp=group, dp_cp=group))
         early_reads = 2  # it reads the model type (hasattr + getattr) before the shape checks
     compat = enable_cpu_compat()
     try:
@@ -167,10 +170,13 @@ def test_schedule_for_picks_the_order_of_the_installed_config():
 
     from nemo_fp8_align.integrations.megatron import schedule_for
 
-    new = schedule_for(SimpleNamespace(microbatch_group_size_per_vp_stage=3), pp=2, vp=2,
+    new = schedule_for(model_config(2, 2, microbatch_group_size_per_vp_stage=3), pp=2, vp=2,
                        num_microbatches=6)
     assert new.n == 3 and not new.legacy_order
-    old = schedule_for(SimpleNamespace(), pp=2, vp=2, num_microbatches=6)  # core < 0.10
+    assert schedule_for(model_config(2, 2), pp=2, vp=2, num_microbatches=6).n == 2  # None: PP
+    # megatron-core < 0.10's TransformerConfig has no such field; no such version is installed
+    # here, so an object without it stands in for it.
+    old = schedule_for(SimpleNamespace(), pp=2, vp=2, num_microbatches=6)
     assert old.legacy_order
     with pytest.raises(ScheduleError, match="not a multiple"):
         schedule_for(SimpleNamespace(), pp=2, vp=2, num_microbatches=5)

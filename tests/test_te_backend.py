@@ -148,6 +148,7 @@ class NVFP4Tensor(_BlockScaled):
 
 
 def _te_module(cls, version, *, non_tn=False, query_name="is_non_tn_fp8_gemm_supported"):
+    # Transformer Engine's API surface: TE does not import without CUDA.
     ns = types.SimpleNamespace(__version__=version, Float8Tensor=cls, MXFP8Tensor=MXFP8Tensor,
                                Float8BlockwiseQTensor=Float8BlockwiseQTensor, NVFP4Tensor=NVFP4Tensor,
                                post_all_gather_processing=None)
@@ -485,6 +486,7 @@ def test_describe():
 def test_weights_of_picks_float8_parameters_only():
     cls, _, weights, backend = _setup(GEN_2_10)
     mx = MXFP8Tensor.__new__(MXFP8Tensor)
+    # A chunk's parameters(): the TE stand-ins are plain objects, which a torch Module refuses.
     chunk = types.SimpleNamespace(parameters=lambda: iter([weights[0], torch.zeros(2), mx,
                                                            weights[1]]))
     assert backend.weights_of(chunk) == [weights[0], weights[1]]

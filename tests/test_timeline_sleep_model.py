@@ -29,6 +29,8 @@ class _Chunk(torch.nn.Module):
 
 
 def _run(sizes=(4, 5)):
+    # The benchmark's run: its DDP chunks' .module is all attach_sleep_costs reads (a real DDP
+    # needs a process group; test_tiny_benchmark_run below runs the real one on gloo).
     chunks = [SimpleNamespace(module=_Chunk(n)) for n in sizes]
     run = SimpleNamespace(chunks=chunks, backend=ReferenceBackend(),
                           weights=[w for c in chunks for w in c.module.fp8_weights()])
