@@ -32,12 +32,19 @@ class Handle:
             self.done = True
 
 
+class Bucket:
+    def __init__(self, params):
+        self.params = params
+
+
 class BucketGroup:
     """finish_param_sync as megatron-core 0.16 has it: wait the handle, then post-process
-    (here: the build that TE's post_all_gather_processing would run)."""
+    (here: the build that TE's post_all_gather_processing would run). Like 0.16's, it has no
+    ``_post_param_sync``, so the forced-sync watch reads its ``buckets``."""
 
     def __init__(self, clock, weights):
         self.clock, self.weights = clock, weights
+        self.buckets = [Bucket(list(weights))]
         self.param_gather_dispatched, self.param_gather_handle = False, None
 
     def start_param_sync(self):
