@@ -41,7 +41,7 @@ demo: install
 	$(VENV)/bin/nemo-fp8-align demo $(DEMO_ARGS)
 
 # megatron-core 0.17.1 and 0.18.2: their wheels' megatron/core (pure Python, ~2 MB each), read by
-# .venv-mcore019's Python ahead of its own 0.19.2 for the schedule-table and refusal tests.
+# .venv-mcore019's Python ahead of its own 0.19.2 (MCORE_LINE_TESTS).
 MCORE_LINES ?= 0.17.1 0.18.2
 MCORE_TREES = .mcore-wheels
 
@@ -54,17 +54,22 @@ $(MCORE_TREES)/.installed: $(VENV19)/.installed
 
 MCORE019_TESTS = tests/test_schedule.py tests/test_engine_mcore.py tests/test_faults.py \
 	tests/test_refusals.py tests/test_api.py tests/test_cpu_compat.py tests/test_gather_with_optimizer.py \
-	tests/test_groups.py tests/test_forced_sync.py
+	tests/test_groups.py tests/test_forced_sync.py tests/test_no_hang.py
+
+# On 0.17.1 and 0.18.2: the schedule tables, the refusal rows, and the two paths that changed
+# between them (0.18 post-processes forced all-gathers itself; the optimizer-step all-gather).
+MCORE_LINE_TESTS = tests/test_schedule.py tests/test_refusals.py tests/test_forced_sync.py \
+	tests/test_gather_with_optimizer.py
 
 test: install install-mcore016 install-mcore019 $(MCORE_TREES)/.installed
 	$(VENV)/bin/python -m pytest -q
 	$(VENV16)/bin/python -m pytest -q -m "not nemo" tests/test_schedule.py tests/test_engine_mcore.py \
 		tests/test_refusals.py tests/test_api.py tests/test_pipeline_step_time_mps.py \
-		tests/test_groups.py tests/test_forced_sync.py
+		tests/test_groups.py tests/test_forced_sync.py tests/test_gather_with_optimizer.py
 	$(VENV19)/bin/python -m pytest -q -m "not nemo" $(MCORE019_TESTS)
 	for v in $(MCORE_LINES); do \
 	  PYTHONPATH=$(CURDIR)/$(MCORE_TREES)/$$v $(VENV19)/bin/python -m pytest -q -m "not nemo" \
-	    tests/test_schedule.py tests/test_refusals.py || exit 1; \
+	    $(MCORE_LINE_TESTS) || exit 1; \
 	done
 	$(VENV19)/bin/python -m pytest -q $(MEGATRON_LM_TESTS)
 
