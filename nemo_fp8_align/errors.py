@@ -51,10 +51,11 @@ class TelemetryError(ValueError):
 class DemoRankError(RuntimeError):
     """One or more demo ranks failed; the message holds each failed rank's own error (its first
     line), one per line; ``reports`` maps each failed rank to its whole text, ``times`` to when
-    it raised (``time.time()``)."""
+    it raised (``time.time()``), ``tracebacks`` to its traceback."""
 
     reports: Dict[int, str] = {}
     times: Dict[int, float] = {}
+    tracebacks: Dict[int, str] = {}
 
 
 class StepMismatchError(RuntimeError):

@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-import torch.multiprocessing as mp
-
 from nemo_fp8_align.config import Policy
 from nemo_fp8_align.demo.evidence import evidence_problems
+from nemo_fp8_align.demo.ranks import read_results, spawn_and_wait
 from nemo_fp8_align.demo.train import DemoOptions, run_rank
 from nemo_fp8_align.core.schedule import InterleavedSchedule
 from nemo_fp8_align.core.telemetry import record_problems
@@ -35,16 +31,6 @@ class DemoResult:
         return last[0]["losses"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-#: Seconds the launcher waits for the ranks beyond their process groups' timeout.
-WAIT_BEYOND_TIMEOUT_S = 120.0
-
-
 def _rank_main(rank: int, world_size: int, port: int, opts: DemoOptions, out_dir: str) -> None:
     if opts.fault is not None:
         from nemo_fp8_align.demo.faults import inject
@@ -56,47 +42,6 @@ def _rank_main(rank: int, world_size: int, port: int, opts: DemoOptions, out_dir
         sys.exit(1)
 
 
-def _spawn_and_wait(opts: DemoOptions, out_dir: str) -> List[Optional[int]]:
-    """Start every rank and wait for all of them (not only the first to fail, as
-    ``torch.multiprocessing``'s join does: its peers' own errors would be lost); returns each
-    rank's exit code (None: still running at the deadline, then killed)."""
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(rank, opts.world_size, port, opts, out_dir))
-             for rank in range(opts.world_size)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + (opts.pg_timeout_s or 1800.0) + WAIT_BEYOND_TIMEOUT_S
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    codes = [p.exitcode for p in procs]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    return codes
-
-
-def _rank_errors(out_dir: str, codes: List[Optional[int]]) -> DemoRankError:
-    """One line per rank that failed, its own error first; every rank's full text in
-    ``.reports`` and when it raised (``time.time()``) in ``.times``, keyed by rank."""
-    reports: Dict[int, str] = {}
-    times: Dict[int, float] = {}
-    for rank, code in enumerate(codes):
-        path = os.path.join(out_dir, f"rank{rank}.error")
-        if os.path.exists(path):
-            with open(path, encoding="utf-8") as f:
-                e = json.load(f)
-            reports[rank] = f"rank {rank}: {e['type']}: {e['message']}"
-            times[rank] = e["time"]
-        elif code != 0:
-            reports[rank] = (f"rank {rank}: " + ("still running at the deadline, killed"
-                                                  if code is None else f"exited with code {code}"))
-    err = DemoRankError("\n".join(text.splitlines()[0] for text in reports.values()))
-    err.reports, err.times = reports, times
-    return err
-
-
 def run_demo(opts: DemoOptions, telemetry_path: Optional[str] = None) -> DemoResult:
     """Run the demo in ``opts.world_size`` spawned processes; raises :class:`DemoRankError`
     (each failed rank's own error) if any rank fails.
@@ -106,15 +51,16 @@ def run_demo(opts: DemoOptions, telemetry_path: Optional[str] = None) -> DemoRes
     """
     InterleavedSchedule(opts.pp, opts.vp, opts.microbatches, opts.group_size)
     with tempfile.TemporaryDirectory(prefix="nemo_fp8_align_demo_") as out_dir:
-        codes = _spawn_and_wait(opts, out_dir)
-        if any(code != 0 for code in codes):
-            raise _rank_errors(out_dir, codes)
-        ranks = []
-        for rank in range(opts.world_size):
-            with open(os.path.join(out_dir, f"rank{rank}.json"), encoding="utf-8") as f:
-                ranks.append(json.load(f))
-        records = sorted((rec for r in ranks for rec in r.get("records", [])),
-                         key=lambda x: (x["step"], x["chunk"], x["pp_rank"], x["dp_rank"]))
+        codes = spawn_and_wait(_rank_main, opts.world_size, (opts, out_dir), opts.pg_timeout_s)
+        ranks = read_results(out_dir, codes)
+    return demo_result(opts, ranks, telemetry_path)
+
+
+def demo_result(opts: DemoOptions, ranks: List[Dict[str, Any]],
+                telemetry_path: Optional[str]) -> DemoResult:
+    """The ranks' results with every rank's telemetry records, written to ``telemetry_path``."""
+    records = sorted((rec for r in ranks for rec in r.get("records", [])),
+                     key=lambda x: (x["step"], x["chunk"], x["pp_rank"], x["dp_rank"]))
     if telemetry_path:
         with open(telemetry_path, "w", encoding="utf-8") as f:
             for rec in records:

@@ -12,7 +12,6 @@ Engine's FP8 parameters, the FP8 copies become stale). It writes ``rank{N}.json`
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from dataclasses import asdict
@@ -21,6 +20,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from nemo_fp8_align.config import AlignConfig
+from nemo_fp8_align.demo.ranks import write_error, write_result
 
 __all__ = ["megatron_lm_argv", "run_rank"]
 
@@ -289,11 +289,9 @@ def run_rank(rank: int, world_size: int, port: int, opts: Any, out_dir: str,
         path = os.path.join(out_dir, "telemetry.rank{rank}.jsonl") if telemetry else None
         result = _train(opts, phase, path)
         result["rank"] = rank
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w", encoding="utf-8") as f:
-            json.dump(result, f)
+        write_result(out_dir, rank, result)
     except Exception as err:
-        with open(os.path.join(out_dir, f"rank{rank}.error"), "w", encoding="utf-8") as f:
-            f.write(f"rank {rank}: {type(err).__name__}: {err}")
+        write_error(out_dir, rank, err)  # for the launcher to report with the other ranks'
         raise
     finally:
         compat.undo()

@@ -8,9 +8,7 @@ launches the all-gathers itself; the aligner only adds the transposes at the ali
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import time
 import warnings
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -24,6 +22,7 @@ import torch.distributed as dist
 from nemo_fp8_align.config import AlignConfig, Policy
 from nemo_fp8_align.demo.model import GPTChunk
 from nemo_fp8_align.demo.options import DemoOptions
+from nemo_fp8_align.demo.ranks import write_error, write_result
 
 __all__ = ["DemoOptions", "run_rank"]
 
@@ -346,12 +345,7 @@ def run_rank(rank: int, world_size: int, port: int, opts: DemoOptions, out_dir: 
             path = os.path.join(out_dir, "telemetry.rank{rank}.jsonl") if telemetry else None
             result = _train(opts, path, out_dir)
             result["rank"] = rank
-            with open(os.path.join(out_dir, f"rank{rank}.json"), "w", encoding="utf-8") as f:
-                json.dump(result, f)
+            write_result(out_dir, rank, result)
     except Exception as err:
-        # The launcher reports whichever rank it noticed first, often a peer that only lost
-        # its connection: leave this rank's own error for run_demo to report with the others.
-        with open(os.path.join(out_dir, f"rank{rank}.error"), "w", encoding="utf-8") as f:
-            json.dump({"rank": rank, "type": type(err).__name__, "message": str(err),
-                       "time": time.time()}, f)
+        write_error(out_dir, rank, err)  # for the launcher to report with the other ranks'
         raise

@@ -10,10 +10,7 @@ pipeline rank and size, what ``parallel_state`` says, and the aligner's records.
 
 from __future__ import annotations
 
-import json
 import os
-import socket
-import traceback
 from datetime import timedelta
 from functools import partial
 from typing import Any, Dict, List
@@ -21,16 +18,13 @@ from typing import Any, Dict, List
 import torch
 import torch.distributed as dist
 
+from nemo_fp8_align.demo.ranks import read_results, spawn_and_wait, write_error, write_result
+from nemo_fp8_align.errors import DemoRankError
+
 WORLD = 4
 MODEL_PP, VP, M, STEPS = 4, 2, 4, 2
 GLOBAL_PP = 2
 TIMEOUT_S = 60.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _groups() -> Any:
@@ -162,52 +156,27 @@ def _refusal(chunks: List[Any], pg_collection: Any) -> str:
     return "not refused"
 
 
-def run_rank(rank: int, port: int, out_dir: str) -> None:
+def run_rank(rank: int, world_size: int, port: int, out_dir: str) -> None:
     """One spawned rank: gloo, the CPU compat shims, the run; its result or error to out_dir."""
     from nemo_fp8_align.demo.cpu_redirects import enable_cpu_compat
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD,
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=TIMEOUT_S))
     compat = enable_cpu_compat()
     try:
-        result: Dict[str, Any] = _train(out_dir)
-        name, body = f"rank{rank}.json", result
-    except Exception as err:  # noqa: BLE001 - reported to the test, which shows it
-        name, body = f"rank{rank}.error", {"type": type(err).__name__, "message": str(err),
-                                           "traceback": traceback.format_exc()}
-    with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:
-        json.dump(body, f)
+        write_result(out_dir, rank, _train(out_dir))
+    except Exception as err:  # noqa: BLE001 - reported to the test by run_all
+        write_error(out_dir, rank, err)
     compat.undo()
     dist.destroy_process_group()
 
 
 def run_all(out_dir: str) -> List[Dict[str, Any]]:
     """Spawn the 4 ranks, wait (bounded), return each rank's result; raise with their errors."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=run_rank, args=(r, port, out_dir)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(TIMEOUT_S + 120)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    results, errors = [], []
-    for r in range(WORLD):
-        path = os.path.join(out_dir, f"rank{r}.json")
-        if os.path.exists(path):
-            with open(path, encoding="utf-8") as f:
-                results.append(json.load(f))
-        else:
-            err = os.path.join(out_dir, f"rank{r}.error")
-            text = open(err, encoding="utf-8").read() if os.path.exists(err) else "no result"
-            errors.append(f"rank {r}: {text}")
-    if errors:
-        raise RuntimeError("\n".join(errors))
-    return results
+    codes = spawn_and_wait(run_rank, WORLD, (out_dir,), TIMEOUT_S)
+    try:
+        return read_results(out_dir, codes)
+    except DemoRankError as err:  # every rank's traceback, for the test's output
+        raise RuntimeError("\n".join([str(err), *err.tracebacks.values()])) from err

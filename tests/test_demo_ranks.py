@@ -1,0 +1,65 @@
+"""The demo launchers' rank handling (``demo/ranks.py``), shared by the demo, its Megatron-LM
+loop and the explicit-groups test: every rank is waited for, and each failed rank's own error
+is reported, whatever order the ranks exit in."""
+
+import os
+import sys
+import time
+
+import pytest
+
+from nemo_fp8_align.demo.ranks import read_results, spawn_and_wait, write_error, write_result
+from nemo_fp8_align.errors import DemoRankError
+
+
+def _rank(rank, world_size, port, out_dir, plan):
+    """What ``plan[rank]`` says: "ok", "raise" (after the others have exited), "error-exit-0"
+    (an error file, then a clean exit) or "exit-3" (no file at all)."""
+    what = plan[rank]
+    if what == "ok":
+        write_result(out_dir, rank, {"rank": rank, "world_size": world_size, "port": port})
+    elif what == "raise":
+        time.sleep(1.0)  # the last to exit: a join that stops at the first exit would miss it
+        try:
+            raise ValueError(f"rank {rank}'s own problem")
+        except ValueError as err:
+            write_error(out_dir, rank, err)
+            sys.exit(1)
+    elif what == "error-exit-0":
+        try:
+            raise KeyError("kept, then a clean exit")
+        except KeyError as err:
+            write_error(out_dir, rank, err)
+    elif what == "exit-3":
+        os._exit(3)
+
+
+def _run(tmp_path, plan):
+    codes = spawn_and_wait(_rank, len(plan), (str(tmp_path), plan), timeout_s=60.0)
+    return codes, read_results(str(tmp_path), codes)
+
+
+def test_every_rank_s_result_in_rank_order(tmp_path):
+    codes, results = _run(tmp_path, ["ok", "ok", "ok"])
+    assert codes == [0, 0, 0]
+    assert [r["rank"] for r in results] == [0, 1, 2]
+    assert {r["world_size"] for r in results} == {3} and len({r["port"] for r in results}) == 1
+
+
+def test_each_failed_rank_reports_its_own_error_whatever_exits_first(tmp_path):
+    with pytest.raises(DemoRankError) as info:
+        _run(tmp_path, ["ok", "exit-3", "raise", "error-exit-0"])
+    err = info.value
+    assert sorted(err.reports) == [1, 2, 3]
+    assert err.reports[1] == "rank 1: exited with code 3"
+    assert err.reports[2] == "rank 2: ValueError: rank 2's own problem"
+    assert err.reports[3].startswith("rank 3: KeyError:")  # failed, though it exited with 0
+    assert "ValueError" in err.tracebacks[2] and sorted(err.times) == [2, 3]
+    assert str(err).splitlines() == [err.reports[1], err.reports[2], err.reports[3]]
+
+
+def test_a_rank_that_kept_its_error_and_exited_cleanly_is_reported(tmp_path):
+    # The explicit-groups test's ranks do this: exit code 0 everywhere, one error file.
+    with pytest.raises(DemoRankError) as info:
+        _run(tmp_path, ["ok", "error-exit-0"])
+    assert sorted(info.value.reports) == [1]
