@@ -65,7 +65,8 @@ test: install install-mcore016 install-mcore019 $(MCORE_TREES)/.installed
 	$(VENV)/bin/python -m pytest -q
 	$(VENV16)/bin/python -m pytest -q -m "not nemo" tests/test_schedule.py tests/test_engine_mcore.py \
 		tests/test_refusals.py tests/test_api.py tests/test_pipeline_step_time_mps.py \
-		tests/test_groups.py tests/test_forced_sync.py tests/test_gather_with_optimizer.py
+		tests/test_groups.py tests/test_forced_sync.py tests/test_gather_with_optimizer.py \
+		tests/test_no_hang.py
 	$(VENV19)/bin/python -m pytest -q -m "not nemo" $(MCORE019_TESTS)
 	for v in $(MCORE_LINES); do \
 	  PYTHONPATH=$(CURDIR)/$(MCORE_TREES)/$$v $(VENV19)/bin/python -m pytest -q -m "not nemo" \
