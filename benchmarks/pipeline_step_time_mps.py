@@ -45,6 +45,7 @@ sys.path.insert(0, HERE)
 
 import mps_p2p  # noqa: E402
 from mps_timing import Marks, instrument  # noqa: E402
+from nemo_fp8_align.demo.ranks import free_port  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,7 +313,7 @@ def main(argv: List[str]) -> int:
     os.makedirs(a.out, exist_ok=True)
     import torch.multiprocessing as mp
     t0 = time.time()
-    port = _free_port()
+    port = free_port()
     failed = None
     try:
         mp.start_processes(_worker, args=(b, port, a.out), nprocs=b.ranks, join=True,
@@ -335,13 +336,6 @@ def main(argv: List[str]) -> int:
             f.write(text)
     print(text)
     return 0 if summary["ok"] else 1
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

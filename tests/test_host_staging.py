@@ -3,12 +3,13 @@ two gloo processes, CPU tensors staged through host copies exactly as CUDA tenso
 one-GPU test machine; and its refusal on a machine with several GPUs."""
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from nemo_fp8_align.demo.ranks import free_port
 
 from validation import host_staging
 
@@ -32,12 +33,6 @@ def test_group_creation_refuses_on_several_gpus(monkeypatch):
     with pytest.raises(RuntimeError, match="4 GPUs"):
         host_staging._create(None, 0, 1, None)
     assert built == []
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _check_collectives(rank: int, port: int) -> None:
@@ -116,4 +111,4 @@ def _check_collectives(rank: int, port: int) -> None:
 
 @pytest.mark.slow
 def test_collectives_point_to_point_and_coalescing_on_two_ranks():
-    mp.start_processes(_check_collectives, args=(_free_port(),), nprocs=2, start_method="spawn")
+    mp.start_processes(_check_collectives, args=(free_port(),), nprocs=2, start_method="spawn")

@@ -39,8 +39,12 @@ def _error_path(out_dir: str, rank: int) -> str:
     return os.path.join(out_dir, f"rank{rank}.error")
 
 
+def _result_path(out_dir: str, rank: int) -> str:
+    return os.path.join(out_dir, f"rank{rank}.json")
+
+
 def write_result(out_dir: str, rank: int, result: Dict[str, Any]) -> None:
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w", encoding="utf-8") as f:
+    with open(_result_path(out_dir, rank), "w", encoding="utf-8") as f:
         json.dump(result, f)
 
 
@@ -83,7 +87,7 @@ def read_results(out_dir: str, codes: List[Optional[int]]) -> List[Dict[str, Any
         raise _rank_errors(out_dir, codes)
     results = []
     for rank in range(len(codes)):
-        with open(os.path.join(out_dir, f"rank{rank}.json"), encoding="utf-8") as f:
+        with open(_result_path(out_dir, rank), encoding="utf-8") as f:
             results.append(json.load(f))
     return results
 
