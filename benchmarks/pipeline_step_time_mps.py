@@ -249,7 +249,7 @@ def _attach(b: Bench, policy: str, chunks, config, backend, weights_of):
     if policy == "off":
         return None
     from nemo_fp8_align.config import AlignConfig, Policy
-    from nemo_fp8_align.integrations.megatron import align_fp8_transposes
+    from nemo_fp8_align.integrations.megatron_core import align_fp8_transposes
     return align_fp8_transposes(chunks, num_microbatches=b.microbatches, backend=backend,
                                 weights_of=weights_of, config=config,
                                 align_config=AlignConfig(policy=Policy(policy)))

@@ -25,7 +25,7 @@ __version__ = "0.1.0"
 
 _LAZY: Dict[str, str] = {
     # entry points
-    "align_fp8_transposes": "integrations.megatron",
+    "align_fp8_transposes": "integrations.megatron_core",
     "FP8TransposeAlignment": "integrations.nemo.callback",
     "FP8TransposeAlignMixin": "integrations.nemo.mixin",
     "FP8Weights": "integrations.nemo.build",

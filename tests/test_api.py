@@ -9,7 +9,7 @@ pytest.importorskip("megatron.core")
 
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 
-from nemo_fp8_align.integrations.megatron import align_fp8_transposes  # noqa: E402
+from nemo_fp8_align.integrations.megatron_core import align_fp8_transposes  # noqa: E402
 
 
 def test_a_telemetry_path_shared_by_several_ranks_is_refused(monkeypatch, tmp_path):

@@ -13,7 +13,7 @@ from packaging.version import Version  # noqa: E402
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 
 from nemo_fp8_align.errors import UnsupportedSetupError  # noqa: E402
-from nemo_fp8_align.integrations.megatron import align_fp8_transposes  # noqa: E402
+from nemo_fp8_align.integrations.megatron_core import align_fp8_transposes  # noqa: E402
 from nemo_fp8_align.integrations.refusals import REFUSALS, Setup, fired  # noqa: E402
 
 MCORE = Version(Version(mcore.__version__).base_version)

@@ -168,7 +168,7 @@ def test_validation_agrees_with_megatron_core_itself(monkeypatch, pp):
 def test_schedule_for_picks_the_order_of_the_installed_config():
     from types import SimpleNamespace
 
-    from nemo_fp8_align.integrations.megatron import schedule_for
+    from nemo_fp8_align.integrations.megatron_core import schedule_for
 
     new = schedule_for(model_config(2, 2, microbatch_group_size_per_vp_stage=3), pp=2, vp=2,
                        num_microbatches=6)

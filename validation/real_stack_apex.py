@@ -92,7 +92,7 @@ def run_policy(o: mcore.Opts, policy: str, out_dir: str, rank: int, run_index: i
 
     from nemo_fp8_align.config import AlignConfig, Policy
     from nemo_fp8_align.core.aligner import TransposeAligner
-    from nemo_fp8_align.integrations.megatron import schedule_for, telemetry_writer
+    from nemo_fp8_align.integrations.megatron_core import schedule_for, telemetry_writer
     from nemo_fp8_align.core.telemetry import record_problems
     from nemo_fp8_align.backends.te import TEBackend
     from nemo_fp8_align.sync.apex import ApexParamSync

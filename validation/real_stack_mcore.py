@@ -240,7 +240,7 @@ def _run_policy(o: Opts, policy: str, out_dir: str, rank: int, run_index: int) -
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from nemo_fp8_align.config import AlignConfig, Policy
-    from nemo_fp8_align.integrations.megatron import align_fp8_transposes
+    from nemo_fp8_align.integrations.megatron_core import align_fp8_transposes
     from nemo_fp8_align.core.telemetry import record_problems
 
     device = "cpu" if o.cpu_dry_run else "cuda"

@@ -126,7 +126,7 @@ class PipelineRun:
         from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from nemo_fp8_align.integrations.megatron import align_fp8_transposes
+        from nemo_fp8_align.integrations.megatron_core import align_fp8_transposes
 
         self.opts = opts
         self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()

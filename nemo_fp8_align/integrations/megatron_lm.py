@@ -71,7 +71,7 @@ def attach(model: Sequence[Any], *, backend: Any = None,
     from megatron.core.num_microbatches_calculator import get_num_microbatches
     from megatron.core.utils import get_model_config
 
-    from nemo_fp8_align.integrations.megatron import align_fp8_transposes
+    from nemo_fp8_align.integrations.megatron_core import align_fp8_transposes
 
     args = _megatron_args() if args is None else args
     if args is not None and align_config.active:

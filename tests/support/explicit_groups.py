@@ -66,7 +66,7 @@ def _train(out_dir: str) -> Dict[str, Any]:
     from nemo_fp8_align.config import AlignConfig
     from nemo_fp8_align.demo.model import DemoModelConfig, GPTChunk
     from nemo_fp8_align.demo.train import DemoOptions, _batches, _forward_step
-    from nemo_fp8_align.integrations.megatron import align_fp8_transposes
+    from nemo_fp8_align.integrations.megatron_core import align_fp8_transposes
 
     parallel_state.initialize_model_parallel(1, GLOBAL_PP, VP,
                                              distributed_timeout_minutes=TIMEOUT_S / 60)

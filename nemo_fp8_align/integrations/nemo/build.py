@@ -83,9 +83,9 @@ def startup_check(cfg: Any, trainer: Any = None, *,
 
 
 def check_telemetry_path(path: Optional[str]) -> None:
-    """:func:`nemo_fp8_align.integrations.megatron.check_telemetry_path`, naming the NeMo
+    """:func:`nemo_fp8_align.integrations.megatron_core.check_telemetry_path`, naming the NeMo
     setting."""
-    from nemo_fp8_align.integrations.megatron import check_telemetry_path as check
+    from nemo_fp8_align.integrations.megatron_core import check_telemetry_path as check
 
     check(path, key="model.fp8_transpose_align.telemetry_path")
 
@@ -126,7 +126,7 @@ def build_aligner(model: Any, config: AlignConfig, *,
 
     from nemo_fp8_align.core.aligner import TransposeAligner
     from nemo_fp8_align.integrations.groups import resolve_ranks
-    from nemo_fp8_align.integrations.megatron import schedule_for, telemetry_writer
+    from nemo_fp8_align.integrations.megatron_core import schedule_for, telemetry_writer
 
     chunks = model_chunks(model)
     # The chunks' own DDP groups where megatron-core keeps them (>= 0.14), else parallel_state.
