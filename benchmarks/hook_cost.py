@@ -30,6 +30,7 @@ from nemo_fp8_align.config import AlignConfig, Policy
 from nemo_fp8_align.core.aligner import TransposeAligner
 from nemo_fp8_align.core.schedule import InterleavedSchedule
 from nemo_fp8_align.core.telemetry import TelemetryWriter
+from nemo_fp8_align.sync.mcore_hold import McoreChunkHold
 
 TARGET_US = 20.0
 
@@ -65,6 +66,17 @@ class _Gathered:
         return True
 
 
+class _Chunk(torch.nn.Identity):
+    """A chunk with a DDP chunk's launch and step-end methods (what the aligner's hold wraps)."""
+
+    def start_param_sync(self, *unused: Any, force_sync: bool = False,
+                         force_dispatch: bool = False) -> None:
+        pass
+
+    def finish_grad_sync(self) -> None:
+        pass
+
+
 def _step(s: InterleavedSchedule, rank: int, chunks: List[torch.nn.Module], config: Any,
           weights: List[List[_Weight]], x: torch.Tensor) -> float:
     """One training step's plugin-visible events; returns its host time in seconds."""
@@ -82,16 +94,16 @@ def _step(s: InterleavedSchedule, rank: int, chunks: List[torch.nn.Module], conf
         if not weights[chunk][0].valid:  # what a lazy FP8 linear does at first use
             _FlagBackend().build_transposes(weights[chunk])
         chunks[chunk](x)
-    config.finalize_model_grads_func()
+    config.finalize_model_grads_func()  # megatron-core's: chunk 0's finish_grad_sync first
     return time.perf_counter() - start
 
 
 def _measure(s: InterleavedSchedule, rank: int, policy: Optional[Policy], telemetry: bool,
              steps: int) -> List[float]:
-    chunks = [torch.nn.Identity() for _ in range(s.vp)]
+    chunks = [_Chunk() for _ in range(s.vp)]
     weights = [[_Weight() for _ in range(8)] for _ in range(s.vp)]
-    config = SimpleNamespace(param_sync_func=[lambda *a: None] * s.vp,
-                             finalize_model_grads_func=lambda *a: None)
+    config = SimpleNamespace(param_sync_func=[c.start_param_sync for c in chunks],
+                             finalize_model_grads_func=chunks[0].finish_grad_sync)
     with tempfile.TemporaryDirectory() as tmp:
         aligner = None
         if policy is not None:
@@ -100,7 +112,7 @@ def _measure(s: InterleavedSchedule, rank: int, policy: Optional[Policy], teleme
                                        param_sync=_Gathered(), weights=weights,
                                        backend=_FlagBackend(), config=AlignConfig(policy=policy),
                                        telemetry=writer)
-            aligner.attach(config)
+            aligner.attach(McoreChunkHold(chunks, config))
         x = torch.zeros(1)
         with torch.enable_grad():
             times = [_step(s, rank, chunks, config, weights, x) for _ in range(steps)]

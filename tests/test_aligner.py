@@ -13,6 +13,7 @@ from nemo_fp8_align.config import AlignConfig, Policy
 from nemo_fp8_align.core.aligner import StepMismatchError, TransposeAligner
 from nemo_fp8_align.core.schedule import AT_START, InterleavedSchedule
 from nemo_fp8_align.core.telemetry import TelemetryWriter, read_records
+from nemo_fp8_align.sync.mcore_hold import McoreChunkHold
 
 
 class FakeWeight:
@@ -69,11 +70,21 @@ class FakeSync:
 
 
 class Chunk(torch.nn.Module):
-    """Builds its weights' transposes lazily at first use, as TE and the reference linear do."""
+    """Builds its weights' transposes lazily at first use, as TE and the reference linear do;
+    launches its all-gather and ends the step the way a megatron-core DDP chunk's
+    ``start_param_sync`` / ``finish_grad_sync`` do (a stand-in: a real DDP chunk needs a
+    process group and buckets; tests/test_engine_mcore.py runs those)."""
 
-    def __init__(self, weights, backend):
+    def __init__(self, weights, backend, launch=None):
         super().__init__()
-        self.weights, self.backend = weights, backend
+        self.weights, self.backend, self._launch = weights, backend, launch
+        self.grad_syncs = 0
+
+    def start_param_sync(self, *unused, force_sync=False, force_dispatch=False):
+        self._launch()
+
+    def finish_grad_sync(self):
+        self.grad_syncs += 1
 
     def forward(self, x):
         if torch.is_grad_enabled():
@@ -85,17 +96,24 @@ def make_rank(pp=4, vp=3, m=8, rank=1, policy=Policy.ALIGNED, n_weights=2, neede
     schedule = InterleavedSchedule(pp, vp, m)
     backend, sync = FakeBackend(needed), FakeSync()
     weights = [[FakeWeight() for _ in range(n_weights)] for _ in range(vp)]
-    chunks = [Chunk(w, backend) for w in weights]
-    config = model_config(pp, vp, param_sync_func=[sync.launcher(c) for c in range(vp)])
+    chunks = [Chunk(w, backend, sync.launcher(c)) for c, w in enumerate(weights)]
+    config = model_config(pp, vp, param_sync_func=[c.start_param_sync for c in chunks])
     aligner = TransposeAligner(chunks, schedule=schedule, pp_rank=rank, dp_rank=0, param_sync=sync,
                                weights=weights, backend=backend, config=AlignConfig(policy=policy))
     # The test's own bundle of one rank's objects, not a megatron-core one.
     return SimpleNamespace(schedule=schedule, sync=sync, weights=weights, chunks=chunks,
-                           config=config, aligner=aligner, rank=rank)
+                           config=config, aligner=aligner, rank=rank,
+                           hold=McoreChunkHold(chunks, config))
 
 
-def run_training_step(r):
-    """Drive one rank the way megatron-core's interleaved schedule does."""
+def end_step(r):
+    """megatron-core's finalize_model_grads: chunk 0's finish_grad_sync first, on every rank."""
+    r.chunks[0].finish_grad_sync()
+
+
+def run_training_step(r, end=True):
+    """Drive one rank the way megatron-core's interleaved schedule does (``end``: and its
+    finalize_model_grads)."""
     s, funcs = r.schedule, r.config.param_sync_func
     funcs[0]()
     funcs[1]()
@@ -104,6 +122,8 @@ def run_training_step(r):
         if t < s.total and s.forward_table[t][0] == 0 and 1 < s.chunk_of(t) + 1 < s.vp:
             funcs[s.chunk_of(t) + 1]()
         r.chunks[s.chunk_of(v)](torch.ones(1))
+    if end:
+        end_step(r)
     for ws in r.weights:  # the optimizer step: next step's all-gather brings new values
         for w in ws:
             w.valid = False
@@ -113,7 +133,7 @@ def run_training_step(r):
 @pytest.mark.parametrize("rank", [0, 1, 2, 3])
 def test_aligned_every_chunk_at_its_slot_once(rank):
     r = make_rank(rank=rank)
-    assert r.aligner.attach(r.config)
+    assert r.aligner.attach(r.hold)
     for _ in range(3):
         run_training_step(r)
     recs = r.aligner.records
@@ -128,7 +148,7 @@ def test_aligned_every_chunk_at_its_slot_once(rank):
 
 def test_chunk0_is_finished_after_both_preloop_launches():
     r = make_rank(rank=2)
-    r.aligner.attach(r.config)
+    r.aligner.attach(r.hold)
     run_training_step(r)
     assert r.sync.log[:3] == [("launch", 0), ("launch", 1), ("finish", 0)]
     assert r.aligner.records[0].vmid == AT_START and r.aligner.records[0].slot == 0
@@ -137,7 +157,7 @@ def test_chunk0_is_finished_after_both_preloop_launches():
 @pytest.mark.parametrize("rank", [0, 3])
 def test_lazy_only_observes_first_use(rank):
     r = make_rank(rank=rank, policy=Policy.LAZY)
-    r.aligner.attach(r.config)
+    r.aligner.attach(r.hold)
     run_training_step(r)
     assert not [e for e in r.sync.log if e[0] == "finish"]  # lazy never finishes anything
     for rec in r.aligner.records:
@@ -149,7 +169,7 @@ def test_lazy_only_observes_first_use(rank):
 def test_attach_detach_idempotent_and_leak_free():
     r = make_rank()
     original = r.config.param_sync_func
-    assert r.aligner.attach(r.config) and r.aligner.attach(r.config)
+    assert r.aligner.attach(r.hold) and r.aligner.attach(r.hold)
     assert [len(c._forward_pre_hooks) for c in r.chunks] == [1, 1, 1]
     r.aligner.detach()
     r.aligner.detach()
@@ -157,14 +177,14 @@ def test_attach_detach_idempotent_and_leak_free():
     assert r.config.param_sync_func is original
     run_training_step(r)  # detached: nothing recorded, weights built lazily by the chunks
     assert r.aligner.records == []
-    assert r.aligner.attach(r.config)  # re-attach works after detach
+    assert r.aligner.attach(r.hold)  # re-attach works after detach
     run_training_step(r)
     assert len(r.aligner.records) == 3
 
 
 def test_forward_only_passes_do_nothing():
     r = make_rank()
-    r.aligner.attach(r.config)
+    r.aligner.attach(r.hold)
     with torch.no_grad():  # forward-only: the schedule calls no param_sync_func
         for v in range(r.schedule.total):
             r.chunks[r.schedule.chunk_of(v)](torch.ones(1))
@@ -179,32 +199,32 @@ def test_forward_only_passes_do_nothing():
 
 def test_schedule_mismatch_is_an_error():
     r = make_rank(m=8)
-    r.aligner.attach(r.config)
+    r.aligner.attach(r.hold)
     r.config.param_sync_func[0]()
     r.config.param_sync_func[1]()
+    r.chunks[1](torch.ones(1))  # held: raised inside the schedule it would hang the peers
     with pytest.raises(RuntimeError, match="runs chunk 0 there"):
-        r.chunks[1](torch.ones(1))
+        end_step(r)
 
 
 def test_inactive_where_no_transpose_is_needed(caplog):
     r = make_rank(needed=False)
     with caplog.at_level(logging.INFO):
-        assert not r.aligner.attach(r.config)
+        assert not r.aligner.attach(r.hold)
     assert "fake backend says so" in caplog.text
     assert all(not c._forward_pre_hooks for c in r.chunks)
 
 
 def test_policy_off_attaches_nothing():
     r = make_rank(policy=Policy.OFF)
-    assert not r.aligner.attach(r.config)
+    assert not r.aligner.attach(r.hold)
     assert not r.aligner.attached
 
 
-def test_missing_param_sync_func_names_the_fix():
+def test_chunks_without_start_param_sync_name_the_fix():
     r = make_rank()
-    with pytest.raises(ValueError, match="align_param_gather=True"):
-        r.aligner.attach(model_config(r.schedule.pp, r.schedule.vp))
-    assert not r.aligner.attached
+    with pytest.raises(TypeError, match="overlap_param_gather=True"):
+        McoreChunkHold([torch.nn.Linear(1, 1)], r.config)
 
 
 def test_wrong_chunk_count_is_rejected():
@@ -219,7 +239,7 @@ def test_telemetry_lines(tmp_path):
     r = make_rank(rank=3)
     path = tmp_path / "t.jsonl"
     r.aligner.telemetry = TelemetryWriter(str(path))
-    r.aligner.attach(r.config)
+    r.aligner.attach(r.hold)
     run_training_step(r)
     r.aligner.detach()
     rows = read_records([str(path)])
@@ -235,7 +255,7 @@ def test_telemetry_lines(tmp_path):
 def test_unfinished_all_gather_builds_nothing_early():
     r = make_rank()
     r.sync.report_finished = False
-    r.aligner.attach(r.config)
+    r.aligner.attach(r.hold)
     run_training_step(r)
     assert r.aligner.records and not any(rec.after_all_gather for rec in r.aligner.records)
     assert all(rec.transposed == 0 for rec in r.aligner.records)  # no transpose of stale bytes
@@ -248,7 +268,7 @@ def test_record_problems_judges_slots_per_policy_and_duplicates():
     from nemo_fp8_align.core.telemetry import record_problems
 
     r = make_rank(rank=2)
-    r.aligner.attach(r.config)
+    r.aligner.attach(r.hold)
     run_training_step(r)
     rows = [asdict(rec) for rec in r.aligner.records]
     assert record_problems(rows) == []
@@ -270,7 +290,7 @@ def test_record_problems_judges_slots_per_policy_and_duplicates():
 
 def test_timestamps_follow_launch_gather_build_first_use():
     r = make_rank(rank=1)
-    r.aligner.attach(r.config)
+    r.aligner.attach(r.hold)
     run_training_step(r)
     for rec in r.aligner.records:
         assert rec.t_launch <= rec.t_slot <= rec.t_gathered <= rec.t_done <= rec.t_first_use
@@ -279,7 +299,7 @@ def test_timestamps_follow_launch_gather_build_first_use():
 
 def test_lazy_records_time_and_validity_at_first_use():
     r = make_rank(rank=2, policy=Policy.LAZY)
-    r.aligner.attach(r.config)
+    r.aligner.attach(r.hold)
     run_training_step(r)
     for rec in r.aligner.records:
         assert rec.t_launch <= rec.t_slot == rec.t_first_use <= rec.t_done
@@ -299,11 +319,12 @@ def test_shorter_step_is_an_error_at_the_next_step_and_eval_never_raises():
     from nemo_fp8_align.core.aligner import StepMismatchError
 
     r = make_rank(pp=2, vp=2, m=4)
-    r.aligner.attach(r.config)
+    r.aligner.attach(r.hold)
     drive_forwards(r, 4)  # M=2 ran, M=4 planned
     with torch.no_grad():  # a forward-only pass after it does not trip over the open step
         drive_forwards(r, 8, launch=False)
-    with pytest.raises(StepMismatchError, match="ended after 4 forwards.*M=4"):
+    # The step end was never heard: the next step's first launch ends it, on every rank.
+    with pytest.raises(StepMismatchError, match="ran 4 forwards.*M=4"):
         r.config.param_sync_func[0]()
 
 
@@ -311,28 +332,27 @@ def test_longer_step_is_an_error_at_the_first_extra_forward():
     from nemo_fp8_align.core.aligner import StepMismatchError
 
     r = make_rank(pp=2, vp=2, m=2)
-    r.aligner.attach(r.config)
+    r.aligner.attach(r.hold)
     drive_forwards(r, 4)
+    r.chunks[1](torch.ones(1))
     with pytest.raises(StepMismatchError, match="beyond its 4th"):
-        r.chunks[1](torch.ones(1))
+        end_step(r)
 
 
-def test_step_end_check_runs_before_finalize():
+def test_step_end_check_runs_before_the_grad_sync():
     from nemo_fp8_align.core.aligner import StepMismatchError
 
     r = make_rank(pp=2, vp=2, m=4)
-    calls = []
-    r.config.finalize_model_grads_func = lambda *a, **k: calls.append(a)
-    r.aligner.attach(r.config)
+    r.aligner.attach(r.hold)
     drive_forwards(r, 8)
-    r.config.finalize_model_grads_func([])  # complete step: passes through
-    assert len(calls) == 1
+    end_step(r)  # complete step: passes through
+    assert r.chunks[0].grad_syncs == 1
     drive_forwards(r, 6)
     with pytest.raises(StepMismatchError, match="ran 6 forwards"):
-        r.config.finalize_model_grads_func([])
-    assert len(calls) == 1  # refused before finalize's own collectives
+        end_step(r)
+    assert r.chunks[0].grad_syncs == 1  # refused before the gradient collectives
     r.aligner.detach()
-    assert r.config.finalize_model_grads_func is not None and len(calls) == 1
+    assert "finish_grad_sync" not in vars(r.chunks[0])
 
 
 def test_changing_m_is_replanned_per_step():
@@ -341,7 +361,7 @@ def test_changing_m_is_replanned_per_step():
     r.aligner = TransposeAligner(r.chunks, schedule=r.schedule, pp_rank=1, dp_rank=0,
                                  param_sync=r.sync, weights=r.weights, backend=FakeBackend(),
                                  config=AlignConfig(), num_microbatches=lambda: m["value"])
-    r.aligner.attach(r.config)
+    r.aligner.attach(r.hold)
     run_training_step(r)
     m["value"] = 6
     r.schedule = InterleavedSchedule(2, 2, 6)
@@ -359,18 +379,21 @@ def test_inside_cuda_graph_capture_counts_but_refuses_work(monkeypatch):
     import nemo_fp8_align.core.aligner as aligner_mod
 
     r = make_rank(pp=2, vp=2, m=2, rank=0)
-    r.aligner.attach(r.config)
+    r.aligner.attach(r.hold)
     r.config.param_sync_func[0]()
     r.config.param_sync_func[1]()
     monkeypatch.setattr(aligner_mod, "_capturing_cuda_graph", lambda: True)
     r.chunks[0](torch.ones(1))  # forward 0: nothing due (chunk 0 was done at the start)
     r.chunks[0](torch.ones(1))  # forward 1
     assert r.aligner._vmid == 2  # counted, nothing done
-    with pytest.raises(RuntimeError, match="inside a CUDA-graph capture"):
-        r.chunks[1](torch.ones(1))  # forward 2: chunk 1's slot
-    assert not any(w.builds for w in r.weights[1])
-    assert r.aligner._vmid is None  # the step is aborted: the next one starts clean
+    r.chunks[1](torch.ones(1))  # forward 2: chunk 1's slot
+    assert 1 not in r.sync.done  # the plugin did nothing inside the capture (the layer may)
     monkeypatch.setattr(aligner_mod, "_capturing_cuda_graph", lambda: False)
+    r.chunks[1](torch.ones(1))
+    with pytest.raises(RuntimeError, match="inside a CUDA-graph capture"):
+        end_step(r)  # the step is over: the next one starts clean
+    assert r.aligner._vmid is None
+    r.sync.new_step()
     run_training_step(r)
     assert [(x.step, x.chunk) for x in r.aligner.records] == [(1, 0), (1, 1)]  # step 0: none
 
@@ -380,12 +403,13 @@ def test_a_whole_step_inside_a_capture_refuses_at_its_start(monkeypatch):
     import nemo_fp8_align.core.aligner as aligner_mod
 
     r = make_rank(pp=2, vp=2, m=2, rank=1)
-    r.aligner.attach(r.config)
+    r.aligner.attach(r.hold)
     monkeypatch.setattr(aligner_mod, "_capturing_cuda_graph", lambda: True)
     r.config.param_sync_func[0]()
-    with pytest.raises(RuntimeError, match=r"chunks \[0\] are due at the start of step 0"):
-        r.config.param_sync_func[1]()
+    r.config.param_sync_func[1]()
     assert r.sync.done == set() and not any(w.builds for w in r.weights[0])  # nothing ran
+    with pytest.raises(RuntimeError, match=r"chunks \[0\] are due at the start of step 0"):
+        end_step(r)
 
 
 class VerifyingBackend(FakeBackend):
@@ -403,13 +427,13 @@ def test_verify_mode_names_step_chunk_and_weight(policy):
                                  config=AlignConfig(policy=policy, verify_every_n_steps=2))
     for chunk in r.chunks:
         chunk.backend = r.aligner.backend
-    r.aligner.attach(r.config)
+    r.aligner.attach(r.hold)
     run_training_step(r)  # step 0 verified, all good
     r.weights[1][1].corrupt = True
     run_training_step(r)  # step 1 is not a verify step
     with pytest.raises(TransposeVerifyError, match="step 2, pipeline rank 1, model chunk 1, "
                                                    "FP8 weight #1: bytes differ"):
-        run_training_step(r)
+        run_training_step(r)  # raised at the step end
 
 
 def test_verify_every_n_steps_must_be_a_non_negative_int():
@@ -422,7 +446,7 @@ def test_step_without_launches_is_counted_not_misjudged(caplog):
     with gradients. Nothing is built early, nothing recorded, the forwards are counted; the
     next launched step is aligned as usual."""
     r = make_rank(pp=2, vp=2, m=2, rank=1)
-    r.aligner.attach(r.config)
+    r.aligner.attach(r.hold)
     wrapped, r.config.param_sync_func = r.config.param_sync_func, None
     with caplog.at_level(logging.WARNING):
         for v in range(r.schedule.total):
@@ -443,7 +467,7 @@ def test_foreign_module_forwards_are_not_chunk_forwards():
     between the step's launches and its first forward: the count is untouched."""
     r = make_rank(pp=2, vp=2, m=2, rank=1)
     foreign = torch.nn.Linear(1, 1)
-    r.aligner.attach(r.config)
+    r.aligner.attach(r.hold)
     foreign(torch.ones(1))
     run_training_step(r)
     r.config.param_sync_func[0]()
@@ -457,34 +481,38 @@ def test_foreign_module_forwards_are_not_chunk_forwards():
 
 def test_a_second_aligner_on_the_same_chunks_is_refused_until_the_first_detaches():
     r = make_rank(pp=2, vp=2, m=2)
-    assert r.aligner.attach(r.config)
+    assert r.aligner.attach(r.hold)
     original = r.config.param_sync_func
     second = TransposeAligner(r.chunks, schedule=r.schedule, pp_rank=r.rank, dp_rank=0,
                               param_sync=r.sync, weights=r.weights, backend=FakeBackend(),
                               config=AlignConfig())
     with pytest.raises(RuntimeError, match="already has an aligned FP8-transpose engine"):
-        second.attach(r.config)
+        second.attach(McoreChunkHold(r.chunks, r.config))
     assert r.config.param_sync_func is original  # nothing half-done
     assert [len(c._forward_pre_hooks) for c in r.chunks] == [1, 1]
     r.aligner.detach()
-    assert second.attach(r.config)  # free again after the first detached
+    assert second.attach(McoreChunkHold(r.chunks, r.config))  # free after the first detached
     run_training_step(r)
     assert len(second.records) == 2 and r.aligner.records == []
     second.detach()
 
 
-def test_attach_after_an_error_in_wrapping_leaves_the_chunks_free():
+def test_attach_after_an_error_in_the_hold_leaves_the_chunks_free(monkeypatch):
     r = make_rank(pp=2, vp=2, m=2)
-    with pytest.raises(ValueError, match="param_sync_func is None"):
-        r.aligner.attach(model_config(r.schedule.pp, r.schedule.vp))
-    assert r.aligner.attach(r.config)
+    monkeypatch.setattr(McoreChunkHold, "_rebind_bound_list",
+                        lambda self: (_ for _ in ()).throw(OSError("injected")))
+    with pytest.raises(OSError, match="injected"):
+        r.aligner.attach(r.hold)
+    assert not vars(r.chunks[0]).get("start_param_sync")
+    monkeypatch.undo()
+    assert r.aligner.attach(r.hold)
 
 
 def test_telemetry_is_flushed_once_per_step(tmp_path):
     path = tmp_path / "t.jsonl"
     r = make_rank(pp=2, vp=2, m=2, rank=1)
     r.aligner.telemetry = TelemetryWriter(str(path))
-    r.aligner.attach(r.config)
+    r.aligner.attach(r.hold)
     run_training_step(r)
     r.config.param_sync_func[0]()  # the next step starts: the last one's lines are on disk
     assert len(read_records([str(path)])) == 2
@@ -492,35 +520,25 @@ def test_telemetry_is_flushed_once_per_step(tmp_path):
 
 
 def test_functions_replaced_after_attach_raise_instead_of_leaving_the_aligner_blind():
-    """Megatron-LM's train() binds param_sync_func and finalize_model_grads_func right before
-    its loop: an aligner attached earlier would see no step at all, silently."""
+    """A loop binding launch functions that are not the chunks' start_param_sync would leave
+    the aligner blind: refused (at that step's end, on every rank)."""
     from nemo_fp8_align.errors import ScheduleRebindError
 
     r = make_rank(pp=2, vp=2, m=2, rank=1)
-    r.aligner.attach(r.config)
-    r.config.param_sync_func = [r.sync.launcher(c) for c in range(2)]  # rebound, not ours
-    r.config.param_sync_func[0]()
-    r.config.param_sync_func[1]()
-    with pytest.raises(ScheduleRebindError, match="config.param_sync_func was replaced.*"
-                                                  "after 'config.finalize_model_grads_func"):
-        r.chunks[0](torch.ones(1))
-    assert r.aligner.records == [] and r.aligner.unlaunched_forwards == 0
-
-    r = make_rank(pp=2, vp=2, m=2, rank=1)
-    r.config.finalize_model_grads_func = lambda *a: None
-    r.aligner.attach(r.config)
+    r.aligner.attach(r.hold)
     run_training_step(r)
-    theirs = r.config.finalize_model_grads_func = lambda *a: None  # steps would never end
-    with pytest.raises(ScheduleRebindError, match="finalize_model_grads_func was replaced"):
-        r.config.param_sync_func[0]()
+    theirs = r.config.param_sync_func = [r.sync.launcher(c) for c in range(2)]  # not ours
+    r.chunks[0](torch.ones(1))  # launched yet no step opened: the foreign functions are seen
+    with pytest.raises(ScheduleRebindError, match="not the model chunks' start_param_sync"):
+        end_step(r)
+    assert r.aligner.unlaunched_forwards == 0
     r.aligner.detach()  # restores what is still ours, keeps what replaced ours
-    assert r.config.finalize_model_grads_func is theirs
-    assert r.config.param_sync_func[0].__name__ == "launch"
+    assert r.config.param_sync_func is theirs
 
 
 def test_a_forward_only_pass_setting_param_sync_func_to_none_is_not_a_rebind():
     r = make_rank(pp=2, vp=2, m=2, rank=1)
-    r.aligner.attach(r.config)
+    r.aligner.attach(r.hold)
     run_training_step(r)
     ours, r.config.param_sync_func = r.config.param_sync_func, None  # megatron-core, eval
     with torch.no_grad():
@@ -542,24 +560,25 @@ def test_an_unlaunched_step_is_verified_at_every_forward():
                                  config=AlignConfig(verify_every_n_steps=5))
     for chunk in r.chunks:
         chunk.backend = backend
-    r.aligner.attach(r.config)
+    r.aligner.attach(r.hold)
     run_training_step(r)
-    r.aligner.on_step_end()  # megatron-core's finalize_model_grads_func
     r.config.param_sync_func, wrapped = None, r.config.param_sync_func
     r.chunks[0](torch.ones(1))  # all valid and right: passes
     r.weights[0][1].valid, r.weights[0][1].corrupt = True, True  # flagged valid, bytes stale
+    r.chunks[0](torch.ones(1))
     with pytest.raises(TransposeVerifyError, match="model chunk 0, FP8 weight #1"):
-        r.chunks[0](torch.ones(1))
+        end_step(r)
     r.config.param_sync_func = wrapped
 
 
 def test_an_error_inside_a_step_does_not_blame_the_next_step():
     r = make_rank(pp=2, vp=2, m=2, rank=1)
-    r.aligner.attach(r.config)
+    r.aligner.attach(r.hold)
     r.config.param_sync_func[0]()
     r.config.param_sync_func[1]()
+    r.chunks[1](torch.ones(1))  # forward 0 is chunk 0's
     with pytest.raises(StepMismatchError, match="ran model chunk 1"):
-        r.chunks[1](torch.ones(1))  # forward 0 is chunk 0's
+        end_step(r)
     r.sync.new_step()
     run_training_step(r)  # opens cleanly: no "ended after 0 forwards"
     assert [(x.step, x.chunk) for x in r.aligner.records] == [(1, 0), (1, 1)]
@@ -569,7 +588,7 @@ def test_records_of_tensor_parallel_peers_and_of_a_resumed_run_are_not_duplicate
     from nemo_fp8_align.core.telemetry import record_problems
 
     r = make_rank(pp=2, vp=2, m=2, rank=1)
-    r.aligner.attach(r.config)
+    r.aligner.attach(r.hold)
     run_training_step(r)
     mine = [asdict(x) for x in r.aligner.records]
     assert {x["run"] for x in mine} == {r.aligner.run_id} and mine[0]["rank"] == -1
@@ -587,7 +606,7 @@ def test_a_dropped_model_is_collectable(detach):
     import weakref
 
     r = make_rank()
-    assert r.aligner.attach(r.config)
+    assert r.aligner.attach(r.hold)
     run_training_step(r)
     if detach:
         r.aligner.detach()

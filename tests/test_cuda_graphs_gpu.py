@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from nemo_fp8_align.config import AlignConfig
+from nemo_fp8_align.sync.mcore_hold import McoreChunkHold
 from nemo_fp8_align.core.aligner import TransposeAligner
 from nemo_fp8_align.core.schedule import InterleavedSchedule
 from nemo_fp8_align.core.telemetry import record_problems
@@ -36,9 +37,18 @@ PP, VP, M, HIDDEN, TOKENS = 2, 2, 2, 64, 32
 
 
 class Chunk(torch.nn.Module):
+    """A model chunk with a DDP chunk's launch and step-end methods (the aligner's hold)."""
+
     def __init__(self, backend, name):
         super().__init__()
         self.layer = ReferenceFP8Linear(HIDDEN, HIDDEN, backend=backend, name=name)
+        self.launch = lambda: None
+
+    def start_param_sync(self, *unused, force_sync=False, force_dispatch=False):
+        self.launch()
+
+    def finish_grad_sync(self):
+        pass
 
     def forward(self, x):
         return self.layer(x)
@@ -88,12 +98,14 @@ def make_rank(rank, backend=None, seed=0):
     with torch.device("cuda"):
         chunks = [Chunk(backend, f"chunk{c}.weight") for c in range(VP)]
     sync = GatheringSync(chunks)
-    config = SimpleNamespace(param_sync_func=[sync.launcher(c) for c in range(VP)])
+    for c, chunk in enumerate(chunks):
+        chunk.launch = sync.launcher(c)
+    config = SimpleNamespace(param_sync_func=[chunk.start_param_sync for chunk in chunks])
     schedule = InterleavedSchedule(PP, VP, M)
     aligner = TransposeAligner(chunks, schedule=schedule, pp_rank=rank, dp_rank=0,
                                param_sync=sync, weights=[[c.layer.fp8_weight] for c in chunks],
                                backend=backend, config=AlignConfig())
-    aligner.attach(config)
+    aligner.attach(McoreChunkHold(chunks, config))
     return SimpleNamespace(chunks=chunks, sync=sync, config=config, schedule=schedule,
                            aligner=aligner, rank=rank)
 

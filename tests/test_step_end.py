@@ -12,10 +12,13 @@ from test_aligner import make_rank, run_training_step
 
 def with_finalize(**kw):
     r = make_rank(pp=2, vp=2, m=2, rank=1, **kw)
-    r.finalized = []
-    r.config.finalize_model_grads_func = lambda *a, **k: r.finalized.append(a)
-    assert r.aligner.attach(r.config)
+    assert r.aligner.attach(r.hold)
     return r
+
+
+def finalize(r):
+    """megatron-core's finalize_model_grads: chunk 0's finish_grad_sync first."""
+    r.chunks[0].finish_grad_sync()
 
 
 def test_a_wrong_chunk_is_held_for_finalize_and_the_step_finishes_without_the_plugin():
@@ -28,11 +31,10 @@ def test_a_wrong_chunk_is_held_for_finalize_and_the_step_finishes_without_the_pl
     assert r.sync.done == {0}  # chunk 1 left to DDP's own pre-hooks, as with the plugin off
     with pytest.raises(StepMismatchError, match="forward 0 of step 0 on pipeline rank 1 ran "
                                                 "model chunk 1.*either an extra"):
-        r.config.finalize_model_grads_func([])
-    assert r.finalized == []  # every rank stops before finalize's own collectives
+        finalize(r)
+    assert r.chunks[0].grad_syncs == 0  # every rank stops before the gradient collectives
     r.sync.new_step()
-    run_training_step(r)
-    r.config.finalize_model_grads_func([])  # the next step is judged alone: passes
+    run_training_step(r)  # the next step is judged alone: passes (its end included)
     assert [(x.step, x.chunk) for x in r.aligner.records][-2:] == [(1, 0), (1, 1)]
 
 
@@ -46,7 +48,7 @@ def test_a_capture_refusal_is_held_for_finalize(monkeypatch):
     for v in range(r.schedule.total):
         r.chunks[r.schedule.chunk_of(v)](torch.ones(1))
     with pytest.raises(CudaGraphCaptureError, match=r"chunks \[1\] are due at forward 1"):
-        r.config.finalize_model_grads_func([])
+        finalize(r)
 
 
 def test_a_short_step_says_what_differed():
@@ -57,17 +59,21 @@ def test_a_short_step_says_what_differed():
         r.chunks[r.schedule.chunk_of(v)](torch.ones(1))
     with pytest.raises(StepMismatchError, match="ran 3 forwards.*not a whole number of "
                                                 "microbatches"):
-        r.config.finalize_model_grads_func([])
+        finalize(r)
 
 
-def test_without_a_step_end_the_error_is_raised_where_found():
-    """No finalize_model_grads_func to wrap: no point every rank reaches, so no holding."""
+def test_without_a_step_end_the_error_is_raised_at_the_next_steps_first_launch():
+    """A loop that never calls finalize_model_grads: the next step's first launch (before any
+    pipeline communication, the same point on every rank) ends the step instead. Never raised
+    inside the schedule, where the peers would block in their receives."""
     r = make_rank(pp=2, vp=2, m=2, rank=1)
-    r.aligner.attach(r.config)
+    r.aligner.attach(r.hold)
     r.config.param_sync_func[0]()
     r.config.param_sync_func[1]()
+    r.chunks[1](torch.ones(1))  # held
     with pytest.raises(StepMismatchError, match="ran model chunk 1"):
-        r.chunks[1](torch.ones(1))
+        r.config.param_sync_func[0]()
+    r.aligner.on_step_end()  # nothing held any more
 
 
 def test_a_caller_ending_steps_itself_gets_the_error_at_on_step_end():

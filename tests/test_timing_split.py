@@ -68,13 +68,13 @@ def test_records_time_the_wait_apart_from_a_build_inside_finish():
     clock = Clock()
     r = make_rank(pp=2, vp=2, m=2, rank=1)
     groups = [BucketGroup(clock, ws) for ws in r.weights]
-    launches = [g.start_param_sync for g in groups]
-    r.config.param_sync_func = [lambda *_, f=f: f() for f in launches]
+    for chunk, group in zip(r.chunks, groups):
+        chunk._launch = group.start_param_sync
     r.aligner = TransposeAligner(r.chunks, schedule=r.schedule, pp_rank=1, dp_rank=0,
                                  param_sync=McoreParamSync([DDPChunk(g) for g in groups]),
                                  weights=r.weights, backend=r.aligner.backend,
                                  config=AlignConfig(), clock=clock)
-    r.aligner.attach(r.config)
+    r.aligner.attach(r.hold)
     run_training_step(r)
     assert len(r.aligner.records) == 2
     for rec in r.aligner.records:

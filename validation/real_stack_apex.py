@@ -96,6 +96,7 @@ def run_policy(o: mcore.Opts, policy: str, out_dir: str, rank: int, run_index: i
     from nemo_fp8_align.core.telemetry import record_problems
     from nemo_fp8_align.backends.te import TEBackend
     from nemo_fp8_align.sync.apex import ApexParamSync
+    from nemo_fp8_align.sync.apex_hold import ApexHold
 
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     dp_rank = parallel_state.get_data_parallel_rank()
@@ -112,7 +113,6 @@ def run_policy(o: mcore.Opts, policy: str, out_dir: str, rank: int, run_index: i
     copies = CopyWatch(opt)
     config.no_sync_func = partial(opt.no_sync, greedy_grad_copy=True)
     config.grad_sync_func = opt.try_grad_sync
-    config.param_sync_func = opt._try_start_bucket_param_sync  # NeMo's sync_overlap_parameters
     config.finalize_model_grads_func = None
     sync = ApexParamSync(opt, chunk_params)
     align = AlignConfig(policy=Policy(policy),
@@ -121,7 +121,9 @@ def run_policy(o: mcore.Opts, policy: str, out_dir: str, rank: int, run_index: i
         chunks, schedule=schedule_for(config, pp=o.pp, vp=o.vp, num_microbatches=o.microbatches),
         pp_rank=pp_rank, dp_rank=dp_rank, param_sync=sync, weights=weights, backend=backend,
         config=align, telemetry=telemetry_writer(align.telemetry_path))
-    aligner.attach(config)
+    hold = ApexHold(chunks)  # NeMo's path: launches reported by its sync_overlap_parameters
+    aligner.attach(hold)
+    config.param_sync_func = hold.wrap(opt._try_start_bucket_param_sync)  # NeMo binds this
     watch = common.TransposeWatch()
     for c, ws in enumerate(weights):
         watch.watch(c, ws, prefix="")

@@ -18,28 +18,19 @@ __all__ = ["watch_te_builds"]
 
 def watch_te_builds(backend: Any, on_built: Callable[[Any], None]) -> Callable[[], None]:
     """Call ``on_built(tensor)`` after every TE build of a Float8Tensor transpose; returns the
-    undo (restores the class's method and the backend's kernel builder)."""
+    undo (removes this observer from the class's method, restores the backend's kernel builder).
+    The class method is patched through the process-wide dispatcher
+    (:mod:`~nemo_fp8_align.core.class_patch`): observers of several aligners detach in any order."""
+    from nemo_fp8_align.core.class_patch import observe_method
+
     cls = backend.float8_cls
     name = "_create_transpose" if backend.generation.startswith("2.") else "transpose_2d"
-    original = getattr(cls, name, None)
-    own = name in cls.__dict__  # else inherited (a subclass of TE's class): deleted on undo
     undos: List[Callable[[], None]] = []
-    if original is not None:
-        def build(self: Any, *args: Any, **kwargs: Any) -> Any:
-            out = original(self, *args, **kwargs)
-            if backend.has_valid_transpose(self):
-                on_built(self)
-            return out
-        setattr(cls, name, build)
-
-        def restore() -> None:
-            if cls.__dict__.get(name) is not build:  # an aligner attached later wrapped ours
-                return
-            if own:
-                setattr(cls, name, original)
-            else:
-                delattr(cls, name)
-        undos.append(restore)
+    if getattr(cls, name, None) is not None:
+        def built(tensor: Any, args: tuple, kwargs: dict, before: Any, out: Any) -> None:
+            if backend.has_valid_transpose(tensor):
+                on_built(tensor)
+        undos.append(observe_method(cls, name, built).remove)
     kernel = backend._build_with_kernel
 
     def build_with_kernel(stale: List[Any]) -> None:

@@ -11,16 +11,18 @@ trigger finishes c's all-gather and builds its transposes:
 * chunk c >= 1 before forward ``v = T_c - r`` on rank r (slot T_c on every rank), which on
   ranks r > 0 falls inside chunk c-1's forwards.
 
-A step ends at megatron-core's ``finalize_model_grads_func`` (wrapped when the model config is
-given; NeMo calls :meth:`TransposeAligner.on_step_end`). An error found inside a step is kept,
-the rest of the step runs without the plugin, and every rank raises at the step end
-(:mod:`nemo_fp8_align.core.step_end`). ``num_microbatches`` may be a function, asked at each
-step's start, so a step of another size is re-planned instead of misaligned.
+The aligner hears launches and step ends through one :class:`~nemo_fp8_align.core.hold.ScheduleHold`
+(megatron-core DDP chunks, or NeMo's Apex path). A step ends where the hold says (megatron-core's
+``finalize_model_grads``) or where the caller calls :meth:`TransposeAligner.on_step_end` (NeMo);
+a step whose end was never heard is ended at the next step's first launch, the same point on every
+rank. An error found inside a step, or a rank-local failure (telemetry I/O, a step-end listener),
+is kept, the rest of the step runs without the plugin, and every rank of the model raises at the
+step end (:mod:`nemo_fp8_align.core.step_end`). ``num_microbatches`` may be a function, asked at
+each step's start, so a step of another size is re-planned instead of misaligned.
 
 Policy ``lazy`` only observes where transposes get built (first use), for A/B runs. Hooks are
-handles; attach/detach are idempotent. Inside a CUDA-graph capture no transpose is ever built.
-On megatron-core < 0.18, transposes are also rebuilt after a forced all-gather (in either
-policy: :mod:`nemo_fp8_align.sync.forced_sync`).
+handles; attach/detach are idempotent and attach is all-or-nothing. Inside a CUDA-graph capture
+no transpose is ever built.
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ import torch
 from nemo_fp8_align.config import AlignConfig, Policy
 from nemo_fp8_align.core import claims
 from nemo_fp8_align import errors
-from nemo_fp8_align.core.chunk_wrap import schedule_wrap
 from nemo_fp8_align.core.gpu_spans import GpuSpans
+from nemo_fp8_align.core.hold import Listener, ScheduleHold, run_listeners
 from nemo_fp8_align.core.observe import RecordExtras
 from nemo_fp8_align.core.param_sync import ChunkParamSync
 from nemo_fp8_align.errors import StepMismatchError, TransposeVerifyError
@@ -46,7 +48,6 @@ from nemo_fp8_align.core.schedule import AT_START, InterleavedSchedule
 from nemo_fp8_align.core.step_end import agree
 from nemo_fp8_align.core.telemetry import TelemetryWriter, TransposeRecord
 from nemo_fp8_align.backends.protocol import FP8TransposeBackend
-from nemo_fp8_align.sync.forced_sync import ForcedSyncWatch, watch_forced_syncs
 
 __all__ = ["ChunkParamSync", "StepMismatchError", "TransposeAligner", "TransposeVerifyError"]
 
@@ -78,7 +79,9 @@ class TransposeAligner:
         clock: timestamps; ``time.monotonic`` is one clock for every process of a host.
         num_microbatches: optional function giving the coming step's M (megatron-core's
             ``get_num_microbatches``), asked at each step's start (re-planned when it changed).
-        error_group: the ranks that stop together on an error found in a step (None: all).
+        error_group: the ranks that stop together on an error found in a step: every rank of
+            the model (None: the job's default group; see
+            :func:`~nemo_fp8_align.integrations.groups.model_group`).
     """
 
     def __init__(self, model_chunks: Sequence[torch.nn.Module], *, schedule: InterleavedSchedule,
@@ -111,11 +114,16 @@ class TransposeAligner:
         self._num_microbatches = num_microbatches
         self._error_group = error_group
         self._failure: Optional[Exception] = None  # this rank's first error of the open step
+        self._deferred: List[Exception] = []  # rank-local failures after an agreement: the next
         self._spans = GpuSpans(enabled=torch.cuda.is_available())  # GPU times at the step end
         self._extras = RecordExtras(dp_size)  # shape, sizes and (telemetry on) observed builds
         self._plan(schedule)
         self._handles: List[Any] = []
-        self._wrap: Any = None  # ConfigWrap or ChunkWrap, set by attach(model_config)
+        self._hold: Optional[ScheduleHold] = None  # set by attach(hold)
+        #: Called after each step end's agreement passed, at the same point on every rank
+        #: (e.g. a logger gathering the step's records); a listener's error reaches the next
+        #: step end's agreement.
+        self.step_end_listeners: List[Listener] = []
         self._step = -1
         self._vmid: Optional[int] = None  # forwards run in the open training step; None: closed
         self._done: set = set()  # chunks handled (aligned) or observed (lazy) this step
@@ -126,7 +134,6 @@ class TransposeAligner:
         self.unlaunched_forwards = 0
         self._unlaunched: set = set()
         self.step_number: Optional[Callable[[], int]] = None  # e.g. Megatron-LM's iteration
-        self.forced_syncs: Optional[ForcedSyncWatch] = None  # set by attach where needed
 
     def _plan(self, schedule: InterleavedSchedule) -> None:
         self.schedule = schedule
@@ -136,13 +143,18 @@ class TransposeAligner:
 
     attached = property(lambda self: bool(self._handles))
 
-    def attach(self, model_config: Any = None, *, rebinding_loop: bool = False) -> bool:
-        """Register the hooks (idempotent). Returns whether the engine is active.
+    @property
+    def forced_syncs(self) -> Any:
+        """The hold's forced-all-gather watch (megatron-core < 0.18), or None."""
+        return getattr(self._hold, "forced_syncs", None)
 
-        With ``model_config`` (megatron-core's ``TransformerConfig`` the schedule reads), its
-        ``param_sync_func`` entries and ``finalize_model_grads_func`` are wrapped (the chunks'
-        methods with ``rebinding_loop``); callers that re-bind those every step (NeMo) call
-        :meth:`on_param_sync_launched` and :meth:`on_step_end` themselves instead.
+    def attach(self, hold: Optional[ScheduleHold] = None) -> bool:
+        """Register the hooks and install ``hold`` (idempotent). Returns whether the engine is
+        active. All or nothing: if any stage raises, what the earlier ones did is undone.
+
+        Without a hold the caller reports launches (:meth:`on_param_sync_launched`) and step
+        ends (:meth:`on_step_end`) itself; with one whose ``owns_step_end`` is False, the step
+        ends.
         """
         if self.attached or not self.config.active:
             return self.attached
@@ -150,50 +162,61 @@ class TransposeAligner:
         if not needed:
             logger.info("nemo_fp8_align: inactive, no FP8 transpose to align: %s", reason)
             return False
-        claims.claim(self.chunks, self)  # refuses before anything is wrapped
-        if model_config is not None:
-            try:
-                self._wrap = schedule_wrap(self, model_config, rebinding_loop)
-            except Exception:
-                claims.release(self.chunks, self)
-                raise
-        # megatron-core < 0.18 leaves transposes stale after a forced all-gather: rebuilt then.
-        self.forced_syncs = watch_forced_syncs(self.param_sync, self.weights, self.backend)
-        for chunk, module in enumerate(self.chunks):
-            self._handles.append(module.register_forward_pre_hook(
-                partial(self._pre_forward, chunk), prepend=True))
-            self._handles.append(module.register_forward_hook(partial(self._post_forward, chunk)))
-        return self._extras.attach(self)  # True; with telemetry on, builds are observed too
+        claims.claim(self.chunks, self)  # refuses before anything is installed
+        try:
+            if hold is not None:
+                self._hold = hold
+                hold.install(self.on_param_sync_launched, self.on_step_end)
+            for chunk, module in enumerate(self.chunks):
+                self._handles.append(module.register_forward_pre_hook(
+                    partial(self._pre_forward, chunk), prepend=True))
+                self._handles.append(module.register_forward_hook(
+                    partial(self._post_forward, chunk)))
+            self._extras.attach(self)  # with telemetry on, builds are observed too
+        except BaseException:
+            self._undo_attach()
+            raise
+        return True
 
-    def detach(self) -> None:
-        """Remove every hook and restore the wrapped config functions (idempotent)."""
+    def _undo_attach(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        if self.forced_syncs is not None:
-            self.forced_syncs.remove()
-        self._extras.detach()
-        claims.release(self.chunks, self)
-        if self._wrap is not None:
-            self._wrap.restore()
-            self._wrap = None
-        self._vmid, self._failure = None, None
-        self._flush()
-        if self.telemetry is not None:
-            self.telemetry.close()
+        try:
+            self._extras.detach()
+        finally:
+            claims.release(self.chunks, self)
+            if self._hold is not None:
+                self._hold.restore()
+                self._hold = None
+
+    def detach(self) -> None:
+        """Remove every hook, undo the hold, flush and close the telemetry (idempotent). A
+        failure still held (no step end followed it) is logged: nothing is left to agree with."""
+        held = ([self._failure] if self._failure is not None else []) + self._deferred
+        self._undo_attach()
+        self._vmid, self._failure, self._deferred = None, None, []
+        try:
+            self._flush()
+        finally:
+            if self.telemetry is not None:
+                self.telemetry.close()
+        for err in held:
+            logger.error("nemo_fp8_align: detached with an error no step end reported: %s", err)
 
     def on_param_sync_launched(self, chunk: int) -> None:
         """The schedule has just launched ``chunk``'s all-gather.
 
-        Chunk 0's launch opens a training step (forward-only passes launch nothing); after
-        chunk 1's launch, both pre-loop calls are done and no pipeline communication has
+        Chunk 0's launch opens a training step (forward-only passes launch nothing); a step
+        still open then had no step end heard: it ends here, the same point on every rank.
+        After chunk 1's launch, both pre-loop calls are done and no pipeline communication has
         happened yet: the slot-0 chunks (chunk 0) are handled here on every rank.
         """
-        if self.attached:
-            if chunk == 0 and self._failure is not None:  # its step ended unseen: raise now
-                failure, self._failure = self._failure, None
-                raise failure
-            self._aborting_on_error(self._on_launch, chunk)
+        if not self.attached:
+            return
+        if chunk == 0 and self._vmid is not None:
+            self.on_step_end()
+        self._aborting_on_error(self._on_launch, chunk)
 
     def _on_launch(self, chunk: int) -> None:
         if chunk == 0:
@@ -212,12 +235,9 @@ class TransposeAligner:
         try:
             fn(*args)
         except Exception as err:
-            # The step is over for the aligner (the next one starts clean). Raised here, inside
-            # the schedule, it would leave the other ranks blocked in p2p: kept for the step end
-            # every rank reaches (the wrapped finalize, or a caller's on_step_end) if there is one.
-            self._vmid, self._pending = None, {}
-            if self._wrap is not None and not self._wrap.ends_steps():
-                raise
+            # Raised here, inside the schedule, it would leave the other ranks blocked in p2p:
+            # kept for the step end every rank reaches, and the step's plan dropped.
+            self._pending = {}
             self._failure = err
             logger.error("%s -- the rest of the step runs without nemo_fp8_align (transposes "
                          "built at first use); every rank stops at its end", err)
@@ -230,45 +250,49 @@ class TransposeAligner:
         self._step = step - 1
 
     def on_step_end(self) -> None:
-        """The step's forwards and backwards are over (megatron-core's finalize_model_grads_func;
-        every rank calls it once per training step). Raises on every rank if any rank found an
-        error in the step (e.g. :class:`StepMismatchError`: another number of forwards ran)."""
+        """The step's forwards and backwards are over (every rank of the model calls it once
+        per training step, at the same point). Raises on every rank if any rank found an error
+        in the step (e.g. :class:`StepMismatchError`: another number of forwards ran) or held
+        a rank-local failure since the last step end. Then the telemetry is written and the
+        listeners run; their failures are held for the next step end."""
         if not self.attached:
             return
         failure, self._failure = self._failure, None
+        deferred, self._deferred = self._deferred, []
         if self._vmid is not None:
             ran, self._vmid = self._vmid, None
-            self._flush()
             if failure is None and (ran != self.schedule.total or self._pending):
                 failure = errors.step_mismatch(self._step, self.pp_rank, self.schedule, ran, (
                     f"ran {ran} forwards" + (f", chunks {sorted(self._pending)} never ran"
                                              if self._pending else "")))
-        agree(failure, group=self._error_group, label=f"rank {self.rank} (pipeline rank "
-              f"{self.pp_rank}, data-parallel rank {self.dp_rank}, step {self._step})")
+        self._pending = {}
+        agree(failure or (deferred[0] if deferred else None), group=self._error_group,
+              label=f"rank {self.rank} (pipeline rank {self.pp_rank}, data-parallel rank "
+                    f"{self.dp_rank}, step {self._step})")
+        try:
+            self._flush()  # after the agreement: its I/O can fail on one rank alone
+        except Exception as err:
+            self._deferred.append(err)
+        self._deferred += run_listeners(self.step_end_listeners)
 
     def _open_step(self) -> None:
-        self._flush()  # the last step's records, if nothing ended it
-        if self._wrap is not None:
-            self._wrap.check()
-        if self._vmid is not None and self._vmid != self.schedule.total:
-            ran, self._vmid = self._vmid, None
-            self._mismatch(ran, f"ended after {ran} forwards")
+        self._vmid = 0  # open (before anything can fail): a failure ends it at the step end
+        self._done, self._pending, self._observing, self._launched = set(), {}, {}, {}
+        if self._hold is not None:
+            self._hold.check()
         if self._num_microbatches is not None:
             m = int(self._num_microbatches())
             if m != self.schedule.microbatches:  # raises ScheduleError for a shape mcore rejects
                 self._plan(dataclasses.replace(self.schedule, microbatches=m))
         self._step = self.step_number() if self.step_number is not None else self._step + 1
-        self._vmid = 0
-        self._done, self._pending, self._observing, self._launched = set(), {}, {}, {}
 
     def _mismatch(self, ran: int, what: str) -> None:
         raise errors.step_mismatch(self._step, self.pp_rank, self.schedule, ran, what)
 
     def _training_forward(self) -> bool:
-        if self._vmid is None or not torch.is_grad_enabled():
+        if self._vmid is None:
             return False
-        # megatron-core sets param_sync_func to None for the length of a forward-only pass.
-        return self._wrap is None or self._wrap.config.param_sync_func is not None
+        return self._hold.training() if self._hold is not None else torch.is_grad_enabled()
 
     def _pre_forward(self, chunk: int, module: torch.nn.Module, args: Any) -> None:
         self._aborting_on_error(
@@ -302,10 +326,10 @@ class TransposeAligner:
     def _note_unlaunched(self, chunk: int) -> None:
         """A forward with gradients but no open step (Megatron-LM's first iteration after a
         load: pre-hooks off, ``param_sync_func=None``): built at first use, counted, reported."""
-        if self._vmid is not None or self._wrap is None or not torch.is_grad_enabled():
+        if self._vmid is not None or self._hold is None or not torch.is_grad_enabled():
             return
-        if self._wrap.config.param_sync_func is not None:  # launching, yet no step opened:
-            self._wrap.check()  # the schedule may be calling functions that are not ours
+        if self._hold.training():  # launching, yet no step opened:
+            self._hold.check()  # the schedule may be calling functions the hold does not see
             return
         self._unlaunched.add(chunk)
         if self.unlaunched_forwards == 0:

@@ -50,36 +50,34 @@ class BuildObserver:
         self.started = self.ended = 0
         self.builds: Dict[int, List[Position]] = {}
         self._handles = []
-        for module in chunks:
-            inner = getattr(module, "module", module)
-            self._handles.append(inner.register_forward_pre_hook(self._started))
-            self._handles.append(inner.register_forward_hook(self._ended))
-        watch = getattr(backend, "watch_builds", None)
-        self._undo = watch(self._built) if watch is not None else self._wrap_build()
+        self._undo: Callable[[], None] = lambda: None
+        try:
+            for module in chunks:
+                inner = getattr(module, "module", module)
+                self._handles.append(inner.register_forward_pre_hook(self._started))
+                self._handles.append(inner.register_forward_hook(self._ended))
+            watch = getattr(backend, "watch_builds", None)
+            self._undo = watch(self._built) if watch is not None else self._wrap_build()
+        except BaseException:
+            self.close()  # nothing left behind
+            raise
 
     def _wrap_build(self) -> Callable[[], None]:
-        """Wrap ``build_transposes`` on the backend's class: layers may hold their own backend
-        instance (a NeMo model's FP8 layers do); builds of other chunks' weights are ignored."""
-        cls = type(self._backend)
-        original = getattr(cls, "build_transposes")
-        own = "build_transposes" in cls.__dict__
+        """Observe ``build_transposes`` on the backend's class: layers may hold their own backend
+        instance (a NeMo model's FP8 layers do); builds of other chunks' weights are ignored.
+        Through the process-wide dispatcher (:mod:`~nemo_fp8_align.core.class_patch`)."""
+        from nemo_fp8_align.core.class_patch import observe_method
 
-        def build_transposes(backend: Any, weights: Sequence[Any]) -> int:
-            stale = [w for w in weights if not backend.has_valid_transpose(w)]
-            built = original(backend, weights)
-            for w in stale:
+        def stale(backend: Any, args: tuple, kwargs: dict) -> List[Any]:
+            weights = args[0] if args else kwargs.get("weights", ())
+            weights = list(weights)
+            return [w for w in weights if not backend.has_valid_transpose(w)]
+
+        def built(backend: Any, args: tuple, kwargs: dict, before: List[Any], out: Any) -> None:
+            for w in before:
                 if backend.has_valid_transpose(w):
                     self._built(w)
-            return built
-        cls.build_transposes = build_transposes
-
-        def undo() -> None:
-            if cls.__dict__.get("build_transposes") is build_transposes:  # not wrapped again
-                if own:
-                    cls.build_transposes = original
-                else:
-                    delattr(cls, "build_transposes")
-        return undo
+        return observe_method(type(self._backend), "build_transposes", built, before=stale).remove
 
     def _in_step(self) -> bool:
         if self._step_of is not None:

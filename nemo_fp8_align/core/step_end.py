@@ -15,13 +15,14 @@ rank, once per step (the invariant "no new collectives" is about the schedule's 
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+import contextlib
+from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
 
 from nemo_fp8_align import errors
 
-__all__ = ["agree", "combined_error"]
+__all__ = ["agree", "agreed", "combined_error"]
 
 Report = Optional[Tuple[str, str, str]]  # (rank label, error class name, message)
 
@@ -74,3 +75,16 @@ def combined_error(own: Optional[BaseException], label: str,
         return cls(message)
     except TypeError:  # an exception class with another constructor: keep the text
         return RuntimeError(message)
+
+
+@contextlib.contextmanager
+def agreed(*, label: str, group: Any = None) -> Iterator[None]:
+    """Run the body on every rank of ``group``, then agree on its outcome: an exception on any
+    rank raises on every rank (startup checks that can fail on one rank alone: a telemetry
+    path, an import, a claim). One small collective, at the same point on every rank."""
+    try:
+        yield
+    except Exception as err:
+        agree(err, label=label, group=group)
+        raise  # single process: agree re-raised it already
+    agree(None, label=label, group=group)

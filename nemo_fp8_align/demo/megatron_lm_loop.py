@@ -225,7 +225,7 @@ def _train(opts: Any, phase: Dict[str, Any], telemetry_path: Optional[str]) -> D
 
 def _written(aligner: Any) -> List[dict]:
     """The metrics the plugin handed to Megatron-LM's writers (its step-end listener's log)."""
-    return aligner._wrap.step_end_listeners[0].func.written if aligner.attached else []
+    return aligner.step_end_listeners[0].func.written if aligner.attached else []
 
 
 def _load_states(fn: Any) -> Any:

@@ -139,8 +139,7 @@ class PipelineRun:
         self.aligner = align_fp8_transposes(
             self.chunks, num_microbatches=opts.microbatches, backend=self.backend,
             weights_of=lambda chunk: chunk.module.fp8_weights(), config=self.config,
-            align_config=AlignConfig(policy=opts.policy, telemetry_path=telemetry_path),
-            rebinding_loop=opts.rebinding_loop)
+            align_config=AlignConfig(policy=opts.policy, telemetry_path=telemetry_path))
         if opts.rebinding_loop:
             bind_schedule_funcs(self.config, self.chunks)
         self._fwd_bwd = get_forward_backward_func()

@@ -24,7 +24,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["ParallelRanks", "data_parallel", "pipeline_group", "resolve_ranks"]
+__all__ = ["ParallelRanks", "data_parallel", "model_group", "pipeline_group", "resolve_ranks"]
 
 
 @dataclass(frozen=True)
@@ -134,3 +134,40 @@ def pipeline_group(chunks: Sequence[Any] = (), pg_collection: Any = None) -> Any
         return None
     return parallel_state.get_pipeline_model_parallel_group() \
         if parallel_state.model_parallel_is_initialized() else None
+
+
+#: The groups a model's ranks exchange data in: an error on one must stop all of them.
+_MODEL_FIELDS = (("pp", "pp_group"), ("tp", "tp_group"), ("cp", "cp_group"),
+                 ("dp_cp", "dp_cp_group"), ("dp", "dp_group"))
+
+
+def model_group(chunks: Sequence[Any] = (), pg_collection: Any = None) -> Any:
+    """The process group spanning every rank of this rank's model: where the step-end
+    agreement runs, so that an error on one rank stops exactly the ranks that would otherwise
+    block on it. None (the job's default group) without a ``pg_collection``, or when the model
+    spans the whole job.
+
+    With explicit groups the model's ranks are the closure of this rank's pipeline,
+    tensor-, context- and data-parallel groups: each round gathers the ranks known so far over
+    each group (the same collectives, in the same order, on every rank of the model), and as
+    many rounds as groups reach every rank of a product layout. Then a group of those ranks is
+    created among them alone.
+    """
+    if pg_collection is None:
+        return None
+    dist = torch.distributed
+    groups = []
+    for pg_field, chunk_field in _MODEL_FIELDS:
+        group, _ = _explicit(chunks, pg_collection, pg_field, chunk_field)
+        if group is not None and all(group is not g for g in groups):
+            groups.append(group)
+    known = {dist.get_rank()}
+    for _ in groups:
+        for group in groups:
+            gathered: List[Any] = [None] * dist.get_world_size(group=group)
+            dist.all_gather_object(gathered, sorted(known), group=group)
+            known.update(r for ranks in gathered for r in ranks)
+    if len(known) == dist.get_world_size():
+        return None
+    # Only the model's ranks call this (another model of the job may be elsewhere).
+    return dist.new_group(sorted(known), use_local_synchronization=True)

@@ -68,49 +68,100 @@ def telemetry_writer(path: Optional[str]) -> Optional[TelemetryWriter]:
     return TelemetryWriter(path.replace("{rank}", str(rank)))
 
 
+def default_backend(align_config: AlignConfig) -> FP8TransposeBackend:
+    """Transformer Engine's backend as ``align_config`` asks for it (``use_triton_kernel``,
+    ``te_kernel_writes_transpose``); an ImportError with the install hint without TE."""
+    from nemo_fp8_align.backends.te import make_backend
+
+    return make_backend(align_config)
+
+
+_DERIVED: Any = object()
+
+
 def align_fp8_transposes(
     model: Sequence[torch.nn.Module], *, num_microbatches: Union[int, Callable[[], int]],
-    backend: FP8TransposeBackend,
-    weights_of: Callable[[torch.nn.Module], List[Any]], config: Any = None,
+    backend: Optional[FP8TransposeBackend] = None,
+    weights_of: Optional[Callable[[torch.nn.Module], List[Any]]] = None, config: Any = None,
     align_config: AlignConfig = AlignConfig(), pp_rank: Optional[int] = None,
-    dp_rank: Optional[int] = None, rebinding_loop: bool = False, pg_collection: Any = None,
+    dp_rank: Optional[int] = None, pg_collection: Any = None, error_group: Any = _DERIVED,
 ) -> TransposeAligner:
     """Attach the aligned FP8-transpose engine to megatron-core DDP model chunks.
+
+    Every rank of the model calls it at the same point: its startup checks end in one
+    agreement, so a check failing on one rank (an unwritable telemetry path, say) raises on
+    every rank, and no rank is left attached.
 
     Args:
         model: this rank's DDP-wrapped model chunks, in schedule order.
         num_microbatches: microbatches per training step (M); must be the value the schedule
             gets, or the aligner stops with an error at the first mismatching forward.
-        backend: the FP8 backend owning the chunks' FP8 weights.
-        weights_of: returns the FP8 weights of one chunk (e.g. its Float8Tensor parameters).
+        backend: the FP8 backend owning the chunks' FP8 weights (None: Transformer Engine's,
+            built from ``align_config``).
+        weights_of: returns the FP8 weights of one chunk (None: the backend's ``weights_of``).
         config: the ``TransformerConfig`` the schedule reads; defaults to ``model[0].config``.
         align_config: policy and telemetry settings.
         pp_rank, dp_rank: default to the model's groups (below).
-        rebinding_loop: the training loop binds ``config.param_sync_func`` itself, after this
-            call and again after a load (Megatron-LM, Megatron-Bridge): hook the chunks'
-            ``start_param_sync`` instead of the config (see
-            :mod:`nemo_fp8_align.integrations.megatron_lm`).
         pg_collection: the ``ProcessGroupCollection`` the model and schedule were built with
             (megatron-core >= 0.14); None: the chunks' own DDP groups, else ``parallel_state``
             (:mod:`nemo_fp8_align.integrations.groups`).
-    """
-    from nemo_fp8_align.integrations.groups import resolve_ranks
+        error_group: the ranks that stop together when one finds an error (default: every rank
+            of the model, :func:`~nemo_fp8_align.integrations.groups.model_group`).
 
-    config = config if config is not None else model[0].config
-    refuse_unsupported(Setup(config=config, chunks=model))
-    check_telemetry_path(align_config.telemetry_path)
-    ranks = resolve_ranks(model, pg_collection)
-    pp_rank = ranks.pp_rank if pp_rank is None else pp_rank
-    dp_rank = ranks.dp_rank if dp_rank is None else dp_rank
-    m_now = num_microbatches() if callable(num_microbatches) else num_microbatches
-    schedule = schedule_for(config, pp=ranks.pp_size,
-                            vp=len(model), num_microbatches=m_now)
-    aligner = TransposeAligner(
-        model, schedule=schedule, pp_rank=pp_rank, dp_rank=dp_rank,
-        param_sync=McoreParamSync(model), weights=[weights_of(chunk) for chunk in model],
-        backend=backend, config=align_config,
-        telemetry=telemetry_writer(align_config.telemetry_path),
-        num_microbatches=num_microbatches if callable(num_microbatches) else None,
-        dp_size=ranks.dp_size)
-    aligner.attach(config, rebinding_loop=rebinding_loop)
+    The engine hears the schedule through the chunks (:class:`~nemo_fp8_align.sync.mcore_hold.
+    McoreChunkHold`): each chunk's ``start_param_sync`` and chunk 0's ``finish_grad_sync``, so a
+    loop may bind ``config.param_sync_func = [chunk.start_param_sync for chunk in model]`` before
+    or after this call, and re-bind it (Megatron-LM's ``train()``, Megatron-Bridge, NeMo).
+    """
+    from nemo_fp8_align.core.step_end import agreed
+    from nemo_fp8_align.integrations.groups import model_group, resolve_ranks
+    from nemo_fp8_align.sync.mcore_hold import McoreChunkHold
+
+    group = model_group(model, pg_collection) if error_group is _DERIVED else error_group
+    aligner: Optional[TransposeAligner] = None
+    try:
+        with agreed(label=f"rank {_global_rank()} (attaching nemo_fp8_align)", group=group):
+            config = config if config is not None else model[0].config
+            refuse_unsupported(Setup(config=config, chunks=model))
+            check_telemetry_path(align_config.telemetry_path)
+            if not align_config.active:
+                backend = backend or _InactiveBackend()
+            backend = backend if backend is not None else default_backend(align_config)
+            weights_of = weights_of or backend.weights_of
+            ranks = resolve_ranks(model, pg_collection)
+            m_now = num_microbatches() if callable(num_microbatches) else num_microbatches
+            schedule = schedule_for(config, pp=ranks.pp_size, vp=len(model),
+                                    num_microbatches=m_now)
+            weights = [weights_of(chunk) for chunk in model]
+            param_sync = McoreParamSync(model)
+            aligner = TransposeAligner(
+                model, schedule=schedule,
+                pp_rank=ranks.pp_rank if pp_rank is None else pp_rank,
+                dp_rank=ranks.dp_rank if dp_rank is None else dp_rank,
+                param_sync=param_sync, weights=weights, backend=backend, config=align_config,
+                telemetry=telemetry_writer(align_config.telemetry_path),
+                num_microbatches=num_microbatches if callable(num_microbatches) else None,
+                error_group=group, dp_size=ranks.dp_size)
+            aligner.attach(McoreChunkHold(model, config,
+                                          forced_sync=(param_sync, weights, backend)))
+    except BaseException:
+        if aligner is not None:
+            aligner.detach()
+        raise
     return aligner
+
+
+def _global_rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+class _InactiveBackend:
+    """The plugin is off (``align_config``): nothing is transposed, nothing imported."""
+
+    name = "inactive"
+
+    def weights_of(self, chunk: Any) -> List[Any]:
+        return []
+
+    def transpose_needed(self) -> tuple:
+        return False, "the plugin is off"

@@ -51,12 +51,12 @@ def attach(model: Sequence[Any], *, backend: Any = None,
            weights_of: Optional[Callable[[Any], List[Any]]] = None,
            align_config: AlignConfig = AlignConfig(), args: Any = None,
            log_metrics: bool = True, step_number: Optional[Callable[[], int]] = None,
-           pg_collection: Any = None) -> Any:
+           pg_collection: Any = None, error_group: Any = None) -> Any:
     """Attach the aligner to Megatron-LM's DDP model chunks; returns it.
 
     Args:
         model: the DDP-wrapped chunks (what ``setup_model_and_optimizer`` returns).
-        backend: the FP8 backend (default: Transformer Engine's, from the model config).
+        backend: the FP8 backend (default: Transformer Engine's, built from ``align_config``).
         weights_of: a chunk's FP8 weights (default: the backend's ``weights_of``).
         align_config: policy and telemetry.
         args: Megatron-LM's arguments to check (default ``megatron.training.get_args()``;
@@ -65,6 +65,8 @@ def attach(model: Sequence[Any], *, backend: Any = None,
         step_number: numbers each step's records (default: Megatron-LM's iteration).
         pg_collection: the ``ProcessGroupCollection`` the model was built with (None: the
             chunks' own groups, else ``parallel_state``; :mod:`~.groups`).
+        error_group: the ranks that stop together on an error (None: every rank of the model,
+            derived from ``pg_collection``).
     """
     import torch
 
@@ -77,24 +79,20 @@ def attach(model: Sequence[Any], *, backend: Any = None,
     if args is not None and align_config.active:
         check_args(args, torch.distributed.get_world_size()
                    if torch.distributed.is_initialized() else None)
-    config = get_model_config(model[0])
-    if backend is None:
-        from nemo_fp8_align.backends.te import make_backend
-
-        backend = make_backend(config)
+    extra = {} if error_group is None else {"error_group": error_group}
     aligner = align_fp8_transposes(
         list(model), num_microbatches=get_num_microbatches, backend=backend,
-        weights_of=weights_of or backend.weights_of, config=config,
-        align_config=align_config, rebinding_loop=True, pg_collection=pg_collection)
+        weights_of=weights_of, config=get_model_config(model[0]), align_config=align_config,
+        pg_collection=pg_collection, **extra)
     if step_number is not None:
         aligner.step_number = step_number
     elif _megatron_args() is not None:  # numbered by Megatron-LM's iteration (resumes go on)
         aligner.step_number = _current_iteration
-    if log_metrics and aligner.attached:  # the chunk hooks' step end (core/chunk_wrap.py)
+    if log_metrics and aligner.attached:  # after each step end's agreement, on every rank
         from nemo_fp8_align.integrations.groups import pipeline_group
 
         writer = WriterMetrics(args, group=pipeline_group(model, pg_collection))
-        aligner._wrap.step_end_listeners.append(partial(writer, aligner))
+        aligner.step_end_listeners.append(partial(writer, aligner))
     return aligner
 
 

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from typing import Any, List, Optional, Sequence, Tuple
 
+import torch
+
 __all__ = ["ForcedSyncWatch", "param_of", "post_processes_forced_sync", "watch_forced_syncs"]
 
 _ABSENT = object()
@@ -96,7 +98,8 @@ class ForcedSyncWatch:
                 # at the aligned slot or at first use anyway (TE without manual processing).
                 flagged = [w for w in weights if self.backend.has_valid_transpose(w)]
                 if flagged:
-                    self.rebuilt += self.backend.rebuild_transposes(flagged)
+                    with torch.no_grad():  # an evaluation's caller may have autograd on
+                        self.rebuilt += self.backend.rebuild_transposes(flagged)
             return out
 
         group.start_param_sync = start_param_sync

@@ -84,10 +84,14 @@ def startup_check(cfg: Any, trainer: Any = None, *,
 
 def check_telemetry_path(path: Optional[str]) -> None:
     """:func:`nemo_fp8_align.integrations.megatron_core.check_telemetry_path`, naming the NeMo
-    setting."""
+    setting; every rank calls it (Lightning's setup), and a path that fails on one rank raises
+    on every rank (:func:`~nemo_fp8_align.core.step_end.agreed`)."""
+    from nemo_fp8_align.core.step_end import agreed
     from nemo_fp8_align.integrations.megatron_core import check_telemetry_path as check
 
-    check(path, key="model.fp8_transpose_align.telemetry_path")
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    with agreed(label=f"rank {rank} (checking model.fp8_transpose_align.telemetry_path)"):
+        check(path, key="model.fp8_transpose_align.telemetry_path")
 
 
 def _data_parallel_size(cfg: Any, trainer: Any) -> Optional[int]:

@@ -8,11 +8,14 @@ everything that touches NeMo at run time is here, once:
   bucket check after it (:mod:`.bucket_workaround`);
 * :meth:`~NeMoSession.attach`: the rank's aligner built for the model (:mod:`.build`), its hooks
   registered, one log line (global rank 0);
-* the training step (:meth:`~NeMoSession.fwd_bwd_step`): NeMo re-binds ``config.param_sync_func``
-  inside every ``fwd_bwd_step``, so the config cannot be wrapped. Instead, for the length of the
-  *training* ``fwd_bwd_step`` only, the launches NeMo binds report to the aligner: each chunk's
-  ``start_param_sync`` is shadowed (megatron-core DDP), and ``sync_overlap_parameters`` reports
-  (Apex, :meth:`~NeMoSession.sync_overlap_parameters`). Forward-only passes report nothing;
+* the launches: NeMo re-binds ``config.param_sync_func`` inside every ``fwd_bwd_step``, from the
+  chunks' ``start_param_sync`` (megatron-core DDP: the aligner's
+  :class:`~nemo_fp8_align.sync.mcore_hold.McoreChunkHold` wraps them on the instances, as for
+  every megatron-core loop) or from its own ``sync_overlap_parameters`` (Apex:
+  :meth:`~NeMoSession.sync_overlap_parameters` reports to an
+  :class:`~nemo_fp8_align.sync.apex_hold.ApexHold`). Validation runs without gradients and
+  launches nothing (:func:`~nemo_fp8_align.core.hold.is_launch`);
+* the training step (:meth:`~NeMoSession.fwd_bwd_step`): closed when it returns;
 * :meth:`~NeMoSession.log_metrics` after each training batch (each step once, :mod:`.metrics`);
 * :meth:`~NeMoSession.close`: hooks, chunk claim and every shadow removed; idempotent, and run
   on every error raised through the session, because Lightning runs no LightningModule
@@ -35,19 +38,17 @@ a launch wrapper behind for the next batch to stack a second one on.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from functools import partial
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, List, Optional
 
 from nemo_fp8_align.config import AlignConfig
 from nemo_fp8_align.integrations.nemo.bucket_workaround import (check_buckets,
                                                                shared_embedding_bucket_workaround)
-from nemo_fp8_align.integrations.nemo.build import (FP8Weights, build_aligner, first_param_index,
-                                                   model_chunks)
+from nemo_fp8_align.integrations.nemo.build import FP8Weights, build_aligner, model_chunks
 from nemo_fp8_align.integrations.nemo.metrics import last_step_records, log_step_metrics
 
-__all__ = ["NeMoSession", "check_log_every_n_steps", "schedule_launch"]
+__all__ = ["NeMoSession", "check_log_every_n_steps"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,20 +61,6 @@ def check_log_every_n_steps(value: Optional[int], *, setting: str) -> Optional[i
         raise ValueError(f"{setting}={value!r}: expected an int >= 1 (or None: the trainer's "
                          "log_every_n_steps)")
     return value
-
-
-def schedule_launch(aligner: Any, chunk: int, launch: Any) -> Any:
-    """``launch`` (a megatron-core DDP chunk's ``start_param_sync``) that tells the aligner when
-    the *schedule* calls it: the schedule passes the chunk's parameters positionally
-    (``param_sync_func[c](model[c].parameters())``); megatron-core's other callers (the optimizer
-    step with ``overlap_param_gather_with_optimizer_step``, ``disable_forward_pre_hook``) pass
-    keywords only and are not a step's launches."""
-    def start_param_sync(*args: Any, **kwargs: Any) -> Any:
-        out = launch(*args, **kwargs)
-        if args:
-            aligner.on_param_sync_launched(chunk)
-        return out
-    return start_param_sync
 
 
 class _Shadows:
@@ -119,9 +106,9 @@ class NeMoSession:
         self.entry = entry
         #: The rank's :class:`~nemo_fp8_align.core.aligner.TransposeAligner` while attached.
         self.aligner: Any = None
-        #: True for the length of a training ``fwd_bwd_step``: launches report only then.
+        #: True for the length of a training ``fwd_bwd_step``.
         self.in_training_step = False
-        self._first_param: Dict[int, int] = {}
+        self._hold: Any = None  # the aligner's hold on NeMo's schedule, while attached
         self._logged_step = -1
         self._stepped = False  # a training fwd_bwd_step ran since the last batch end
         self._warned_no_step = False
@@ -158,14 +145,21 @@ class NeMoSession:
         """Build and attach the rank's aligner (idempotent); returns whether it is active."""
         if self.aligner is not None:
             return self.aligner.attached
+        from nemo_fp8_align.core.step_end import agreed
+
+        aligner = None
         try:
-            aligner = build_aligner(self.module, self.config, weights=self.weights)
-            if not aligner.attach():
-                return False
-            self.aligner = aligner
-            self._first_param = first_param_index(model_chunks(self.module))
+            # Every rank attaches here; a failure on one (its telemetry path, say) stops all.
+            with agreed(label=f"rank {_global_rank()} (attaching nemo_fp8_align, {self.entry})"):
+                aligner = build_aligner(self.module, self.config, weights=self.weights)
+                hold = _hold_for(self.module, aligner)
+                if not aligner.attach(hold):
+                    return False
+            self.aligner, self._hold = aligner, hold
             self._announce(aligner)
         except BaseException:
+            if aligner is not None:
+                aligner.detach()  # a half-attached aligner leaves nothing behind
             self.close()
             raise
         return True
@@ -199,8 +193,11 @@ class NeMoSession:
         try:
             # Telemetry steps follow global_step (also after a resume from a checkpoint).
             aligner.set_next_step(self.module.trainer.global_step)
-            with self._reporting_launches(aligner):
+            self.in_training_step = True
+            try:
                 out = run(dataloader_iter, forward_only, first_val_step)
+            finally:
+                self.in_training_step = False
             aligner.on_step_end()  # every planned forward ran: judged before the optimizer step
         except BaseException:
             self.close()
@@ -208,32 +205,15 @@ class NeMoSession:
         self._stepped = True
         return out
 
-    @contextlib.contextmanager
-    def _reporting_launches(self, aligner: Any) -> Iterator[None]:
-        launches = _Shadows()
-        self.in_training_step = True
-        try:
-            if getattr(self.module, "use_mcore_dist_optim", False):
-                # NeMo builds param_sync_func from these attributes inside fwd_bwd_step.
-                for c, chunk in enumerate(model_chunks(self.module)):
-                    launches.set(chunk, "start_param_sync",
-                                 schedule_launch(aligner, c, chunk.start_param_sync))
-            yield
-        finally:
-            self.in_training_step = False
-            launches.restore()
-
     def sync_overlap_parameters(self, run: Callable[[Any], Any], params: Any = None) -> None:
         """``run`` (NeMo's Apex ``sync_overlap_parameters``); inside a training step, the
         chunk whose parameters were passed is reported as launched."""
-        aligner = self.aligner
-        if params is None or aligner is None or not self.in_training_step:
+        hold = self._hold
+        if params is None or hold is None or not hasattr(hold, "launched"):
             return run(params)
         params = list(params)  # the schedule passes a generator: read it once
         run(params)
-        chunk = self._first_param.get(id(params[0])) if params else None
-        if chunk is not None:
-            aligner.on_param_sync_launched(chunk)
+        hold.launched(params)
         return None
 
     def log_metrics(self, trainer: Any) -> List[Any]:
@@ -268,10 +248,30 @@ class NeMoSession:
     # ------------------------------------------------------------------ end
     def close(self) -> None:
         """Remove the aligner's hooks and chunk claim and every shadow (idempotent)."""
-        aligner, self.aligner = self.aligner, None
+        aligner, self.aligner, self._hold = self.aligner, None, None
         self.in_training_step = False
         try:
             self._shadows.restore()
         finally:
             if aligner is not None:
                 aligner.detach()
+
+
+def _global_rank() -> int:
+    import torch
+
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _hold_for(module: Any, aligner: Any) -> Any:
+    """The aligner's hold on NeMo's schedule: the DDP chunks (megatron-core's optimizer) or
+    Apex's parameter syncs; NeMo closes each step itself (:meth:`NeMoSession.fwd_bwd_step`)."""
+    chunks = model_chunks(module)
+    if getattr(module, "use_mcore_dist_optim", False):
+        from nemo_fp8_align.sync.mcore_hold import McoreChunkHold
+
+        return McoreChunkHold(chunks, None, owns_step_end=False,
+                              forced_sync=(aligner.param_sync, aligner.weights, aligner.backend))
+    from nemo_fp8_align.sync.apex_hold import ApexHold
+
+    return ApexHold(chunks)

@@ -1,0 +1,68 @@
+"""The aligner's one hold on the training schedule, whatever loop runs it.
+
+The aligner must hear two things from the loop: each model chunk's parameter all-gather launch
+(the schedule's ``param_sync_func`` calls: chunk 0's opens a training step) and the step's end
+(every forward and backward ran, before the gradient collectives). A :class:`ScheduleHold` is
+how it hears them; there are two:
+
+* :class:`~nemo_fp8_align.sync.mcore_hold.McoreChunkHold`: megatron-core DDP chunks, for every
+  megatron-core loop (Megatron-LM's ``train()``, Megatron-Bridge, NeMo's mcore optimizer,
+  ``align_fp8_transposes`` in a user's loop);
+* :class:`~nemo_fp8_align.sync.apex_hold.ApexHold`: NeMo's Apex ``DistributedFusedAdam`` path.
+
+One definition of "a launch" (:func:`is_launch`): the schedule's call, i.e. not forced (a
+synchronous all-gather before an evaluation or a save, or the optimizer's dispatch) and made
+with gradients enabled (evaluation and validation loops run under ``no_grad``/inference mode).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Mapping, Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["Listener", "ScheduleHold", "is_launch"]
+
+#: Called once per step after the step-end agreement passed, at the same point on every rank.
+Listener = Callable[[], None]
+
+
+def is_launch(kwargs: Mapping[str, Any]) -> bool:
+    """Whether a ``start_param_sync`` call with keyword arguments ``kwargs`` is the schedule's
+    launch of a training step (megatron-core's forced callers pass their flags by keyword)."""
+    forced = kwargs.get("force_sync", False) or kwargs.get("force_dispatch", False)
+    return not forced and torch.is_grad_enabled()
+
+
+@runtime_checkable
+class ScheduleHold(Protocol):
+    """What the aligner needs from a training loop's schedule; installed by
+    :meth:`~nemo_fp8_align.core.aligner.TransposeAligner.attach`, undone by :meth:`restore`."""
+
+    #: Whether the hold reports the step end itself (else the caller calls ``on_step_end``).
+    owns_step_end: bool
+
+    def install(self, on_launch: Callable[[int], None], on_end: Callable[[], None]) -> None:
+        """Start reporting launches (``on_launch(chunk)``) and, if :attr:`owns_step_end`, the
+        step end (``on_end()``). Leaves nothing behind when it raises."""
+
+    def training(self) -> bool:
+        """Whether a forward running now belongs to a training step (not forward-only)."""
+
+    def check(self) -> None:
+        """Raise :class:`~nemo_fp8_align.errors.ScheduleRebindError` if the schedule would call
+        launch functions the hold does not see."""
+
+    def restore(self) -> None:
+        """Undo :meth:`install` (idempotent)."""
+
+
+def run_listeners(listeners: List[Listener]) -> List[BaseException]:
+    """Run every listener; return their errors (each listener runs whatever the others did)."""
+    errors: List[BaseException] = []
+    for listener in listeners:
+        try:
+            listener()
+        except Exception as err:  # rank-local (I/O): held for the next agreement
+            errors.append(err)
+    return errors
