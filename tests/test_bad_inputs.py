@@ -146,3 +146,14 @@ def test_as_real_subprocesses(argv):
                          text=True, timeout=120, cwd=Path(__file__).parent.parent)
     assert run.returncode == 2, run.stderr
     _one_line_error(run.stderr)
+
+
+def test_demo_fault_without_the_fault_module_is_one_line_exit_2(monkeypatch, capsys):
+    """As from an installed wheel, which leaves fault injection out (tests/test_layout.py runs
+    the wheel itself): the flag is refused before anything starts, naming it a test tool."""
+    monkeypatch.setitem(sys.modules, "nemo_fp8_align.demo.faults", None)  # import fails
+    assert main(["demo", "--fault", "mismatch_on_one_rank"]) == 2
+    err = capsys.readouterr().err
+    _one_line_error(err)
+    assert "--fault mismatch_on_one_rank: fault injection is a test tool that runs from a " \
+           "source checkout" in err

@@ -1,9 +1,10 @@
 """The house rules of the layout, checked on the tree: no import cycle between the project's
-modules (the package, validation/, benchmarks/), no package file over 400 lines, and no test
-scaffolding in the installed wheel."""
+modules (the package, validation/, benchmarks/), no package file over 400 lines, and a wheel
+that holds exactly the runtime package (an allow-list: no test scaffolding, no fault injection)."""
 
 import ast
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -103,17 +104,63 @@ def test_package_files_are_small():
     assert long == {}
 
 
-@pytest.mark.slow
-def test_the_wheel_holds_no_test_scaffolding(tmp_path):
+#: The allow-list of the wheel: the package's directories whose modules ship (a new directory
+#: ships only once it is named here), and the test tools inside the package that do not.
+WHEEL_DIRS = ("", "backends", "cli", "config_check", "config_check/rules", "core", "demo",
+              "integrations", "integrations/nemo", "kernels", "nemo", "planner", "sync")
+TEST_TOOLS = ("demo/faults",)
+DIST_INFO = ("METADATA", "WHEEL", "RECORD", "entry_points.txt", "top_level.txt")
+
+
+def _allowed_wheel_files(version: str) -> Set[str]:
+    """Every runtime module of the checkout (``*.py`` directly in a :data:`WHEEL_DIRS`
+    directory, none under :data:`TEST_TOOLS`) and the wheel's own metadata."""
+    modules = {f"{PACKAGE}/{d + '/' if d else ''}{p.name}"
+               for d in WHEEL_DIRS for p in (ROOT / PACKAGE / d).glob("*.py")}
+    return modules | {f"{PACKAGE}-{version}.dist-info/{n}" for n in DIST_INFO}
+
+
+def _build_wheel(out: Path) -> Path:
+    """The wheel of a clean copy of the sources: an in-tree build would also pack whatever a
+    stale ``build/`` or ``*.egg-info`` left there."""
+    src = out / "src"
+    shutil.copytree(ROOT / PACKAGE, src / PACKAGE,
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                    "-q", "-w", str(tmp_path), str(ROOT)], check=True,
+                    "-q", "-w", str(out), str(src)], check=True,
                    env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
-    (wheel,) = tmp_path.glob("*.whl")
-    names = zipfile.ZipFile(wheel).namelist()
-    assert any(n == f"{PACKAGE}/core/aligner.py" for n in names)
-    top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
-    assert top == {PACKAGE}, top
-    scaffolding = [n for n in names if any(s in n for s in (
-        "cpu_nemo", "dist_checkpoint", "host_staging", "standins", "run_nemo_cpu",
-        "reference_fp8_layers", "/testing/", "/compat/"))]
-    assert scaffolding == []
+    (wheel,) = out.glob("*.whl")
+    return wheel
+
+
+@pytest.mark.slow
+def test_the_wheel_holds_exactly_the_runtime_package(tmp_path):
+    """Allow-list: the wheel's files are the runtime modules and the metadata, nothing else (no
+    tests/support scaffolding, no fault injection), and every runtime module is there."""
+    wheel = _build_wheel(tmp_path)
+    names = set(zipfile.ZipFile(wheel).namelist())
+    version = wheel.name.split("-")[1]
+    allowed = _allowed_wheel_files(version)
+    assert f"{PACKAGE}/core/aligner.py" in allowed
+    assert not any(n.startswith(f"{PACKAGE}/{t}") for t in TEST_TOOLS for n in allowed)
+    assert sorted(names - allowed) == [], "shipped but not allowed"
+    assert sorted(allowed - names) == [], "runtime modules missing from the wheel"
+
+
+@pytest.mark.slow
+def test_demo_fault_from_the_wheel_says_it_is_a_test_tool(tmp_path):
+    """The installed package has no fault injection: ``demo --fault`` exits 2 saying it runs
+    from a source checkout (the checkout's own package is not on the path here)."""
+    site = tmp_path / "site"
+    zipfile.ZipFile(_build_wheel(tmp_path)).extractall(site)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = subprocess.run([sys.executable, "-m", PACKAGE, "demo", "--fault",
+                          "mismatch_on_one_rank"], cwd=site, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 2, (run.stdout, run.stderr)
+    assert "fault injection is a test tool that runs from a source checkout" in run.stderr
+    where = subprocess.run([sys.executable, "-c", f"import {PACKAGE}; print({PACKAGE}.__file__)"],
+                           cwd=site, env=env, capture_output=True, text=True, check=True)
+    assert where.stdout.strip() == str(site / PACKAGE / "__init__.py")

@@ -37,8 +37,9 @@ def add_demo_parser(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--telemetry", metavar="PATH", default=None,
                    help="write one JSON line per (step, pp_rank, dp_rank, chunk) here")
     p.add_argument("--fault", metavar="NAME", default=None,
-                   help="inject a named fault in every rank (nemo_fp8_align/demo/faults.py), "
-                   "e.g. mismatch_on_one_rank: the last rank runs an extra chunk forward in step "
+                   help="a test tool, from a source checkout only (nemo_fp8_align/demo/faults/ "
+                   "is not in the wheel): inject a named fault in every rank, e.g. "
+                   "mismatch_on_one_rank: the last rank runs an extra chunk forward in step "
                    "1; the demo then exits 1 with every rank's message")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                    help="process-group timeout (default: torch's 30 minutes)")
@@ -90,9 +91,15 @@ def demo_input_problem(args: argparse.Namespace) -> Optional[str]:
         return (f"--microbatches {m}: {m} mod N = {m % group} (N = "
                 f"{'--group-size' if n is not None else '--pp'} = {group}) is between 0 and "
                 f"--pp = {pp}, which megatron-core rejects; pass --microbatches {fixed}")
-    if getattr(args, "fault", None) is not None and args.fault not in _fault_names():
-        return (f"--fault {args.fault}: not a known fault; pass one of "
-                + ", ".join(_fault_names()))
+    fault = getattr(args, "fault", None)
+    if fault is not None:
+        names = _fault_names()
+        if names is None:
+            return (f"--fault {fault}: fault injection is a test tool that runs from a source "
+                    "checkout (nemo_fp8_align/demo/faults/ is not in the installed wheel); run "
+                    "the demo from a checkout (pip install -e .), or leave --fault out")
+        if fault not in names:
+            return f"--fault {fault}: not a known fault; pass one of " + ", ".join(names)
     timeout = getattr(args, "timeout", None)
     if timeout is not None and not timeout > 0:
         return f"--timeout {timeout}: must be a number of seconds > 0; pass e.g. --timeout 60"
@@ -115,9 +122,14 @@ def _mcore_post_processes() -> bool:
     return hasattr(param_and_grad_buffer, "post_all_gather_processing")
 
 
-def _fault_names() -> list:
-    from nemo_fp8_align.demo.faults import FAULTS, HARMLESS, RANK_ERRORS  # torch only
-
+def _fault_names() -> Optional[list]:
+    """The named faults, or None where they are absent (an installed wheel leaves them out)."""
+    try:
+        from nemo_fp8_align.demo.faults import FAULTS, HARMLESS, RANK_ERRORS  # torch only
+    except ModuleNotFoundError as err:
+        if err.name != "nemo_fp8_align.demo.faults":
+            raise
+        return None
     return sorted({**FAULTS, **HARMLESS, **RANK_ERRORS})
 
 

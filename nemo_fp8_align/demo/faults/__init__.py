@@ -1,5 +1,8 @@
 """Named faults for proving that the checks can fail (mutation testing of the engine).
 
+A test tool, not part of the installed package: ``pyproject.toml`` leaves this sub-package out
+of the wheel, so ``demo --fault`` runs from a source checkout (or an editable install of one).
+
 Each fault patches one thing the alignment claims rest on, in the process that calls
 :func:`inject` (the demo's spawned ranks do it when ``DemoOptions.fault`` is set), and returns an
 undo. ``tests/test_faults.py`` runs the demo under each fault and requires the demo's verdict
