@@ -7,7 +7,7 @@ that no rule failed inside the check and that nothing raised.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import pytest
 from omegaconf import OmegaConf

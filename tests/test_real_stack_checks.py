@@ -1,8 +1,6 @@
 """The judges of the real-stack harness (validation/real_stack_common.py), on synthetic evidence: what
 the H200 runs report as PASS must be able to fail."""
 
-import os
-import sys
 
 from validation import real_stack_common as common  # noqa: E402
 

@@ -1,9 +1,7 @@
 """validation/strip_fatbin.py (used to bring Transformer Engine's core library to the H200 in one
 transfer): on a synthetic fatbin, only the kept SM's payload survives, byte offsets stay."""
 
-import os
 import struct
-import sys
 
 import pytest
 

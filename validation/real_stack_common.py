@@ -20,7 +20,7 @@ import os
 import socket
 import time
 from collections import defaultdict
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Sequence
 
 import torch
 

@@ -45,15 +45,15 @@ from __future__ import annotations
 
 import difflib
 import typing
-from typing import Any, Callable, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Iterable, List, Mapping, Optional, Tuple
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from nemo_fp8_align.config import AlignConfig, Policy
 from nemo_fp8_align.config_check.context import CheckContext
-from nemo_fp8_align.config_check.reader import (ABSENT, UNRESOLVED, Reader, Violation, hydra_value,
-                                               show_value, with_typo_hints)
+from nemo_fp8_align.config_check.reader import (ABSENT, UNRESOLVED, Reader, Violation, show_value,
+                                               with_typo_hints)
 from nemo_fp8_align.config_check.resolvers import upstream_resolvers
 from nemo_fp8_align.config_check.rules import RULES, Rule
 from nemo_fp8_align.config_check.rules.fp8 import PER_TENSOR_RECIPES, SUPPORTED_OPTIMIZERS

@@ -320,13 +320,6 @@ def multi_transpose(sources: Sequence[torch.Tensor], outputs: Sequence[torch.Ten
         _run(table, meta, addr_t, base, n_tiles, has_bytes, cfg, _sm_count(device))
 
 
-def _launch(sources, outputs, cfg: KernelConfig) -> None:
-    """Launch without the availability check (the CPU interpreter tests use it)."""
-    table, meta, addr_t, base, n_tiles, device, _keep, has_bytes = _prepare(sources, outputs, cfg)
-    if n_tiles:
-        _run(table, meta, addr_t, base, n_tiles, has_bytes, cfg, 4)
-
-
 _SM_COUNT = {}
 
 

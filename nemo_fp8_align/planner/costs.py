@@ -56,10 +56,6 @@ class ModelShape:
         ffn = self.moe_ffn if self.experts and self.moe_ffn else self.ffn
         return (3 if self.gated_mlp else 2) * self.hidden * ffn
 
-    def weights_per_layer(self) -> int:
-        """FP8 GEMM weights of one dense transformer layer (all tensor-parallel ranks together)."""
-        return self.attention_weights() + self.mlp_weights()
-
 
 #: Public architecture numbers (GPT-3 paper; Llama 2 / Llama 3 model cards).
 MODELS: Dict[str, ModelShape] = {
