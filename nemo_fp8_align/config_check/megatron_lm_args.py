@@ -10,8 +10,9 @@ violation's key and fix back into the flag a Megatron-LM user sets::
     megatron_lm_violations(parse_megatron_lm_argv(sys.argv[1:]), world_size=8)
 
 What NeMo needs and Megatron-LM does not (``megatron_amp_O2``, a half ``trainer.precision``) is
-filled in so those rules hold; what only Megatron-LM has (whole-iteration CUDA graphs, FSDP
-instead of DDP) is checked here. Nothing here imports megatron-core.
+filled in so those rules hold; what only Megatron-LM has (FSDP instead of DDP) is checked here.
+The refusal table's rows (whole-step CUDA graphs, the combined 1F1B schedule) run on the flags
+of the same names. Nothing here imports megatron-core.
 """
 
 from __future__ import annotations
@@ -80,6 +81,11 @@ FLAGS: Dict[str, Flag] = {
     "microbatch_group_size_per_vp_stage": Flag(
         "microbatch_group_size_per_vp_stage",
         "--microbatch-group-size-per-virtual-pipeline-stage", VALUE, None),
+    # Rows of the refusal table (integrations/refusals.py), which the check runs on these.
+    "cuda_graph_impl": Flag("cuda_graph_impl", "--cuda-graph-impl", VALUE, "none"),
+    "overlap_moe_expert_parallel_comm": Flag("overlap_moe_expert_parallel_comm",
+                                             "--overlap-moe-expert-parallel-comm", STORE_TRUE,
+                                             False),
 }
 
 #: Arguments read to derive a rule's value (not one-to-one), with Megatron-LM's defaults.
@@ -91,7 +97,6 @@ _DERIVED: Dict[str, Flag] = {f.dest: f for f in (
     Flag("fp8", "--fp8-format", VALUE, None),
     Flag("transformer_impl", "--transformer-impl", VALUE, "transformer_engine"),
     Flag("use_distributed_optimizer", "--use-distributed-optimizer", STORE_TRUE, False),
-    Flag("cuda_graph_impl", "--cuda-graph-impl", VALUE, "none"),
     Flag("use_megatron_fsdp", "--use-megatron-fsdp", STORE_TRUE, False),
     Flag("use_torch_fsdp2", "--use-torch-fsdp2", STORE_TRUE, False),
 )}
@@ -201,10 +206,6 @@ def megatron_lm_violations(args: Mapping[str, Any], world_size: Optional[int] = 
 
 def _megatron_lm_only(args: Mapping[str, Any]) -> List[Violation]:
     out = []
-    if args.get("cuda_graph_impl") == "full_iteration":
-        out.append(Violation("--cuda-graph-impl", "full_iteration", "per-layer CUDA graphs or "
-                             "none (a whole captured step runs no hook of the plugin)",
-                             "--cuda-graph-impl transformer_engine, or leave it out"))
     if args.get("overlap_param_gather_with_optimizer_step"):
         # The chunk-level attachment opens a step at the schedule's launch of chunk 0, which
         # the optimizer step dispatches instead here (force_dispatch): not run in this mode.

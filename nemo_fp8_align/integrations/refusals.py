@@ -6,6 +6,11 @@ and names every row that fired at once. Each row says which megatron-core versio
 setting; on the others the row reads nothing (``getattr`` with a default) and never fires.
 ``tests/test_refusals.py`` builds megatron-core's own config classes for every row on every
 version in CI.
+
+The startup check (``nemo-fp8-align check``) runs the same rows on NeMo's model config, which
+NeMo passes through to ``TransformerConfig`` under the same names
+(``config_check/rules/refused.py``), and so on Megatron-LM's flags: this table is the one place
+a refusal is written.
 """
 
 from __future__ import annotations
@@ -37,6 +42,13 @@ class Refusal:
     value: Callable[[Setup], Any]  #: the offending value, or None when the row does not fire
     why: str
     fix: str
+    #: The value the startup check's fix sets ``model.<field>`` to in NeMo's config.
+    nemo_fix: Any
+
+    @property
+    def field(self) -> str:
+        """The ``TransformerConfig`` field, also the key of NeMo's model config."""
+        return self.setting.rpartition(".")[2]
 
     def message(self, value: Any) -> str:
         return f"{self.setting}={value!r}: {self.why}. Fix: {self.fix}."
@@ -70,19 +82,20 @@ REFUSALS = (
     Refusal("whole_step_graphs_scope", "TransformerConfig.cuda_graph_scope", "<= 0.17 (0.16.1, 0.17.1 read)",
             _whole_step_scope, "full_iteration captures whole training steps; " + _REPLAY,
             "per-layer CUDA graphs (cuda_graph_scope without full_iteration), or do not attach "
-            "the plugin (policy=off)"),
+            "the plugin (policy=off)", "full"),
     Refusal("whole_step_graphs_impl", "TransformerConfig.cuda_graph_impl",
             ">= 0.18 (0.18.2, 0.19.2 read)",
             _whole_step_impl, "whole-step CUDA graphs (megatron-core >= 0.18 moves "
             "cuda_graph_scope=full_iteration here in TransformerConfig.__post_init__); "
             + _REPLAY, "cuda_graph_impl='local' or 'transformer_engine' (per-layer graphs), "
-            "or do not attach the plugin (policy=off)"),
+            "or do not attach the plugin (policy=off)", "transformer_engine"),
     Refusal("combined_1f1b", "TransformerConfig.overlap_moe_expert_parallel_comm",
             "0.16.1 to 0.19.2 read; not in 0.12.3",
             _combined_1f1b, "the combined 1F1B schedule runs the chunks' layers through its own "
             "schedule plan, so the model chunk's __call__ and the plugin's forward pre-hooks "
             "never run: no step could be counted or aligned",
-            "overlap_moe_expert_parallel_comm=False, or do not attach the plugin (policy=off)"),
+            "overlap_moe_expert_parallel_comm=False, or do not attach the plugin (policy=off)",
+            False),
 )
 
 

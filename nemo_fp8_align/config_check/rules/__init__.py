@@ -26,7 +26,7 @@ RULES: Tuple[Rule, ...] = (
     fp8.rule_transformer_engine, fp8.rule_fp8_enabled, fp8.rule_fp8_params,
     parallel.rule_megatron_amp_o2, fp8.rule_fp8_format, fp8.rule_fp8_recipe,
     fp8.rule_transpose_cache, fp8.rule_bf16_edge_layers, fp8.rule_apex_current_scaling,
-    fp8.rule_gather_with_optimizer, refused.rule_combined_1f1b, refused.rule_whole_step_graphs,
+    fp8.rule_gather_with_optimizer, refused.rule_refusals,
     fp8.rule_optimizer_name, fp8.rule_overlap_param_sync, fp8.rule_overlap_grad_sync,
     fp8.rule_align_param_gather, parallel.rule_expert_parallel, parallel.rule_precision,
     model.rule_cuda_graph,

@@ -1,33 +1,45 @@
-"""Settings megatron-core has and the plugin refuses at attach (the table in
-``nemo_fp8_align/integrations/refusals.py``), read from NeMo's model config, which NeMo passes
-through to ``TransformerConfig``."""
+"""Settings megatron-core has and the plugin refuses at attach, read from NeMo's model config,
+which NeMo passes through to ``TransformerConfig`` under the same names.
+
+No rule is written here: every row of the one table,
+:data:`nemo_fp8_align.integrations.refusals.REFUSALS`, runs on the model config as it runs on
+``TransformerConfig`` at attach (the row reads ``model.<field>`` where it reads the config's
+attribute), and reports the row's reason and fix."""
 
 from __future__ import annotations
 
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
 from nemo_fp8_align.config_check.context import CheckContext
+from nemo_fp8_align.config_check.reader import ABSENT, UNRESOLVED, Reader
+from nemo_fp8_align.integrations.refusals import REFUSALS, Setup
 
-__all__ = ["rule_combined_1f1b", "rule_whole_step_graphs"]
-
-
-def rule_combined_1f1b(ctx: CheckContext) -> None:
-    """``overlap_moe_expert_parallel_comm`` (megatron-core >= 0.16 read): the combined 1F1B
-    schedule never calls the model chunk, so the plugin's hooks never run."""
-    key = "overlap_moe_expert_parallel_comm"
-    if ctx.model.bool_or_default(key, False, "whether the combined 1F1B schedule runs"):
-        ctx.model.add(key, True, "False (the combined 1F1B schedule runs the layers through its "
-                      "own schedule plan: the model chunk's forward hooks, which the plugin "
-                      "counts and aligns by, never run)", False)
+__all__ = ["rule_refusals"]
 
 
-def rule_whole_step_graphs(ctx: CheckContext) -> None:
-    """Whole-step CUDA graphs: ``cuda_graph_impl=full_iteration`` (megatron-core >= 0.18) or
-    ``full_iteration`` in ``cuda_graph_scope`` (<= 0.17): replays run no Python hook."""
-    if ctx.model.get("cuda_graph_impl") == "full_iteration":
-        ctx.model.add("cuda_graph_impl", "full_iteration", "local or transformer_engine "
-                      "(per-layer graphs; a whole-step replay runs none of the plugin's hooks)",
-                      "transformer_engine")
-    scope = ctx.model.get("cuda_graph_scope")
-    names = list(scope) if hasattr(scope, "__iter__") and not isinstance(scope, str) else [scope]
-    if "full_iteration" in names:
-        ctx.model.add("cuda_graph_scope", scope, "a per-layer scope without full_iteration (a "
-                      "whole-step replay runs none of the plugin's hooks)", "full")
+class _ModelConfig:
+    """The model config as a row reads ``TransformerConfig``: ``getattr(config, field,
+    default)``. A missing or unreadable key is a missing attribute (the row's default); lists
+    and mappings are plain Python, as in ``TransformerConfig``."""
+
+    def __init__(self, model: Reader) -> None:
+        self._model = model
+
+    def __getattr__(self, name: str) -> Any:
+        value = self._model.get(name)
+        if value is ABSENT or value is UNRESOLVED:
+            raise AttributeError(name)
+        if isinstance(value, (DictConfig, ListConfig)):
+            return OmegaConf.to_container(value, resolve=True)
+        return value
+
+
+def rule_refusals(ctx: CheckContext) -> None:
+    """Every row of the refusal table that fires on the model config, in table order."""
+    setup = Setup(config=_ModelConfig(ctx.model))
+    for row in REFUSALS:
+        if row.value(setup) is not None:
+            ctx.model.add(row.field, ctx.model.get(row.field), f"{row.fix} ({row.why})",
+                          row.nemo_fix)
