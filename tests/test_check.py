@@ -9,37 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 from omegaconf import OmegaConf
+from support.nemo_config import only, seed_config
 
 from nemo_fp8_align.config import AlignConfig, Policy
-from nemo_fp8_align.integrations.refusals import REFUSALS, Setup
 from nemo_fp8_align.config_check.check import (FP8AlignConfigError, Violation, align_config_from,
                                        check_config, data_parallel_size_of, find_violations)
-
-
-def seed_config(**model_overrides):
-    """The seed's settings plus the design example: PP=4, VP=2, 8 GPUs (DP=2), M = 16 / 2 = 8."""
-    cfg = OmegaConf.create({
-        "trainer": {"devices": 8, "num_nodes": 1, "precision": "bf16"},
-        "model": {
-            "tensor_model_parallel_size": 1,
-            "pipeline_model_parallel_size": 4,
-            "virtual_pipeline_model_parallel_size": 2,
-            "num_layers": 16,
-            "micro_batch_size": 1,
-            "global_batch_size": 16,
-            "megatron_amp_O2": True,
-            "mcore_gpt": True,
-            "transformer_engine": True,
-            "fp8": True,
-            "fp8_hybrid": True,
-            "fp8_params": True,
-            "optim": {"name": "distributed_fused_adam", "overlap_param_sync": True,
-                      "overlap_grad_sync": True},
-        },
-    })
-    for key, value in model_overrides.items():
-        OmegaConf.update(cfg, "model." + key, value, force_add=True)
-    return cfg
+from nemo_fp8_align.integrations.refusals import REFUSALS, Setup
 
 
 def without(cfg, dotted):
@@ -47,11 +22,6 @@ def without(cfg, dotted):
     node = OmegaConf.select(cfg, parent)
     del node[leaf]
     return cfg
-
-
-def only(violations):
-    assert len(violations) == 1, "\n".join(map(str, violations))
-    return violations[0]
 
 
 def test_seed_config_passes():

@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import List, Tuple
 
 import pytest
+from support.nemo_config import only, seed_config
+from support.overrides import applied
 
 from nemo_fp8_align.cli.check import add_check_parser
 from nemo_fp8_align.config_check.check import find_violations
-from support.overrides import applied
-from test_check import only, seed_config
 
 ROOT = Path(__file__).resolve().parents[1]
 UP = ROOT / "tests" / "data" / "upstream"

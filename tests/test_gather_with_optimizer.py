@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from demo_runs import demo  # noqa: E402
+from support.demo_runs import demo  # noqa: E402
 
 from nemo_fp8_align.demo.launch import alignment_problems, differences  # noqa: E402
 

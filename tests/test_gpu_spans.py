@@ -13,7 +13,7 @@ from nemo_fp8_align.core.gpu_spans import GpuSpans
 from nemo_fp8_align.core.telemetry import TelemetryWriter
 from nemo_fp8_align.integrations.nemo.metrics import _compact, step_metrics
 
-from test_aligner import make_rank, run_training_step
+from support.aligner_rank import make_rank, run_training_step
 
 
 class FakeEvent:

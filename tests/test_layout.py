@@ -104,6 +104,20 @@ def test_package_files_are_small():
     assert long == {}
 
 
+def test_tests_import_shared_helpers_from_support_only():
+    """A test module imports no other module of tests/ (a test module or a loose helper):
+    what several tests share lives in tests/support/."""
+    local = {p.stem for p in (ROOT / "tests").glob("*.py")} | {"tests"}
+    found = []
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
+                     else [])
+            found += [f"{path.name}: {n}" for n in names if n.split(".")[0] in local]
+    assert found == []
+
+
 #: The allow-list of the wheel: the package's directories whose modules ship (a new directory
 #: ships only once it is named here), and the test tools inside the package that do not.
 WHEEL_DIRS = ("", "backends", "cli", "config_check", "config_check/rules", "core", "demo",

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_te_backend import GENERATIONS, _setup
+from support.standins.te_float8 import GENERATIONS, te_setup
 
 from nemo_fp8_align.backends.reference import ReferenceBackend, ReferenceFP8Weight
 from nemo_fp8_align.core.observe import BuildObserver
@@ -19,7 +19,7 @@ DATA = Path(__file__).parent / "data"
 
 @pytest.mark.parametrize("gen", sorted(GENERATIONS))
 def test_te_builds_are_seen_whoever_calls_them(gen):
-    cls, te, weights, backend = _setup(gen)
+    cls, te, weights, backend = te_setup(gen)
     name = "_create_transpose" if gen.startswith("2.") else "transpose_2d"
     original = cls.__dict__.get(name)
     seen = []
@@ -41,7 +41,7 @@ def test_te_builds_are_seen_whoever_calls_them(gen):
 
 
 def test_te_kernel_path_builds_are_seen():
-    _, _, weights, backend = _setup("2.10", kernel_writes_transpose=True, use_triton_kernel=False)
+    _, _, weights, backend = te_setup("2.10", kernel_writes_transpose=True, use_triton_kernel=False)
     seen = []
     undo = backend.watch_builds(seen.append)
     assert backend.build_transposes(weights) == len(weights)

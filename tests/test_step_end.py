@@ -7,7 +7,7 @@ import torch
 from nemo_fp8_align.core.step_end import combined_error
 from nemo_fp8_align.errors import CudaGraphCaptureError, StepMismatchError, TransposeVerifyError
 
-from test_aligner import make_rank, run_training_step
+from support.aligner_rank import make_rank, run_training_step
 
 
 def with_finalize(**kw):

@@ -1,16 +1,6 @@
-"""TEBackend against stand-ins of Transformer Engine's Float8Tensor, one per API generation.
-
-TE does not import on CPU machines, so each stand-in follows the attribute protocol of one TE
-generation as read in TE's public source (tags v1.6, v1.8, v2.0, v2.10 and main):
-
-* 1.6-1.7: ``_fp8_attrs`` dict behind ``_transpose`` / ``_transpose_invalid`` properties,
-  ``transpose_2d(*, cache=False, noop_flag=None)``, ``_reset_caches()``;
-* 1.8-1.13: the same storage, ``transpose_2d(*, force_compute=False, fill_cache=False, ...)``;
-* 2.0-2.9: instance attributes, ``_create_transpose()``;
-* >= 2.10: as 2.0 plus ``tensor.utils.post_all_gather_processing(weights)`` (which rebuilds every
-  Float8Tensor it is given unless non-TN GEMMs are supported).
-
-The stand-ins are injected through ``TEBackend(te_module=..., version=...)``.
+"""TEBackend against stand-ins of Transformer Engine's Float8Tensor, one per API generation
+(``tests/support/standins/te_float8.py``: TE does not import on CPU machines), injected through
+``TEBackend(te_module=..., version=...)``.
 """
 
 from __future__ import annotations
@@ -33,159 +23,10 @@ from nemo_fp8_align.backends.te import (
     load_te_api,
     parse_te_version,
 )
-
-SHAPES = [(48, 80), (33, 7), (1, 1), (16, 1)]
-
-
-def _bytes(shape, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
-
-
-# ----------------------------------------------------------------------------- stand-ins
-
-
-class _Calls:
-    def __init__(self):
-        self.log = []
-
-
-class TE16Float8Tensor:
-    """TE 1.6-1.7: attributes in ``_fp8_attrs``; ``transpose_2d(cache=...)``."""
-
-    calls = _Calls()
-
-    def __init__(self, data):
-        self._data = data
-        self._fp8_attrs = {"transpose": None, "transpose_invalid": True, "dtype": "E4M3"}
-
-    _transpose = property(lambda s: s._fp8_attrs["transpose"],
-                          lambda s, v: s._fp8_attrs.__setitem__("transpose", v))
-    _transpose_invalid = property(lambda s: s._fp8_attrs["transpose_invalid"],
-                                  lambda s, v: s._fp8_attrs.__setitem__("transpose_invalid", v))
-
-    def _reset_caches(self):
-        type(self).calls.log.append(("reset", id(self)))
-        self._transpose_invalid = True
-
-    def transpose_2d(self, *, cache=False, noop_flag=None):
-        type(self).calls.log.append(("transpose_2d", id(self), dict(cache=cache)))
-        if not cache:
-            return self._data.t().contiguous()
-        if not self._transpose_invalid and noop_flag is None:
-            return self._transpose
-        if self._transpose is None:
-            self._transpose = torch.empty((self._data.shape[1], self._data.shape[0]), dtype=torch.uint8)
-        self._transpose.copy_(self._data.t())
-        self._transpose_invalid = False
-        return self._transpose
-
-
-class TE18Float8Tensor(TE16Float8Tensor):
-    """TE 1.8-1.13: ``transpose_2d(force_compute=..., fill_cache=...)``."""
-
-    calls = _Calls()
-
-    def transpose_2d(self, *, force_compute=False, fill_cache=False, noop_flag=None, cache=None):
-        type(self).calls.log.append(("transpose_2d", id(self),
-                                     dict(force_compute=force_compute, fill_cache=fill_cache)))
-        need = force_compute or self._transpose is None or self._transpose_invalid
-        if not need:
-            return self._transpose
-        out = self._transpose
-        if out is None:
-            out = torch.empty((self._data.shape[1], self._data.shape[0]), dtype=torch.uint8)
-        out.copy_(self._data.t())
-        if fill_cache:
-            self._transpose = out
-            self._transpose_invalid = False
-        return out
-
-
-class TE20Float8Tensor:
-    """TE 2.x: instance attributes; ``_create_transpose()``."""
-
-    calls = _Calls()
-
-    def __init__(self, data, transpose=None):
-        self._data = data
-        self._transpose = transpose
-        self._transpose_invalid = transpose is None
-
-    def _reset_caches(self):
-        self._transpose_invalid = True
-
-    def _create_transpose(self):
-        type(self).calls.log.append(("create_transpose", id(self)))
-        out = self._transpose
-        if out is None:
-            out = torch.empty((self._data.shape[1], self._data.shape[0]), dtype=torch.uint8)
-        out.copy_(self._data.t())
-        self._transpose = out
-        self._transpose_invalid = False
-
-
-class TE210Float8Tensor(TE20Float8Tensor):
-    calls = _Calls()
-
-
-class _BlockScaled:
-    def __init__(self, data):
-        self._rowwise_data = data
-        self._columnwise_data = None
-
-
-class MXFP8Tensor(_BlockScaled):
-    pass
-
-
-class Float8BlockwiseQTensor(_BlockScaled):
-    pass
-
-
-class NVFP4Tensor(_BlockScaled):
-    pass
-
-
-def _te_module(cls, version, *, non_tn=False, query_name="is_non_tn_fp8_gemm_supported"):
-    # Transformer Engine's API surface: TE does not import without CUDA.
-    ns = types.SimpleNamespace(__version__=version, Float8Tensor=cls, MXFP8Tensor=MXFP8Tensor,
-                               Float8BlockwiseQTensor=Float8BlockwiseQTensor, NVFP4Tensor=NVFP4Tensor,
-                               post_all_gather_processing=None)
-    if parse_te_version(version) >= (2, 0):
-        setattr(ns, query_name, lambda: non_tn)
-    if parse_te_version(version) >= (2, 10):
-        ns.pag_calls = []
-
-        def post_all_gather_processing(weights):
-            # TE >= 2.10: Float8Tensor -> _create_transpose() unless non-TN GEMMs are supported;
-            # MXFP8 -> nothing. It rebuilds even a valid transpose.
-            if not isinstance(weights, list):
-                weights = [weights]
-            ns.pag_calls.append([id(w) for w in weights])
-            for w in weights:
-                if isinstance(w, cls) and not non_tn:
-                    w._create_transpose()
-
-        ns.post_all_gather_processing = post_all_gather_processing
-    return ns
-
-
-GENERATIONS = {
-    GEN_1_6: (TE16Float8Tensor, "1.7.0+cu12"),
-    GEN_1_8: (TE18Float8Tensor, "1.13.0"),
-    GEN_2_0: (TE20Float8Tensor, "2.9.0"),
-    GEN_2_10: (TE210Float8Tensor, "2.20.2"),
-}
-
-
-def _setup(gen, **backend_kwargs):
-    cls, version = GENERATIONS[gen]
-    cls.calls.log.clear()
-    te = _te_module(cls, version)
-    weights = [cls(_bytes(s, i)) for i, s in enumerate(SHAPES)]
-    backend = TEBackend(te_module=te, version=version, **backend_kwargs)
-    return cls, te, weights, backend
+from support.standins.te_float8 import (GENERATIONS, SHAPES, MXFP8Tensor, Float8BlockwiseQTensor,
+                                        NVFP4Tensor, TE16Float8Tensor, TE20Float8Tensor,
+                                        TE210Float8Tensor, Calls, random_bytes, te_module,
+                                        te_setup)
 
 
 def _assert_transposes_exact(backend, weights):
@@ -230,32 +71,32 @@ def test_api_generation(version, gen):
 
 def test_too_old_te_is_refused():
     with pytest.raises(ValueError, match="older than 1.6"):
-        TEBackend(te_module=_te_module(TE16Float8Tensor, "1.5.0"), version="1.5.0")
+        TEBackend(te_module=te_module(TE16Float8Tensor, "1.5.0"), version="1.5.0")
 
 
 def test_version_without_its_api_is_refused():
-    te = _te_module(TE20Float8Tensor, "2.10.0")
+    te = te_module(TE20Float8Tensor, "2.10.0")
     te.post_all_gather_processing = None
     with pytest.raises(ValueError, match="post_all_gather_processing"):
         TEBackend(te_module=te)
     with pytest.raises(ValueError, match="transpose_2d"):
-        TEBackend(te_module=_te_module(TE20Float8Tensor, "1.8.0"))
+        TEBackend(te_module=te_module(TE20Float8Tensor, "1.8.0"))
 
 
 def test_version_read_from_module_and_name():
-    backend = TEBackend(te_module=_te_module(TE210Float8Tensor, "2.20.2"))
+    backend = TEBackend(te_module=te_module(TE210Float8Tensor, "2.20.2"))
     assert backend.name == "te-2.20" and backend.generation == GEN_2_10
     assert isinstance(backend, FP8TransposeBackend)
 
 
 def test_make_backend_honours_the_config():
-    te = _te_module(TE210Float8Tensor, "2.20.2")
+    te = te_module(TE210Float8Tensor, "2.20.2")
     b = make_backend(AlignConfig(te_kernel_writes_transpose=True, use_triton_kernel=False), te_module=te)
     assert isinstance(b, TEBackend) and b.kernel_writes_transpose and not b.use_triton_kernel
 
 
 def test_from_config():
-    te = _te_module(TE210Float8Tensor, "2.20.2")
+    te = te_module(TE210Float8Tensor, "2.20.2")
     b = TEBackend.from_config(AlignConfig(use_triton_kernel=False, te_kernel_writes_transpose=True),
                               te_module=te)
     assert b.kernel_writes_transpose and not b.use_triton_kernel
@@ -267,7 +108,7 @@ def test_from_config():
 
 @pytest.mark.parametrize("gen", list(GENERATIONS))
 def test_build_then_nothing_to_rebuild(gen):
-    cls, te, weights, backend = _setup(gen)
+    cls, te, weights, backend = te_setup(gen)
     assert not any(backend.has_valid_transpose(w) for w in weights)
     assert backend.build_transposes(weights) == len(weights)
     _assert_transposes_exact(backend, weights)
@@ -275,7 +116,7 @@ def test_build_then_nothing_to_rebuild(gen):
     assert backend.transposes_built == len(weights)
     # Invalidate (the optimizer wrote new bytes), rebuild.
     for i, w in enumerate(weights):
-        w._data.copy_(_bytes(tuple(w._data.shape), 100 + i))
+        w._data.copy_(random_bytes(tuple(w._data.shape), 100 + i))
         w._reset_caches()
     assert not any(backend.has_valid_transpose(w) for w in weights)
     assert backend.build_transposes(weights) == len(weights)
@@ -284,7 +125,7 @@ def test_build_then_nothing_to_rebuild(gen):
 
 @pytest.mark.parametrize("gen", list(GENERATIONS))
 def test_uses_the_versions_api(gen):
-    cls, te, weights, backend = _setup(gen)
+    cls, te, weights, backend = te_setup(gen)
     weights[1]._reset_caches()
     backend.build_transposes(weights)
     log = cls.calls.log
@@ -307,7 +148,7 @@ def test_uses_the_versions_api(gen):
 
 @pytest.mark.parametrize("gen", list(GENERATIONS))
 def test_only_stale_weights_are_built_and_counted(gen):
-    cls, te, weights, backend = _setup(gen)
+    cls, te, weights, backend = te_setup(gen)
     assert backend.build_transposes(weights) == len(weights)
     cls.calls.log.clear()
     weights[2]._reset_caches()
@@ -321,7 +162,7 @@ def test_only_stale_weights_are_built_and_counted(gen):
 
 @pytest.mark.parametrize("gen", list(GENERATIONS))
 def test_after_tes_own_build_backend_builds_nothing(gen):
-    cls, te, weights, backend = _setup(gen)
+    cls, te, weights, backend = te_setup(gen)
     if gen == GEN_2_10:
         te.post_all_gather_processing(weights)  # what megatron-core 0.16's finish_param_sync runs
     elif gen == GEN_2_0:
@@ -338,7 +179,7 @@ def test_after_tes_own_build_backend_builds_nothing(gen):
 
 
 def test_duplicates_are_built_once():
-    cls, te, weights, backend = _setup(GEN_2_10)
+    cls, te, weights, backend = te_setup(GEN_2_10)
     assert backend.build_transposes(weights + weights[:2]) == len(weights)
     assert te.pag_calls == [[id(w) for w in weights]]
 
@@ -348,9 +189,9 @@ def test_broken_build_is_reported():
         def _create_transpose(self):
             pass  # forgets to build
 
-    backend = TEBackend(te_module=_te_module(Broken, "2.5.0"))
+    backend = TEBackend(te_module=te_module(Broken, "2.5.0"))
     with pytest.raises(RuntimeError, match="still invalid"):
-        backend.build_transposes([Broken(_bytes((4, 4), 0))])
+        backend.build_transposes([Broken(random_bytes((4, 4), 0))])
 
 
 # ----------------------------------------------------------------------------- no-ops and skips
@@ -360,26 +201,26 @@ def test_broken_build_is_reported():
 def test_non_tn_gpus_need_no_transpose(query_name):
     version = "2.20.2" if query_name.startswith("is_") else "2.1.0"
     cls = TE210Float8Tensor if version == "2.20.2" else TE20Float8Tensor
-    te = _te_module(cls, version, non_tn=True, query_name=query_name)
+    te = te_module(cls, version, non_tn=True, query_name=query_name)
     backend = TEBackend(te_module=te)
     needed, reason = backend.transpose_needed()
     assert not needed and "non-TN" in reason and "no-op" in reason
-    weights = [cls(_bytes(s, i)) for i, s in enumerate(SHAPES)]
+    weights = [cls(random_bytes(s, i)) for i, s in enumerate(SHAPES)]
     assert backend.build_transposes(weights) == 0
     assert not any(backend.has_valid_transpose(w) for w in weights)
 
 
 @pytest.mark.parametrize("gen", list(GENERATIONS))
 def test_hopper_needs_transpose(gen):
-    _, _, _, backend = _setup(gen)
+    _, _, _, backend = te_setup(gen)
     needed, reason = backend.transpose_needed()
     assert needed and "TN" in reason
 
 
 def test_mxfp8_blockwise_nvfp4_and_plain_tensors_are_skipped_with_reason():
-    cls, te, weights, backend = _setup(GEN_2_10)
-    others = [MXFP8Tensor(_bytes((32, 32), 1)), Float8BlockwiseQTensor(_bytes((32, 32), 2)),
-              NVFP4Tensor(_bytes((32, 32), 3)), torch.zeros(4, 4)]
+    cls, te, weights, backend = te_setup(GEN_2_10)
+    others = [MXFP8Tensor(random_bytes((32, 32), 1)), Float8BlockwiseQTensor(random_bytes((32, 32), 2)),
+              NVFP4Tensor(random_bytes((32, 32), 3)), torch.zeros(4, 4)]
     assert backend.build_transposes(others + weights) == len(weights)
     assert te.pag_calls == [[id(w) for w in weights]]  # skipped tensors never reach TE
     reasons = list(backend.skipped)
@@ -392,8 +233,8 @@ def test_mxfp8_blockwise_nvfp4_and_plain_tensors_are_skipped_with_reason():
 
 
 def test_columnwise_only_float8_is_skipped():
-    cls, te, _, backend = _setup(GEN_2_10)
-    w = cls(None, transpose=_bytes((8, 4), 0))
+    cls, te, _, backend = te_setup(GEN_2_10)
+    w = cls(None, transpose=random_bytes((8, 4), 0))
     assert backend.build_transposes([w]) == 0
     assert any("column-wise only" in r for r in backend.skipped)
 
@@ -409,15 +250,15 @@ def test_has_valid_transpose_fires_no_attribute_hook(gen):
     fired = []
 
     class Hooked(base):
-        calls = _Calls()
+        calls = Calls()
 
         def __getattribute__(self, name):
             if not name.startswith("__"):
                 fired.append(name)
             return super().__getattribute__(name)
 
-    backend = TEBackend(te_module=_te_module(Hooked, version))
-    w = Hooked(_bytes((8, 12), 0))
+    backend = TEBackend(te_module=te_module(Hooked, version))
+    w = Hooked(random_bytes((8, 12), 0))
     fired.clear()
     assert backend.has_valid_transpose(w) is False
     assert fired == []
@@ -436,8 +277,8 @@ def test_classifying_other_tensors_fires_no_attribute_hook():
             fired.append(name)
             return super().__getattribute__(name)
 
-    _, _, weights, backend = _setup(GEN_2_10)
-    mx = HookedMX(_bytes((16, 16), 0))
+    _, _, weights, backend = te_setup(GEN_2_10)
+    mx = HookedMX(random_bytes((16, 16), 0))
     fired.clear()
     assert backend.build_transposes([mx] + weights) == len(weights)
     assert fired == []
@@ -448,7 +289,7 @@ def test_classifying_other_tensors_fires_no_attribute_hook():
 
 @pytest.mark.parametrize("gen", list(GENERATIONS))
 def test_kernel_writes_transpose(gen):
-    cls, te, weights, backend = _setup(gen, kernel_writes_transpose=True, use_triton_kernel=False)
+    cls, te, weights, backend = te_setup(gen, kernel_writes_transpose=True, use_triton_kernel=False)
     # One weight already has a (stale) buffer of the right shape: it must be reused in place.
     weights[0]._transpose = torch.zeros((SHAPES[0][1], SHAPES[0][0]), dtype=torch.uint8)
     weights[0]._transpose_invalid = True
@@ -465,7 +306,7 @@ def test_kernel_writes_transpose(gen):
 
 
 def test_kernel_path_matches_te_path_bytes():
-    cls, te, weights, backend = _setup(GEN_2_10)
+    cls, te, weights, backend = te_setup(GEN_2_10)
     backend.build_transposes(weights)
     expect = [w._transpose.clone() for w in weights]
     for w in weights:
@@ -477,14 +318,14 @@ def test_kernel_path_matches_te_path_bytes():
 
 
 def test_describe():
-    _, _, weights, backend = _setup(GEN_2_10)
+    _, _, weights, backend = te_setup(GEN_2_10)
     backend.build_transposes(weights)
     d = backend.describe()
     assert d["name"] == "te-2.20" and d["transpose_needed"] and d["transposes_built"] == len(weights)
 
 
 def test_weights_of_picks_float8_parameters_only():
-    cls, _, weights, backend = _setup(GEN_2_10)
+    cls, _, weights, backend = te_setup(GEN_2_10)
     mx = MXFP8Tensor.__new__(MXFP8Tensor)
     # A chunk's parameters(): the TE stand-ins are plain objects, which a torch Module refuses.
     chunk = types.SimpleNamespace(parameters=lambda: iter([weights[0], torch.zeros(2), mx,

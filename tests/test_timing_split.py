@@ -9,7 +9,7 @@ from nemo_fp8_align.config import AlignConfig
 from nemo_fp8_align.core.aligner import TransposeAligner
 from nemo_fp8_align.sync.mcore import McoreParamSync
 
-from test_aligner import make_rank, run_training_step
+from support.aligner_rank import make_rank, run_training_step
 
 GATHER, BUILD = 5.0, 3.0
 

@@ -1,1 +1,2 @@
-"""Stand-ins for libraries that cannot be installed here (Apex)."""
+"""Stand-ins for libraries that cannot be installed here (Apex; Transformer Engine, which does
+not import without CUDA)."""
