@@ -1,17 +1,18 @@
 """nemo_fp8_align: build FP8 weight transposes at the same interleaved-pipeline slot on every
 pipeline rank, together with the distributed optimizer's parameter all-gather.
 
-The public names, grouped; each is loaded on first use, so ``import nemo_fp8_align`` imports
-neither megatron-core, NeMo, Lightning nor Transformer Engine::
+The public names are what a training script calls or catches, and only those::
 
     from nemo_fp8_align import align_fp8_transposes, AlignConfig, TEBackend  # megatron-core loops
     from nemo_fp8_align import FP8TransposeAlignment                          # NeMo: a callback
     from nemo_fp8_align import FP8TransposeAlignMixin                         # NeMo: a model mixin
+    from nemo_fp8_align import check_config                                   # the startup check
 
-The layout: ``core/`` (schedule, aligner, claims, telemetry and its judge), ``sync/`` (finishing
-a chunk's all-gather: megatron-core DDP, Apex), ``backends/`` (Transformer Engine, reference FP8),
-``kernels/``, ``integrations/`` (megatron-core entry point, NeMo), ``config_check/`` (the startup
-check), ``planner/`` (the timeline model), ``cli/`` and ``demo/`` (the CPU run).
+The configuration and the errors are imported with the package (both need nothing but the
+standard library); the entry points, the backend and the startup check on first use, so
+``import nemo_fp8_align`` imports neither torch, megatron-core, NeMo, Lightning, Transformer
+Engine nor OmegaConf. Everything else is imported from its module (``nemo_fp8_align.core``,
+``.backends``, ``.integrations``, ...; docs/layout.md).
 """
 
 from __future__ import annotations
@@ -20,54 +21,55 @@ import importlib
 from typing import Any, Dict
 
 from nemo_fp8_align.config import AlignConfig, Policy
+from nemo_fp8_align.errors import (CudaGraphCaptureError, ScheduleError, ScheduleRebindError,
+                                   SharedEmbeddingBucketError, StepMismatchError,
+                                   TransposeVerifyError, UnsupportedSetupError)
 
 __version__ = "0.1.0"
 
-_LAZY: Dict[str, str] = {
-    # entry points
+#: The public names loaded on first use, and their modules.
+_ON_FIRST_USE: Dict[str, str] = {
     "align_fp8_transposes": "integrations.megatron_core",
     "FP8TransposeAlignment": "integrations.nemo.callback",
     "FP8TransposeAlignMixin": "integrations.nemo.mixin",
-    "FP8Weights": "integrations.nemo.build",
-    # engine and backends
-    "TransposeAligner": "core.aligner",
-    "InterleavedSchedule": "core.schedule",
-    "FP8TransposeBackend": "backends.protocol",
     "TEBackend": "backends.te",
-    "ReferenceBackend": "backends.reference",
-    "ReferenceFP8Weight": "backends.reference",
-    "McoreParamSync": "sync.mcore",
-    "ApexParamSync": "sync.apex",
-    # the startup check
     "check_config": "config_check.check",
-    "find_violations": "config_check.check",
-    "Violation": "config_check.check",
     "FP8AlignConfigError": "config_check.check",
-    # exceptions
-    "ConfigLoadError": "errors",
-    "CudaGraphCaptureError": "errors",
-    "DemoRankError": "errors",
-    "PlanInputError": "errors",
-    "ScheduleError": "errors",
-    "ScheduleRebindError": "errors",
-    "SharedEmbeddingBucketError": "errors",
-    "StaleFP8Error": "errors",
-    "StepMismatchError": "errors",
-    "TelemetryError": "errors",
-    "TransposeVerifyError": "errors",
-    "UnsupportedSetupError": "errors",
 }
 
-__all__ = ["AlignConfig", "Policy", "__version__", *_LAZY]
+#: Names this package once exported, and the module each is imported from now.
+_MOVED: Dict[str, str] = {
+    "FP8Weights": "integrations.nemo.build", "TransposeAligner": "core.aligner",
+    "InterleavedSchedule": "core.schedule", "FP8TransposeBackend": "backends.protocol",
+    "ReferenceBackend": "backends.reference", "ReferenceFP8Weight": "backends.reference",
+    "McoreParamSync": "sync.mcore", "ApexParamSync": "sync.apex",
+    "find_violations": "config_check.check", "Violation": "config_check.check",
+    "ConfigLoadError": "errors", "DemoRankError": "errors", "PlanInputError": "errors",
+    "StaleFP8Error": "errors", "TelemetryError": "errors",
+}
+
+__all__ = [
+    # entry points
+    "align_fp8_transposes", "FP8TransposeAlignment", "FP8TransposeAlignMixin",
+    # configuration and backend
+    "AlignConfig", "Policy", "TEBackend",
+    # the startup check
+    "check_config", "FP8AlignConfigError",
+    # errors a training run may raise
+    "CudaGraphCaptureError", "ScheduleError", "ScheduleRebindError",
+    "SharedEmbeddingBucketError", "StepMismatchError", "TransposeVerifyError",
+    "UnsupportedSetupError",
+]
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-    globals()[name] = value
-    return value
+    if name in _ON_FIRST_USE:
+        value = getattr(importlib.import_module(f"{__name__}.{_ON_FIRST_USE[name]}"), name)
+        globals()[name] = value
+        return value
+    hint = (f"; import it from {__name__}.{_MOVED[name]}" if name in _MOVED else "")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}{hint}")
 
 
 def __dir__() -> list:
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(__all__))
