@@ -52,16 +52,29 @@ $(MCORE_TREES)/.installed: $(VENV19)/.installed
 	done
 	touch $@
 
+# megatron-bridge 0.6.2's training/callbacks.py (standard library only), which
+# tests/test_bridge_callback.py loads by path: Bridge itself does not install or import on a CPU
+# machine. The wheel needs Python 3.12; --python-version lets any venv's pip fetch it.
+BRIDGE_VERSION ?= 0.6.2
+BRIDGE_WHEEL = .bridge-wheel
+
+$(BRIDGE_WHEEL)/.installed: $(VENV)/.installed
+	$(VENV)/bin/pip download $(PIP_FLAGS) --no-deps --only-binary=:all: --python-version 3.12 \
+	  megatron-bridge==$(BRIDGE_VERSION) -d $(BRIDGE_WHEEL)
+	unzip -q -o $(BRIDGE_WHEEL)/megatron_bridge-$(BRIDGE_VERSION)-*.whl \
+	  'megatron/bridge/training/callbacks.py' -d $(BRIDGE_WHEEL)
+	touch $@
+
 MCORE019_TESTS = tests/test_schedule.py tests/test_engine_mcore.py tests/test_faults.py \
 	tests/test_refusals.py tests/test_api.py tests/test_cpu_compat.py tests/test_gather_with_optimizer.py \
-	tests/test_groups.py tests/test_forced_sync.py tests/test_no_hang.py
+	tests/test_groups.py tests/test_forced_sync.py tests/test_no_hang.py tests/test_bridge_callback.py
 
 # On 0.17.1 and 0.18.2: the schedule tables, the refusal rows, and the two paths that changed
 # between them (0.18 post-processes forced all-gathers itself; the optimizer-step all-gather).
 MCORE_LINE_TESTS = tests/test_schedule.py tests/test_refusals.py tests/test_forced_sync.py \
 	tests/test_gather_with_optimizer.py
 
-test: install install-mcore016 install-mcore019 $(MCORE_TREES)/.installed
+test: install install-mcore016 install-mcore019 $(MCORE_TREES)/.installed $(BRIDGE_WHEEL)/.installed
 	$(VENV)/bin/python -m pytest -q
 	$(VENV16)/bin/python -m pytest -q -m "not nemo" tests/test_schedule.py tests/test_engine_mcore.py \
 		tests/test_refusals.py tests/test_api.py tests/test_pipeline_step_time_mps.py \

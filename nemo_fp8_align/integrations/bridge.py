@@ -3,28 +3,32 @@
     from nemo_fp8_align.integrations.bridge import FP8TransposeAlignCallback
     pretrain(config, forward_step_func, callbacks=[FP8TransposeAlignCallback()])
 
-Bridge binds ``config.param_sync_func`` (its training setup's ``_update_model_config_funcs``) and then fires
-``on_data_init_start`` with the DDP chunks in ``context.model``; the callback checks Bridge's
-config with the startup rules (mapped as Megatron-LM's arguments) and attaches to the chunks the
-way :mod:`~nemo_fp8_align.integrations.megatron_lm` does, pointing the bound list at the chunks'
-wrapped ``start_param_sync``. Bridge's ``train()`` then sets ``param_sync_func`` to None for its
-first iteration and puts it back, which the chunk-level attachment expects.
+What Bridge 0.6.2 does around it (``megatron/bridge/training/``): ``setup.py::setup`` builds the
+DDP chunks, the optimizer and the checkpoint load, then binds ``config.param_sync_func =
+[chunk.start_param_sync for chunk in model]`` (``_update_model_config_funcs``). ``train.py::train``
+fires ``on_train_start`` just before its loop; only after that does it stash ``param_sync_func``,
+set it to None for the first iteration (forward pre-hooks off) and put the stash back after that
+iteration. The callback attaches at ``on_train_start``: it checks Bridge's config with the
+startup rules (mapped as Megatron-LM's arguments) and attaches to the chunks the way
+:mod:`~nemo_fp8_align.integrations.megatron_lm` does, pointing the already bound list at the
+chunks' wrapped ``start_param_sync``, so the stash and its restore carry the wrappers.
+``on_train_end`` (after ``train()``'s forced all-gather) detaches it.
 
-Bridge's ``Callback`` base class is used when megatron-bridge imports; without it the class is a
-plain object (Bridge's ``CallbackManager.add`` registers overriding methods by name either way).
+Not ``on_data_init_start``: Bridge 0.6.2's ``setup`` raises ``ValueError("num_epochs is not
+supported with on_data_init_start callbacks")`` whenever ``train.num_epochs`` is set and any
+callback registers that event.
+
+Duck-typed: Bridge's ``CallbackManager.add`` registers each method named after one of its events,
+from any object, so this module imports neither megatron-bridge (whose package import pulls in
+transformers and Transformer Engine, which raises ``RuntimeError`` without CUDA) nor TE.
 """
 
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 from nemo_fp8_align.config import AlignConfig
-
-try:  # optional dependency: megatron-bridge (its package import needs transformers)
-    from megatron.bridge.training.callbacks import Callback as _Base
-except ImportError:  # pragma: no cover - exercised where megatron-bridge is missing
-    _Base = object
 
 __all__ = ["FP8TransposeAlignCallback", "bridge_args"]
 
@@ -65,8 +69,9 @@ def bridge_args(cfg: Any) -> SimpleNamespace:
         log_interval=of(getattr(cfg, "logger", None), "log_interval", 1))
 
 
-class FP8TransposeAlignCallback(_Base):  # type: ignore[misc, valid-type]
-    """Attaches the aligned FP8-transpose engine at Bridge's ``on_data_init_start``.
+class FP8TransposeAlignCallback:
+    """Attaches the aligned FP8-transpose engine at Bridge's ``on_train_start`` and detaches it
+    at ``on_train_end``.
 
     Args: as :func:`nemo_fp8_align.integrations.megatron_lm.attach` (``backend``,
     ``weights_of``, ``align_config``, ``pg_collection``: None takes the DDP chunks' own groups,
@@ -82,24 +87,35 @@ class FP8TransposeAlignCallback(_Base):  # type: ignore[misc, valid-type]
         self.align_config, self.check = align_config, check
         self.pg_collection = pg_collection
         self.aligner: Optional[Any] = None
+        self._chunks: List[Any] = []
 
-    def on_data_init_start(self, context: Any) -> None:
+    def on_train_start(self, context: Any) -> None:
         from nemo_fp8_align.integrations import megatron_lm
 
+        model = list(context.model)
         if self.aligner is not None:
-            return  # attach once (a restarted setup keeps the first engine)
+            if _same(model, self._chunks):
+                return  # attached to these chunks already
+            # An in-process restart rebuilt the model without on_train_end: let go of the old
+            # chunks (and their config) before attaching to the new ones.
+            self.on_train_end(context)
         state = getattr(context, "state", None)
         cfg = getattr(state, "cfg", None)
         args = bridge_args(cfg) if self.check and cfg is not None else None
         self.aligner = megatron_lm.attach(
-            context.model, backend=self.backend, weights_of=self.weights_of,
+            model, backend=self.backend, weights_of=self.weights_of,
             align_config=self.align_config, args=args, log_metrics=False,
             step_number=_train_step(state), pg_collection=self.pg_collection)
+        self._chunks = model
 
     def on_train_end(self, context: Any) -> None:
         if self.aligner is not None:
             self.aligner.detach()
-            self.aligner = None
+            self.aligner, self._chunks = None, []
+
+
+def _same(model: List[Any], chunks: List[Any]) -> bool:
+    return len(model) == len(chunks) and all(a is b for a, b in zip(model, chunks))
 
 
 def _train_step(state: Any) -> Any:
