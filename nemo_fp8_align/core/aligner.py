@@ -1,28 +1,24 @@
 """The aligned FP8-transpose engine: hooks that build each chunk's transposes at its slot.
 
-One :class:`TransposeAligner` per rank. It learns of a training step's start from the
-schedule's pre-loop ``param_sync_func`` calls (chunk 0 then chunk 1, before any pipeline
-communication; forward-only passes make none), counts this rank's forward virtual microbatches
-with forward pre-hooks on the model chunks (one counter shared by all chunks), and at chunk c's
-trigger finishes c's all-gather and builds its transposes:
+One :class:`TransposeAligner` per rank. A step starts at the schedule's pre-loop launches
+(chunk 0 then 1, before any pipeline communication); forward pre-hooks count this rank's forward
+virtual microbatches, and at chunk c's trigger it finishes c's all-gather and builds its
+transposes:
 
 * chunk 0 right after the pre-loop launch of chunk 1 (slot 0 on every rank, before the first
   receive, which module pre-hooks alone could not reach on ranks r > 0);
 * chunk c >= 1 before forward ``v = T_c - r`` on rank r (slot T_c on every rank), which on
   ranks r > 0 falls inside chunk c-1's forwards.
 
-The aligner hears launches and step ends through one :class:`~nemo_fp8_align.core.hold.ScheduleHold`
-(megatron-core DDP chunks, or NeMo's Apex path). A step ends where the hold says (megatron-core's
-``finalize_model_grads``) or where the caller calls :meth:`TransposeAligner.on_step_end` (NeMo);
-a step whose end was never heard is ended at the next step's first launch, the same point on every
-rank. An error found inside a step, or a rank-local failure (telemetry I/O, a step-end listener),
-is kept, the rest of the step runs without the plugin, and every rank of the model raises at the
-step end (:mod:`nemo_fp8_align.core.step_end`). ``num_microbatches`` may be a function, asked at
-each step's start, so a step of another size is re-planned instead of misaligned.
+It hears launches and step ends through one :class:`~nemo_fp8_align.core.hold.ScheduleHold`; a
+step end never heard is taken at the next step's first launch (the same point on every rank). An
+error inside a step, or a rank-local failure (telemetry I/O, a listener), is kept, the rest of
+the step runs without the plugin, and every rank of the model raises at the step end
+(:mod:`~nemo_fp8_align.core.step_end`). ``num_microbatches`` may be a function, asked at each
+step's start, so a step of another size is re-planned instead of misaligned.
 
-Policy ``lazy`` only observes where transposes get built (first use), for A/B runs. Hooks are
-handles; attach/detach are idempotent and attach is all-or-nothing. Inside a CUDA-graph capture
-no transpose is ever built.
+Policy ``lazy`` only observes where transposes get built (first use), for A/B runs. Attach is
+all-or-nothing; inside a CUDA-graph capture no transpose is ever built.
 """
 
 from __future__ import annotations
@@ -36,18 +32,18 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from nemo_fp8_align import errors
 from nemo_fp8_align.config import AlignConfig, Policy
 from nemo_fp8_align.core import claims
-from nemo_fp8_align import errors
 from nemo_fp8_align.core.gpu_spans import GpuSpans
 from nemo_fp8_align.core.hold import Listener, ScheduleHold, run_listeners
 from nemo_fp8_align.core.observe import RecordExtras
 from nemo_fp8_align.core.param_sync import ChunkParamSync
-from nemo_fp8_align.errors import StepMismatchError, TransposeVerifyError
 from nemo_fp8_align.core.schedule import AT_START, InterleavedSchedule
 from nemo_fp8_align.core.step_end import agree
 from nemo_fp8_align.core.telemetry import TelemetryWriter, TransposeRecord
 from nemo_fp8_align.backends.protocol import FP8TransposeBackend
+from nemo_fp8_align.errors import StepMismatchError, TransposeVerifyError
 
 __all__ = ["ChunkParamSync", "StepMismatchError", "TransposeAligner", "TransposeVerifyError"]
 
@@ -66,21 +62,16 @@ class TransposeAligner:
     One aligner per model chunk: attaching a second one to a chunk raises.
 
     Args:
-        model_chunks: this rank's model chunks in schedule order (the modules the schedule
-            calls, e.g. megatron-core DDP wrappers); hooks go on these outer modules so they
-            run before DDP's own pre-hooks on inner modules.
+        model_chunks: this rank's model chunks in schedule order (the outer modules the
+            schedule calls: hooks there run before DDP's own pre-hooks on inner modules).
         schedule: the step's interleaved schedule (the same on every rank).
         pp_rank, dp_rank, dp_size: this rank's pipeline and data-parallel ranks; the DP size.
         param_sync: finishes a chunk's all-gather (:class:`ChunkParamSync`).
-        weights: per chunk, the FP8 weights whose transposes the backend builds.
-        backend: the FP8 backend owning those weights.
-        config: policy and telemetry settings.
-        telemetry: optional writer; records are also kept in :attr:`records`.
+        weights, backend: per chunk, the FP8 weights; the backend that builds their transposes.
+        config, telemetry: policy and telemetry settings; an optional writer.
         clock: timestamps; ``time.monotonic`` is one clock for every process of a host.
-        num_microbatches: optional function giving the coming step's M (megatron-core's
-            ``get_num_microbatches``), asked at each step's start (re-planned when it changed).
-        error_group: the ranks that stop together on an error found in a step: every rank of
-            the model (None: the job's default group; see
+        num_microbatches: optional function giving the coming step's M, asked at each start.
+        error_group: the ranks that stop together on an error (None: the job's default group;
             :func:`~nemo_fp8_align.integrations.groups.model_group`).
     """
 
@@ -114,15 +105,14 @@ class TransposeAligner:
         self._num_microbatches = num_microbatches
         self._error_group = error_group
         self._failure: Optional[Exception] = None  # this rank's first error of the open step
-        self._deferred: List[Exception] = []  # rank-local failures after an agreement: the next
+        self._deferred: List[Exception] = []  # failures after an agreement: for the next one
         self._spans = GpuSpans(enabled=torch.cuda.is_available())  # GPU times at the step end
         self._extras = RecordExtras(dp_size)  # shape, sizes and (telemetry on) observed builds
         self._plan(schedule)
         self._handles: List[Any] = []
         self._hold: Optional[ScheduleHold] = None  # set by attach(hold)
-        #: Called after each step end's agreement passed, at the same point on every rank
-        #: (e.g. a logger gathering the step's records); a listener's error reaches the next
-        #: step end's agreement.
+        #: Run after each step end's agreement, on every rank (e.g. a logger gathering the
+        #: step's records); a listener's error reaches the next agreement.
         self.step_end_listeners: List[Listener] = []
         self._step = -1
         self._vmid: Optional[int] = None  # forwards run in the open training step; None: closed
@@ -130,8 +120,7 @@ class TransposeAligner:
         self._pending: Dict[int, Dict[str, Any]] = {}  # aligned records awaiting first use
         self._observing: Dict[int, tuple] = {}  # lazy: (valid before, t) of a first forward
         self._launched: Dict[int, float] = {}
-        #: Training forwards with no step opened by the launches (Megatron-LM's first after a load).
-        self.unlaunched_forwards = 0
+        self.unlaunched_forwards = 0  #: training forwards with no step open (after a load)
         self._unlaunched: set = set()
         self.step_number: Optional[Callable[[], int]] = None  # e.g. Megatron-LM's iteration
 
@@ -149,13 +138,9 @@ class TransposeAligner:
         return getattr(self._hold, "forced_syncs", None)
 
     def attach(self, hold: Optional[ScheduleHold] = None) -> bool:
-        """Register the hooks and install ``hold`` (idempotent). Returns whether the engine is
-        active. All or nothing: if any stage raises, what the earlier ones did is undone.
-
-        Without a hold the caller reports launches (:meth:`on_param_sync_launched`) and step
-        ends (:meth:`on_step_end`) itself; with one whose ``owns_step_end`` is False, the step
-        ends.
-        """
+        """Register the hooks and install ``hold`` (idempotent); whether the engine is active.
+        All or nothing: if a stage raises, the earlier ones are undone. Without a hold (or one
+        not owning the step end) the caller reports launches and/or step ends itself."""
         if self.attached or not self.config.active:
             return self.attached
         needed, reason = self.backend.transpose_needed()
@@ -164,8 +149,8 @@ class TransposeAligner:
             return False
         claims.claim(self.chunks, self)  # refuses before anything is installed
         try:
+            self._hold = hold
             if hold is not None:
-                self._hold = hold
                 hold.install(self.on_param_sync_launched, self.on_step_end)
             for chunk, module in enumerate(self.chunks):
                 self._handles.append(module.register_forward_pre_hook(
@@ -186,13 +171,13 @@ class TransposeAligner:
             self._extras.detach()
         finally:
             claims.release(self.chunks, self)
-            if self._hold is not None:
-                self._hold.restore()
-                self._hold = None
+            hold, self._hold = self._hold, None
+            if hold is not None:
+                hold.restore()
 
     def detach(self) -> None:
-        """Remove every hook, undo the hold, flush and close the telemetry (idempotent). A
-        failure still held (no step end followed it) is logged: nothing is left to agree with."""
+        """Undo :meth:`attach`, flush and close the telemetry (idempotent). A failure still held
+        (no step end followed it) is logged: no step end is left to agree on it."""
         held = ([self._failure] if self._failure is not None else []) + self._deferred
         self._undo_attach()
         self._vmid, self._failure, self._deferred = None, None, []
@@ -205,13 +190,9 @@ class TransposeAligner:
             logger.error("nemo_fp8_align: detached with an error no step end reported: %s", err)
 
     def on_param_sync_launched(self, chunk: int) -> None:
-        """The schedule has just launched ``chunk``'s all-gather.
-
-        Chunk 0's launch opens a training step (forward-only passes launch nothing); a step
-        still open then had no step end heard: it ends here, the same point on every rank.
-        After chunk 1's launch, both pre-loop calls are done and no pipeline communication has
-        happened yet: the slot-0 chunks (chunk 0) are handled here on every rank.
-        """
+        """The schedule has just launched ``chunk``'s all-gather. Chunk 0's opens a training
+        step (ending a step still open: no end heard); after chunk 1's, before any pipeline
+        communication, the slot-0 chunks are handled on every rank."""
         if not self.attached:
             return
         if chunk == 0 and self._vmid is not None:
@@ -250,11 +231,9 @@ class TransposeAligner:
         self._step = step - 1
 
     def on_step_end(self) -> None:
-        """The step's forwards and backwards are over (every rank of the model calls it once
-        per training step, at the same point). Raises on every rank if any rank found an error
-        in the step (e.g. :class:`StepMismatchError`: another number of forwards ran) or held
-        a rank-local failure since the last step end. Then the telemetry is written and the
-        listeners run; their failures are held for the next step end."""
+        """The step's forwards and backwards are over (every rank of the model, same point).
+        Raises on every rank if any rank found an error in the step or held a rank-local
+        failure; then writes the telemetry and runs the listeners (failures: next step end)."""
         if not self.attached:
             return
         failure, self._failure = self._failure, None
@@ -333,16 +312,14 @@ class TransposeAligner:
             return
         self._unlaunched.add(chunk)
         if self.unlaunched_forwards == 0:
-            logger.warning("nemo_fp8_align: training forwards without the schedule's all-gather "
-                           "launches (config.param_sync_func is None, as in Megatron-LM's first "
-                           "iteration after a checkpoint load): their FP8 transposes are built at "
-                           "first use; alignment resumes at the next launched step")
+            logger.warning("nemo_fp8_align: training forwards without all-gather launches "
+                           "(param_sync_func None: Megatron-LM's first iteration after a load): "
+                           "transposes built at first use until the next launched step")
         self.unlaunched_forwards += 1
 
     def _refuse_inside_capture(self, vmid: int) -> None:
-        """Never act inside a CUDA-graph capture: a captured transpose would replay on old
-        bytes. A forward with nothing due is only counted; work due here raises (and the
-        caller's abort ends the step)."""
+        """Never act inside a CUDA-graph capture (a captured transpose replays on old bytes):
+        work due here raises, held for the step end; nothing due: only counted."""
         due = [c for c in self._triggers.get(vmid, []) if c not in self._done]
         if self.config.policy is Policy.ALIGNED and due:
             raise errors.inside_capture(self._step, vmid, due)

@@ -3,7 +3,7 @@
     from nemo_fp8_align.integrations.bridge import FP8TransposeAlignCallback
     pretrain(config, forward_step_func, callbacks=[FP8TransposeAlignCallback()])
 
-What Bridge 0.6.2 does around it (``megatron/bridge/training/``): ``setup.py::setup`` builds the
+What Bridge 0.6.2 does around it (``megatron/bridge/training/``): the training setup's ``setup()`` builds the
 DDP chunks, the optimizer and the checkpoint load, then binds ``config.param_sync_func =
 [chunk.start_param_sync for chunk in model]`` (``_update_model_config_funcs``). ``train.py::train``
 fires ``on_train_start`` just before its loop; only after that does it stash ``param_sync_func``,

@@ -84,15 +84,19 @@ def attach(model: Sequence[Any], *, backend: Any = None,
         list(model), num_microbatches=get_num_microbatches, backend=backend,
         weights_of=weights_of, config=get_model_config(model[0]), align_config=align_config,
         pg_collection=pg_collection, **extra)
-    if step_number is not None:
-        aligner.step_number = step_number
-    elif _megatron_args() is not None:  # numbered by Megatron-LM's iteration (resumes go on)
-        aligner.step_number = _current_iteration
-    if log_metrics and aligner.attached:  # after each step end's agreement, on every rank
-        from nemo_fp8_align.integrations.groups import pipeline_group
+    try:
+        if step_number is not None:
+            aligner.step_number = step_number
+        elif _megatron_args() is not None:  # numbered by Megatron-LM's iteration (resumes go on)
+            aligner.step_number = _current_iteration
+        if log_metrics and aligner.attached:  # after each step end's agreement, on every rank
+            from nemo_fp8_align.integrations.groups import pipeline_group
 
-        writer = WriterMetrics(args, group=pipeline_group(model, pg_collection))
-        aligner.step_end_listeners.append(partial(writer, aligner))
+            writer = WriterMetrics(args, group=pipeline_group(model, pg_collection))
+            aligner.step_end_listeners.append(partial(writer, aligner))
+    except BaseException:
+        aligner.detach()  # all or nothing
+        raise
     return aligner
 
 
