@@ -157,3 +157,12 @@ def test_demo_fault_without_the_fault_module_is_one_line_exit_2(monkeypatch, cap
     _one_line_error(err)
     assert "--fault mismatch_on_one_rank: fault injection is a test tool that runs from a " \
            "source checkout" in err
+
+
+def test_demo_fault_in_megatron_lm_loop_is_refused_not_ignored(capsys):
+    """Issue 24: `demo --loop megatron-lm --fault NAME` printed OK with nothing injected (its
+    faults patch the demo's own loop). Refused with exit 2 before any rank starts."""
+    assert main(["demo", "--loop", "megatron-lm", "--fault", "mismatch_on_one_rank"]) == 2
+    err = capsys.readouterr().err
+    _one_line_error(err)
+    assert "--fault mismatch_on_one_rank: fault injection runs in the demo's own loop only" in err

@@ -100,6 +100,11 @@ def demo_input_problem(args: argparse.Namespace) -> Optional[str]:
                     "the demo from a checkout (pip install -e .), or leave --fault out")
         if fault not in names:
             return f"--fault {fault}: not a known fault; pass one of " + ", ".join(names)
+        if getattr(args, "loop", None) == "megatron-lm":
+            # Its faults patch the demo's own schedule loop; in Megatron-LM's loop they would
+            # inject nothing and the run would print OK: refused rather than ignored.
+            return (f"--fault {fault}: fault injection runs in the demo's own loop only; pass "
+                    "--loop schedule, or leave --fault out")
     timeout = getattr(args, "timeout", None)
     if timeout is not None and not timeout > 0:
         return f"--timeout {timeout}: must be a number of seconds > 0; pass e.g. --timeout 60"
