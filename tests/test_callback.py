@@ -115,15 +115,22 @@ class FakeAligner:
     weights = [[None] * 4, [None] * 4]
     backend = type("Backend", (), {"name": "fake"})
 
-    def __init__(self):
-        self.records, self.launched, self.attached_ = [], [], False
+    param_sync = None  # no all-gather to finish: the hold gets no forced-sync watch
 
-    def attach(self):
-        self.attached_ = True
+    def __init__(self):
+        self.records, self.launched, self.attached_, self.hold = [], [], False, None
+
+    def attach(self, hold=None):
+        # As TransposeAligner.attach: the session's hold reports the launches from here on.
+        self.attached_, self.hold = True, hold
+        if hold is not None:
+            hold.install(self.on_param_sync_launched, self.on_step_end)
         return True
 
     def detach(self):
         self.attached_ = False
+        if self.hold is not None:
+            self.hold.restore()
 
     def set_next_step(self, step):
         self.next_steps = getattr(self, "next_steps", []) + [step]
@@ -451,7 +458,15 @@ def test_unwritable_or_shared_telemetry_path_fails_at_setup(monkeypatch, tmp_pat
     from nemo_fp8_align.integrations.nemo.build import check_telemetry_path
 
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 4)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a: 4)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda *a: 0)
+    # No process group: the startup agreement (every rank raises) is this rank's own error.
+    import nemo_fp8_align.core.step_end as step_end
+
+    def agree_alone(own, **kw):
+        if own is not None:
+            raise own
+    monkeypatch.setattr(step_end, "agree", agree_alone)
     with pytest.raises(ValueError, match=r"no \{rank\} but 4 ranks"):
         check_telemetry_path(str(tmp_path / "shared.jsonl"))
 

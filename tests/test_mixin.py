@@ -28,6 +28,7 @@ from nemo_fp8_align.config import AlignConfig  # noqa: E402
 from nemo_fp8_align.config_check.check import FP8AlignConfigError  # noqa: E402
 from nemo_fp8_align.integrations.nemo.build import startup_check  # noqa: E402
 from nemo_fp8_align.integrations.nemo.mixin import FP8TransposeAlignMixin, FP8Weights  # noqa: E402
+from nemo_fp8_align.integrations.nemo import session as session_module  # noqa: E402
 from nemo_fp8_align.integrations.nemo.session import NeMoSession  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -185,6 +186,7 @@ def test_ddp_setup_workaround_only_when_the_plugin_is_active(monkeypatch, enable
 
 class FakeAligner:
     attached = True
+    param_sync, weights, backend = None, [[], []], None  # what the session's hold reads
 
     def __init__(self):
         self.launched, self.steps, self.step_ends = [], [], 0
@@ -223,9 +225,10 @@ def bare_model(use_mcore):
     model.model = [FakeDDPChunk(), FakeDDPChunk()]
     # The session attach() would give it: the aligner, each chunk's first parameter.
     model._fp8_align_session = NeMoSession(model, AlignConfig(), weights=FP8Weights.REFERENCE)
-    model.fp8_align_session.aligner = FakeAligner()
-    model.fp8_align_session._first_param = {
-        id(next(iter(c.parameters()))): i for i, c in enumerate(model.model)}
+    aligner = model.fp8_align_session.aligner = FakeAligner()
+    hold = model.fp8_align_session._hold = session_module._hold_for(model, aligner)
+    hold.install(aligner.on_param_sync_launched, aligner.on_step_end)  # as aligner.attach does
+    aligner.detach = hold.restore
     model._fabric, model._jit_is_scripting = None, False
     model._trainer = trainer(1, global_step=7)
     return model
@@ -259,6 +262,7 @@ def test_training_step_launches_reach_the_aligner_and_nothing_is_left_behind(
     assert model.fp8_aligner.steps == [7] and model.fp8_aligner.step_ends == 1
     if use_mcore:
         assert [c.started for c in model.model] == [2, 1]
+        model.fp8_align_detach()
         assert all("start_param_sync" not in c.__dict__ for c in model.model)
     else:
         assert [len(p) for p in synced] == [2, 2]  # NeMo still got every parameter
@@ -278,7 +282,8 @@ def test_forward_only_passes_notify_nothing(monkeypatch, use_mcore):
 def test_detach_is_idempotent():
     model = bare_model(True)
     detached = []
-    model.fp8_aligner.detach = lambda: detached.append(1)
+    hold = model._fp8_align_session._hold
+    model.fp8_aligner.detach = lambda: (detached.append(1), hold.restore())
     model.fp8_align_detach()
     model.fp8_align_detach()
     assert detached == [1] and model.fp8_aligner is None
@@ -428,7 +433,8 @@ def test_exception_inside_a_training_step_detaches(monkeypatch):
     monkeypatch.setattr(MegatronGPTModel, "fwd_bwd_step", failing_fwd_bwd_step)
     model = bare_model(use_mcore=True)
     detached = []
-    model.fp8_aligner.detach = lambda: detached.append(1)
+    hold = model._fp8_align_session._hold
+    model.fp8_aligner.detach = lambda: (detached.append(1), hold.restore())
     with pytest.raises(ValueError, match="boom"):
         model.fwd_bwd_step(iter([]), forward_only=False)
     assert detached == [1] and model.fp8_aligner is None
@@ -468,7 +474,8 @@ def attached_model(monkeypatch, use_mcore):
     from nemo_fp8_align.integrations.nemo import session as session_module
 
     model = bare_model(use_mcore)
-    model.fp8_align_session.aligner = None
+    model.fp8_align_session._hold.restore()  # bare_model's, for the fake aligner
+    model.fp8_align_session.aligner = model.fp8_align_session._hold = None
     aligner = real_aligner(model.model)
     monkeypatch.setattr(session_module, "build_aligner", lambda m, config, *, weights: aligner)
     assert model.fp8_align_attach()

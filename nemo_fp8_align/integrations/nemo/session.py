@@ -209,7 +209,9 @@ class NeMoSession:
         """``run`` (NeMo's Apex ``sync_overlap_parameters``); inside a training step, the
         chunk whose parameters were passed is reported as launched."""
         hold = self._hold
-        if params is None or hold is None or not hasattr(hold, "launched"):
+        # Only NeMo's schedule calls inside the training step are launches (NeMo also syncs
+        # parameters around validation).
+        if params is None or not self.in_training_step or not hasattr(hold, "launched"):
             return run(params)
         params = list(params)  # the schedule passes a generator: read it once
         run(params)
