@@ -10,6 +10,7 @@ pytest.importorskip("megatron.core")
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 
 from nemo_fp8_align.integrations.megatron_core import align_fp8_transposes  # noqa: E402
+from support.one_process import agree_alone  # noqa: E402
 
 
 def test_a_telemetry_path_shared_by_several_ranks_is_refused(monkeypatch, tmp_path):
@@ -18,14 +19,7 @@ def test_a_telemetry_path_shared_by_several_ranks_is_refused(monkeypatch, tmp_pa
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a: 2)
     monkeypatch.setattr(torch.distributed, "get_rank", lambda *a: 0)
-    # No process group here: the startup agreement (run on several ranks in
-    # tests/test_entry_points.py) raises this rank's own error, as it does alone.
-    import nemo_fp8_align.core.step_end as step_end
-
-    def agree_alone(own, **kw):
-        if own is not None:
-            raise own
-    monkeypatch.setattr(step_end, "agree", agree_alone)
+    agree_alone(monkeypatch)  # no process group: this rank's own error, as with one rank
     chunk = torch.nn.Linear(1, 1)
     config = TransformerConfig(num_layers=4, hidden_size=8, num_attention_heads=2)
     config.param_sync_func = [print, print]

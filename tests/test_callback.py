@@ -456,17 +456,12 @@ def test_unwritable_or_shared_telemetry_path_fails_at_setup(monkeypatch, tmp_pat
     with pytest.raises(ValueError, match="cannot write .*missing_dir"):
         run_fit(monkeypatch, FP8TransposeAlignment(), ReferenceNemoLikeModule(cfg))
     from nemo_fp8_align.integrations.nemo.build import check_telemetry_path
+    from support.one_process import agree_alone
 
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a: 4)
     monkeypatch.setattr(torch.distributed, "get_rank", lambda *a: 0)
-    # No process group: the startup agreement (every rank raises) is this rank's own error.
-    import nemo_fp8_align.core.step_end as step_end
-
-    def agree_alone(own, **kw):
-        if own is not None:
-            raise own
-    monkeypatch.setattr(step_end, "agree", agree_alone)
+    agree_alone(monkeypatch)  # no process group: this rank's own error, as with one rank
     with pytest.raises(ValueError, match=r"no \{rank\} but 4 ranks"):
         check_telemetry_path(str(tmp_path / "shared.jsonl"))
 

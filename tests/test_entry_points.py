@@ -10,12 +10,8 @@ aligned runs bit-identical to off) are tests/test_no_hang.py, tests/test_engine_
 tests/test_megatron_lm_loop.py and tests/test_bridge_callback.py.
 """
 
-import os
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
 
 pytest.importorskip("megatron.core")
 
@@ -30,6 +26,7 @@ from nemo_fp8_align.core.class_patch import observe_method, patched_methods  # n
 from nemo_fp8_align.integrations import groups, megatron_lm  # noqa: E402
 from nemo_fp8_align.integrations.megatron_core import align_fp8_transposes  # noqa: E402
 from nemo_fp8_align.sync.mcore_hold import McoreChunkHold  # noqa: E402
+from support.one_process import gloo_world  # noqa: E402
 
 
 @pytest.fixture
@@ -40,39 +37,30 @@ def model(monkeypatch):
                                                            init_num_microbatches_calculator)
 
     from nemo_fp8_align.backends.reference import ReferenceBackend
-    from nemo_fp8_align.demo.cpu_redirects import enable_cpu_compat
     from nemo_fp8_align.demo.model import DemoModelConfig, GPTChunk
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    compat = enable_cpu_compat()
-    parallel_state.initialize_model_parallel(1, 1)
-    init_num_microbatches_calculator(0, None, 2, 1, 1)
     real = groups.resolve_ranks
     monkeypatch.setattr(groups, "resolve_ranks", lambda *a, **k: groups.ParallelRanks(
         pp_rank=0, pp_size=2, dp_rank=0, dp_size=1, pp_group=None, pp_source="test",
         dp_source=real(*a, **k).dp_source))
-    try:
-        backend = ReferenceBackend()
-        config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
-                                   params_dtype=torch.float32, use_cpu_initialization=True)
-        ddp = DistributedDataParallelConfig(use_distributed_optimizer=True,
-                                            overlap_param_gather=True, overlap_grad_reduce=True,
-                                            align_param_gather=True)
-        chunks = [DistributedDataParallel(config, ddp, GPTChunk(
-            DemoModelConfig(), config=config, stage=0, vp_stage=v, pre_process=v == 0,
-            post_process=v == 1, backend=backend)) for v in range(2)]
-        config.param_sync_func = [c.start_param_sync for c in chunks]
-        config.microbatch_group_size_per_vp_stage = 2  # N = PP of the stand-in pipeline
-        yield chunks, config, backend
-    finally:
-        destroy_num_microbatches_calculator()
-        parallel_state.destroy_model_parallel()
-        compat.undo()
-        dist.destroy_process_group()
+    with gloo_world():
+        parallel_state.initialize_model_parallel(1, 1)
+        init_num_microbatches_calculator(0, None, 2, 1, 1)
+        try:
+            backend = ReferenceBackend()
+            config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
+                                       params_dtype=torch.float32, use_cpu_initialization=True)
+            ddp = DistributedDataParallelConfig(use_distributed_optimizer=True,
+                                                overlap_param_gather=True, overlap_grad_reduce=True,
+                                                align_param_gather=True)
+            chunks = [DistributedDataParallel(config, ddp, GPTChunk(
+                DemoModelConfig(), config=config, stage=0, vp_stage=v, pre_process=v == 0,
+                post_process=v == 1, backend=backend)) for v in range(2)]
+            config.param_sync_func = [c.start_param_sync for c in chunks]
+            config.microbatch_group_size_per_vp_stage = 2  # N = PP of the stand-in pipeline
+            yield chunks, config, backend
+        finally:
+            destroy_num_microbatches_calculator()
 
 
 def _weights(chunk):

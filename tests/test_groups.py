@@ -7,8 +7,6 @@ Unit tests on megatron-core's real ProcessGroupCollection and DistributedDataPar
 """
 
 import inspect
-import os
-import socket
 
 import pytest
 import torch
@@ -22,6 +20,7 @@ from megatron.core.distributed import (DistributedDataParallel,  # noqa: E402
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 
 from nemo_fp8_align.integrations.groups import pipeline_group, resolve_ranks  # noqa: E402
+from support.one_process import gloo_world  # noqa: E402
 
 try:
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -37,21 +36,8 @@ needs_explicit = pytest.mark.skipif(
 @pytest.fixture
 def one_rank():
     """A 1-process gloo world with the CPU shims; parallel_state left uninitialised."""
-    from nemo_fp8_align.demo.cpu_redirects import enable_cpu_compat
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    compat = enable_cpu_compat()
-    try:
+    with gloo_world():
         yield
-    finally:
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
-        compat.undo()
-        dist.destroy_process_group()
 
 
 def _collection(**names):

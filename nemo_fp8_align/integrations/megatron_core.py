@@ -124,9 +124,9 @@ def align_fp8_transposes(
             config = config if config is not None else model[0].config
             refuse_unsupported(Setup(config=config, chunks=model))
             check_telemetry_path(align_config.telemetry_path)
-            if not align_config.active:
-                backend = backend or _InactiveBackend()
-            backend = backend if backend is not None else default_backend(align_config)
+            if backend is None:  # an inactive plugin imports nothing
+                backend = default_backend(align_config) if align_config.active \
+                    else _InactiveBackend()
             weights_of = weights_of or backend.weights_of
             ranks = resolve_ranks(model, pg_collection)
             m_now = num_microbatches() if callable(num_microbatches) else num_microbatches
