@@ -159,10 +159,13 @@ def test_demo_fault_without_the_fault_module_is_one_line_exit_2(monkeypatch, cap
            "source checkout" in err
 
 
-def test_demo_fault_in_megatron_lm_loop_is_refused_not_ignored(capsys):
-    """Issue 24: `demo --loop megatron-lm --fault NAME` printed OK with nothing injected (its
-    faults patch the demo's own loop). Refused with exit 2 before any rank starts."""
-    assert main(["demo", "--loop", "megatron-lm", "--fault", "mismatch_on_one_rank"]) == 2
+def test_an_engine_fault_in_megatron_lm_loop_is_refused_not_ignored(capsys):
+    """Issue 24: `demo --loop megatron-lm --fault NAME` printed OK with nothing injected. The
+    one-rank errors now run there (tests/test_megatron_lm_loop.py); the engine faults, judged
+    by the demo loop's own evidence, are refused with exit 2 before any rank starts."""
+    assert main(["demo", "--loop", "megatron-lm", "--fault", "no_wait"]) == 2
     err = capsys.readouterr().err
     _one_line_error(err)
-    assert "--fault mismatch_on_one_rank: fault injection runs in the demo's own loop only" in err
+    assert "--fault no_wait: runs in the demo's own loop only (pass --loop schedule); in " \
+           "Megatron-LM's loop pass one of capture_on_one_rank, extra_forward_on_one_rank, " \
+           "mismatch_on_one_rank, verify_fails_on_one_rank" in err

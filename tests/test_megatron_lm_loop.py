@@ -17,6 +17,8 @@ from nemo_fp8_align.config import Policy  # noqa: E402
 from nemo_fp8_align.demo.launch import alignment_problems, differences  # noqa: E402
 from nemo_fp8_align.demo.launch_megatron_lm import run_megatron_lm_demo  # noqa: E402
 from nemo_fp8_align.demo.train import DemoOptions  # noqa: E402
+from nemo_fp8_align.errors import DemoRankError  # noqa: E402
+from support.rank_errors import check_every_rank_stopped  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -78,3 +80,34 @@ def test_cli_demo_loop_megatron_lm(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "chunk 1: aligned slot 2; built at slots r0:2 r1:2" in out.stdout
     assert (tmp_path / "t.jsonl").read_text().count("\n") == 4  # step 1 x 2 ranks x 2 chunks
+
+
+@pytest.mark.parametrize("fault", ["extra_forward_on_one_rank", "capture_on_one_rank",
+                                   "verify_fails_on_one_rank"])
+def test_an_error_on_one_rank_stops_every_rank_in_megatron_lm_loop(fault):
+    """The no-hang guarantee in Megatron-LM's own train(), the plugin attached by the post-wrap
+    hook: the last rank meets the error in iteration 1; the plugin holds it to the step end
+    (chunk 0's finish_grad_sync), where every rank, of both pipelines, raises it within seconds
+    instead of the peers dying in a p2p receive or the gradient all-reduce."""
+    opts = DemoOptions(pp=2, vp=2, dp=2, microbatches=4, steps=3, policy=Policy.ALIGNED,
+                       fault=fault, pg_timeout_s=120.0)
+    with pytest.raises(DemoRankError) as info:
+        run_megatron_lm_demo(opts)
+    check_every_rank_stopped(opts, info.value, fault)
+
+
+def test_demo_loop_megatron_lm_fault_exits_1_with_every_ranks_message(capsys):
+    """Issue 24's done-when: `demo --loop megatron-lm --fault mismatch_on_one_rank` exits 1 with
+    StepMismatchError named by every rank (it printed OK, the fault ignored)."""
+    from nemo_fp8_align.cli import main
+
+    code = main(["demo", "--loop", "megatron-lm", "--dp", "2", "--fault",
+                 "mismatch_on_one_rank", "--steps", "3", "--timeout", "120"])
+    err = capsys.readouterr().err
+    assert code == 1, err[-3000:]
+    failed = [line for line in err.splitlines() if line.startswith("FAILED: rank ")]
+    assert len(failed) == 4, err[-3000:]
+    for rank, line in enumerate(failed):
+        assert line.startswith(f"FAILED: rank {rank}: StepMismatchError: nemo_fp8_align: "), line
+    assert "on pipeline rank 1 ran model chunk 0, but the interleaved schedule" in failed[3]
+    assert all("found no problem of its own" in line for line in failed[:3]), failed

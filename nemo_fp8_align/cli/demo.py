@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 from nemo_fp8_align.config import Policy
 from nemo_fp8_align.cli.deps import DEMO_NEEDS, missing_dependency
@@ -93,18 +93,19 @@ def demo_input_problem(args: argparse.Namespace) -> Optional[str]:
                 f"--pp = {pp}, which megatron-core rejects; pass --microbatches {fixed}")
     fault = getattr(args, "fault", None)
     if fault is not None:
-        names = _fault_names()
-        if names is None:
+        faults = _faults()
+        if faults is None:
             return (f"--fault {fault}: fault injection is a test tool that runs from a source "
                     "checkout (nemo_fp8_align/demo/faults/ is not in the installed wheel); run "
                     "the demo from a checkout (pip install -e .), or leave --fault out")
+        names = sorted({**faults.FAULTS, **faults.HARMLESS, **faults.RANK_ERRORS})
         if fault not in names:
             return f"--fault {fault}: not a known fault; pass one of " + ", ".join(names)
-        if getattr(args, "loop", None) == "megatron-lm":
-            # Its faults patch the demo's own schedule loop; in Megatron-LM's loop they would
-            # inject nothing and the run would print OK: refused rather than ignored.
-            return (f"--fault {fault}: fault injection runs in the demo's own loop only; pass "
-                    "--loop schedule, or leave --fault out")
+        if getattr(args, "loop", None) == "megatron-lm" and fault not in faults.RANK_ERRORS:
+            # The engine faults are judged by the demo loop's own evidence (its GEMM checks);
+            # Megatron-LM's loop takes the errors a rank meets on its own (the no-hang proof).
+            return (f"--fault {fault}: runs in the demo's own loop only (pass --loop schedule); "
+                    "in Megatron-LM's loop pass one of " + ", ".join(sorted(faults.RANK_ERRORS)))
     timeout = getattr(args, "timeout", None)
     if timeout is not None and not timeout > 0:
         return f"--timeout {timeout}: must be a number of seconds > 0; pass e.g. --timeout 60"
@@ -127,15 +128,16 @@ def _mcore_post_processes() -> bool:
     return hasattr(param_and_grad_buffer, "post_all_gather_processing")
 
 
-def _fault_names() -> Optional[list]:
-    """The named faults, or None where they are absent (an installed wheel leaves them out)."""
+def _faults() -> Any:
+    """The fault-injection module, or None where it is absent (an installed wheel leaves it out)."""
+    import importlib
+
     try:
-        from nemo_fp8_align.demo.faults import FAULTS, HARMLESS, RANK_ERRORS  # torch only
+        return importlib.import_module("nemo_fp8_align.demo.faults")  # torch only
     except ModuleNotFoundError as err:
         if err.name != "nemo_fp8_align.demo.faults":
             raise
         return None
-    return sorted({**FAULTS, **HARMLESS, **RANK_ERRORS})
 
 
 def loop_problem(loop: str) -> Optional[str]:

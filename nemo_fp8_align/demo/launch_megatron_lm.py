@@ -19,9 +19,18 @@ _CONCAT = ("losses", "grads", "params", "builds_per_step", "records", "unlaunche
            "metrics")
 
 
+def _rank_main(rank: int, world_size: int, port: int, opts: Any, *args: Any) -> None:
+    from nemo_fp8_align.demo.megatron_lm_loop import run_rank
+
+    if opts.fault is not None:
+        from nemo_fp8_align.demo.faults import inject
+
+        inject(opts.fault, loop="megatron-lm")  # this process only, for its whole life
+    run_rank(rank, world_size, port, opts, *args)
+
+
 def run_megatron_lm_demo(opts: Any, telemetry_path: Optional[str] = None) -> Any:
     from nemo_fp8_align.demo.launch import demo_result
-    from nemo_fp8_align.demo.megatron_lm_loop import run_rank
 
     InterleavedSchedule(opts.pp, opts.vp, opts.microbatches, opts.group_size)
     with tempfile.TemporaryDirectory(prefix="nemo_fp8_align_mlm_") as out_dir:
@@ -36,7 +45,7 @@ def run_megatron_lm_demo(opts: Any, telemetry_path: Optional[str] = None) -> Any
             run_dir = os.path.join(out_dir, f"job{i}")
             os.makedirs(run_dir)
             # Megatron-LM's process groups time out after --distributed-timeout-minutes (10).
-            codes = spawn_and_wait(run_rank, opts.world_size, (opts, run_dir, phase, True),
+            codes = spawn_and_wait(_rank_main, opts.world_size, (opts, run_dir, phase, True),
                                    opts.pg_timeout_s or _MEGATRON_LM_PG_TIMEOUT_S)
             parts.append(read_results(run_dir, codes))
         ranks = [_merge([p[r] for p in parts]) for r in range(opts.world_size)]

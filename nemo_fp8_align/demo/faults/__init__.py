@@ -139,51 +139,86 @@ def _the_faulty_rank() -> bool:
     return dist.is_initialized() and dist.get_rank() == dist.get_world_size() - 1
 
 
-def _extra_forward(after: bool) -> Undo:
-    """On the faulty rank, in the faulty step, the schedule's first (``after``: last) forward
-    step also calls its model chunk once more, with gradients: an extra chunk forward."""
-    state: Dict[str, Any] = {"step": None}
+def _extra_forward(after: bool, loop: str) -> Undo:
+    """On the faulty rank, in the faulty step, the step's first (``after``: last) forward step
+    also calls its model chunk once more, with gradients: an extra chunk forward. ``loop``: the
+    demo's own schedule loop or Megatron-LM's ``train()``, whose forward step it wraps."""
+    counter: Dict[str, Any] = {"step": None, "calls": 0}
+
+    def forward(step: int, opts: Any, model: torch.nn.Module, own: Callable[[], Any]) -> Any:
+        if step != FAULTY_STEP or not _the_faulty_rank():
+            return own()
+        if counter["step"] != step:
+            counter.update(step=step, calls=0)
+        counter["calls"] += 1
+        if counter["calls"] == 1 and not after:
+            _call_chunk_again(model, opts)
+        out = own()
+        if counter["calls"] == opts.microbatches * opts.vp and after:
+            _call_chunk_again(model, opts)
+        return out
+    if loop == "megatron-lm":
+        return _wrap_megatron_lm_forward_step(forward)
+    return _wrap_demo_forward_step(forward)
+
+
+def _call_chunk_again(model: torch.nn.Module, opts: Any) -> None:
+    tokens = torch.zeros(opts.micro_batch_size, opts.model.seq_length, dtype=torch.long,
+                         device=opts.device)
+    model(tokens, tokens)  # output dropped: the step's gradients are unchanged
+
+
+def _wrap_demo_forward_step(forward: Callable[..., Any]) -> Undo:
+    """The demo loop's forward step, told its step by ``PipelineRun.forward_backward``."""
+    current: Dict[str, Any] = {}
     run_step, forward_step = train.PipelineRun.forward_backward, train._forward_step
 
     def forward_backward(self: Any, step: int) -> Any:
-        state.update(step=step, calls=0, opts=self.opts)
+        current.update(step=step, opts=self.opts)
         try:
             return run_step(self, step)
         finally:
-            state["step"] = None
-
-    def extra(model: torch.nn.Module) -> None:
-        opts = state["opts"]
-        tokens = torch.zeros(opts.micro_batch_size, opts.model.seq_length, dtype=torch.long,
-                             device=opts.device)
-        model(tokens, tokens)  # output dropped: the step's gradients are unchanged
+            current.clear()
 
     def faulty_forward_step(data_iterator: Any, model: torch.nn.Module, probe: Any = None) -> Any:
-        if state["step"] != FAULTY_STEP or not _the_faulty_rank():
+        def own() -> Any:
             return forward_step(data_iterator, model, probe)
-        state["calls"] += 1
-        last = state["opts"].microbatches * state["opts"].vp
-        if state["calls"] == 1 and not after:
-            extra(model)
-        out = forward_step(data_iterator, model, probe)
-        if state["calls"] == last and after:
-            extra(model)
-        return out
+        return forward(current["step"], current["opts"], model, own) if current else own()
     undo_step = _patch(train.PipelineRun, "forward_backward", forward_backward)
     undo_forward = _patch(train, "_forward_step", faulty_forward_step)
     return lambda: (undo_forward(), undo_step())
 
 
-def mismatch_on_one_rank() -> Undo:
+def _wrap_megatron_lm_forward_step(forward: Callable[..., Any]) -> Undo:
+    """The forward step the ``--loop megatron-lm`` rank hands to ``pretrain``; the step is
+    Megatron-LM's own iteration counter (``args.curr_iteration``). The wrapper keeps the
+    two-argument signature ``train()`` inspects."""
+    from nemo_fp8_align.demo import megatron_lm_loop
+
+    make = megatron_lm_loop._forward_step
+
+    def make_faulty(book: Any) -> Callable[[Any, Any], Any]:
+        forward_step = make(book)
+
+        def faulty_forward_step(data_iterator: Any, model: Any) -> Any:
+            from megatron.training.global_vars import get_args
+
+            return forward(int(get_args().curr_iteration), book.opts, model,
+                           lambda: forward_step(data_iterator, model))
+        return faulty_forward_step
+    return _patch(megatron_lm_loop, "_forward_step", make_faulty)
+
+
+def mismatch_on_one_rank(loop: str = "schedule") -> Undo:
     """One rank runs an extra chunk forward at the start of a step: its next forwards run
     other chunks than its schedule says (StepMismatchError, wrong chunk)."""
-    return _extra_forward(after=False)
+    return _extra_forward(after=False, loop=loop)
 
 
-def extra_forward_on_one_rank() -> Undo:
+def extra_forward_on_one_rank(loop: str = "schedule") -> Undo:
     """One rank runs an extra chunk forward after the step's last one (StepMismatchError,
     a forward beyond the schedule's)."""
-    return _extra_forward(after=True)
+    return _extra_forward(after=True, loop=loop)
 
 
 def _in_faulty_step(method: str, action: Callable[[TransposeAligner, int], None],
@@ -200,7 +235,7 @@ def _in_faulty_step(method: str, action: Callable[[TransposeAligner, int], None]
     return _patch(TransposeAligner, method, patched)
 
 
-def capture_on_one_rank() -> Undo:
+def capture_on_one_rank(loop: str = "schedule") -> Undo:
     """One rank's forward at chunk 1's slot runs inside a CUDA-graph capture (as a per-layer
     graph captured during training would): the capture refusal."""
     import nemo_fp8_align.core.aligner as aligner_module
@@ -218,7 +253,7 @@ def capture_on_one_rank() -> Undo:
     return _patch(TransposeAligner, "_on_forward", on_forward)
 
 
-def verify_fails_on_one_rank() -> Undo:
+def verify_fails_on_one_rank(loop: str = "schedule") -> Undo:
     """Verify mode on; on one rank a byte of chunk 1's first transpose is flipped right after
     the plugin built it: TransposeVerifyError at the chunk's first use."""
     def corrupt(self: TransposeAligner, chunk: int) -> None:
@@ -239,10 +274,18 @@ RANK_ERRORS: Dict[str, Callable[[], Undo]] = {f.__name__: f for f in (
     verify_fails_on_one_rank)}
 
 
-def inject(name: str) -> Undo:
-    """Apply the named fault (or harmless variation) in this process; returns its undo."""
+def inject(name: str, loop: str = "schedule") -> Undo:
+    """Apply the named fault (or harmless variation) in this process; returns its undo.
+
+    ``loop="megatron-lm"`` (``demo --loop megatron-lm``) takes the :data:`RANK_ERRORS` only: the
+    engine faults are judged by the demo loop's own evidence."""
     known = {**FAULTS, **HARMLESS, **RANK_ERRORS}
     if name not in known:
         raise ValueError(f"fault={name!r} is not a known fault; choose one of: "
                          + ", ".join(sorted(known)))
+    if loop == "megatron-lm":
+        if name not in RANK_ERRORS:
+            raise ValueError(f"fault={name!r} runs in the demo's own loop only; in Megatron-LM's "
+                             "loop choose one of: " + ", ".join(sorted(RANK_ERRORS)))
+        return RANK_ERRORS[name](loop)
     return known[name]()
