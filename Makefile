@@ -67,7 +67,8 @@ $(BRIDGE_WHEEL)/.installed: $(VENV)/.installed
 
 MCORE019_TESTS = tests/test_schedule.py tests/test_engine_mcore.py tests/test_faults.py \
 	tests/test_refusals.py tests/test_api.py tests/test_cpu_compat.py tests/test_gather_with_optimizer.py \
-	tests/test_groups.py tests/test_forced_sync.py tests/test_no_hang.py tests/test_entry_points.py tests/test_bridge_callback.py
+	tests/test_groups.py tests/test_forced_sync.py tests/test_no_hang.py tests/test_entry_points.py tests/test_bridge_callback.py \
+	tests/test_megatron_lm_parser_019.py
 
 # On 0.17.1 and 0.18.2: the schedule tables, the refusal rows, and the two paths that changed
 # between them (0.18 post-processes forced all-gathers itself; the optimizer-step all-gather).

@@ -38,6 +38,11 @@ def test_model_node_alone_is_accepted_and_skips_microbatch_checks():
 
 
 # Each single violation: (overrides of the seed, key, found, fix).
+def _NO_RECIPE_FIX(recipe):  # noqa: N802 - a constant's shape, used in the table below
+    return (f"none that keeps fp8_recipe={recipe}: turn the plugin off, or choose a per-tensor "
+            "recipe yourself (a change of the training numerics)")
+
+
 SINGLE = [
     ({"pipeline_model_parallel_size": 1}, "model.pipeline_model_parallel_size", "1",
      "model.pipeline_model_parallel_size=2"),
@@ -64,13 +69,12 @@ SINGLE = [
     ({"mcore_customization_config.disable_parameter_transpose_cache": True},
      "model.mcore_customization_config.disable_parameter_transpose_cache", "True",
      "model.mcore_customization_config.disable_parameter_transpose_cache=False"),
-    ({"fp8_recipe": "mxfp8"}, "model.fp8_recipe", "'mxfp8' (a string)",
-     "model.fp8_recipe=delayed"),
+    # Not supported by the plugin: the recipe is the training's numerics, never a "fix".
+    ({"fp8_recipe": "mxfp8"}, "model.fp8_recipe", "'mxfp8' (a string)", _NO_RECIPE_FIX("mxfp8")),
     ({"fp8_recipe": "blockwise"}, "model.fp8_recipe", "'blockwise' (a string)",
-     "model.fp8_recipe=delayed"),
+     _NO_RECIPE_FIX("blockwise")),
     ({"mcore_customization_config.fp8_recipe": "mxfp8"},
-     "model.mcore_customization_config.fp8_recipe", "'mxfp8' (a string)",
-     "model.mcore_customization_config.fp8_recipe=delayed"),
+     "model.mcore_customization_config.fp8_recipe", "'mxfp8' (a string)", _NO_RECIPE_FIX("mxfp8")),
     # M = 12 / 2 = 6: 6 mod N=PP=4 = 2, in (0, PP): megatron-core raises RuntimeError. The fix
     # is the group size N = 6 (a layout change), not another global batch.
     ({"global_batch_size": 12}, "model.microbatch_group_size_per_vp_stage", "<missing>",

@@ -2,6 +2,7 @@
 Megatron-LM's flags (config_check/megatron_lm_args.py), and ``check --megatron-lm``."""
 
 import subprocess
+from pathlib import Path
 import sys
 
 import pytest
@@ -15,8 +16,22 @@ GOOD = ("--pipeline-model-parallel-size 2 --num-layers 8 --num-layers-per-virtua
         "--global-batch-size 16 --bf16 --seq-length 128 --lr 1e-4").split()
 
 
+def _without(argv, drop):
+    """``argv`` without the flags in ``drop`` and their values."""
+    out, skip = [], False
+    for token in argv:
+        if token in drop:
+            skip = True
+            continue
+        if skip and not token.startswith("--"):
+            continue
+        skip = False
+        out.append(token)
+    return out
+
+
 def _found(extra=(), drop=(), world=4):
-    argv = [a for a in GOOD if a not in drop]
+    argv = _without(GOOD, drop)
     return megatron_lm_violations(parse_megatron_lm_argv(argv + list(extra)), world_size=world)
 
 
@@ -35,17 +50,20 @@ def test_a_valid_command_line_passes_and_other_arguments_are_ignored():
     (["--no-align-param-gather"], [], "--no-align-param-gather", "drop --no-align-param-gather"),
     (["--overlap-param-gather-with-optimizer-step"], [],
      "--overlap-param-gather-with-optimizer-step", "drop --overlap-param-gather-with-optimizer-step"),
-    (["--fp8-recipe", "mxfp8"], [], "--fp8-recipe", "--fp8-recipe delayed"),
+    (["--fp8-recipe", "mxfp8"], [], "--fp8-recipe",
+     "none that keeps --fp8-recipe mxfp8: train without the plugin (do not attach it), or "
+     "choose a per-tensor recipe yourself, which changes the training numerics"),
     (["--transformer-impl", "local"], [], "--transformer-impl",
      "--transformer-impl transformer_engine"),
     (["--cuda-graph-impl", "full_iteration"], [], "--cuda-graph-impl",
      "--cuda-graph-impl transformer_engine"),
     (["--overlap-moe-expert-parallel-comm"], [], "--overlap-moe-expert-parallel-comm",
      "drop --overlap-moe-expert-parallel-comm"),
-    (["--use-torch-fsdp2"], [], "--use-torch-fsdp2", None),
+    (["--use-torch-fsdp2"], [], "--use-torch-fsdp2",
+     "drop --use-torch-fsdp2; --use-distributed-optimizer"),
     (["--num-layers-per-virtual-pipeline-stage", "4"], ["--num-layers-per-virtual-pipeline-stage"],
-     "--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank 2"),
-    (["--global-batch-size", "6"], ["--global-batch-size", "16"],  # M = 3 with N = PP = 2
+     "--num-layers-per-virtual-pipeline-stage", "--num-layers-per-virtual-pipeline-stage 2"),
+    (["--global-batch-size", "6"], ["--global-batch-size"],  # M = 3 with N = PP = 2
      "--microbatch-group-size-per-virtual-pipeline-stage",
      "--microbatch-group-size-per-virtual-pipeline-stage 3"),
 ])
@@ -57,13 +75,13 @@ def test_each_bad_setting_is_reported_with_its_flag_and_fix(extra, drop, flag, f
 
 
 def test_every_violation_at_once_and_the_fp8_format_once():
-    found = _found(drop=["--fp8-format", "hybrid", "--fp8-param-gather", "--overlap-grad-reduce"])
+    found = _found(drop=["--fp8-format", "--fp8-param-gather", "--overlap-grad-reduce"])
     assert [v.key for v in found] == ["--fp8-format", "--fp8-param-gather",
                                       "--overlap-grad-reduce"]
 
 
 def test_microbatch_checks_need_the_world_size():
-    assert _found(["--global-batch-size", "6"], ["--global-batch-size", "16"], world=None) == []
+    assert _found(["--global-batch-size", "6"], ["--global-batch-size"], world=None) == []
 
 
 def _cli(*args):
@@ -80,3 +98,98 @@ def test_cli_accepts_a_megatron_lm_argument_list():
     assert "fix: drop --no-align-param-gather" in bad.stderr
     assert _cli("--megatron-lm", "--world-size", "0", "--", *GOOD).returncode == 2
     assert _cli().returncode == 2
+
+
+# --- Megatron-LM 0.19.2's own validation (issue 25 item 1) -----------------------------------
+
+UPSTREAM = Path(__file__).parent / "data" / "upstream" / "megatron_lm"
+
+
+def _keys(found):
+    return [v.key for v in found]
+
+
+def test_an_unknown_flag_is_named_with_the_flag_meant():
+    found = _found(["--virtual-pipeline-model-parallel-size", "2"])
+    assert _keys(found) == ["--virtual-pipeline-model-parallel-size"], found
+    assert "did you mean --num-virtual-stages-per-pipeline-rank" in found[0].expected
+
+
+def test_two_virtual_pipeline_flags_are_a_conflict():
+    found = _found(["--num-virtual-stages-per-pipeline-rank", "2"])
+    assert _keys(found) == ["--num-layers-per-virtual-pipeline-stage"], found
+    assert found[0].fix == "drop --num-layers-per-virtual-pipeline-stage"
+
+
+def test_accounting_flags_count_in_the_split_with_layers_per_virtual_stage():
+    """30 layers + embedding + loss = 32 = PP 2 x VP 4 x 4 layers: Megatron-LM accepts it."""
+    argv = ["--num-layers", "30", "--account-for-embedding-in-pipeline-split",
+            "--account-for-loss-in-pipeline-split", "--num-layers-per-virtual-pipeline-stage", "4"]
+    assert _found(argv, drop=["--num-layers", "--num-layers-per-virtual-pipeline-stage"]) == []
+    # one flag only: NeMo's own chunk assertion does not apply to Megatron-LM
+    argv = ["--num-layers", "31", "--account-for-loss-in-pipeline-split",
+            "--num-layers-per-virtual-pipeline-stage", "4"]
+    assert _found(argv, drop=["--num-layers", "--num-layers-per-virtual-pipeline-stage"]) == []
+
+
+def test_every_entry_of_the_step_batch_schedule_is_checked_and_rampup_is_not_read():
+    # world 4, PP 2: DP 2; entry 2 gives M = 1 < PP
+    found = _found(["--step-batch-size-schedule", "0:2 1000:16"], drop=["--global-batch-size"])
+    assert _keys(found) == ["--step-batch-size-schedule"], found
+    assert found[0].fix == "--step-batch-size-schedule '0:4 1000:16'"
+    assert _found(["--rampup-batch-size", "4", "4", "1000"]) == []  # 0.19.2 only warns
+    found = _found(["--step-batch-size-schedule", "0:16"])
+    assert _keys(found) == ["--global-batch-size"] and found[0].fix == "drop --global-batch-size"
+
+
+def test_heads_and_query_groups_against_tensor_parallelism():
+    found = _found(["--num-attention-heads", "8", "--group-query-attention",
+                    "--num-query-groups", "2", "--tensor-model-parallel-size", "4"], world=8)
+    assert _keys(found) == ["--tensor-model-parallel-size"], found
+    assert found[0].fix == "--tensor-model-parallel-size 2"
+
+
+def test_fp4_is_not_supported_and_not_with_fp8():
+    found = _found(["--fp4-format", "e2m1"])
+    assert _keys(found) == ["--fp4-format"] and "drop --fp4-format" == found[0].fix
+    found = _found(["--fp4-format", "e2m1"], drop=["--fp8-format", "--fp8-param-gather"])
+    assert "--fp4-format" in _keys(found)
+    assert "not supported by this plugin" in found[0].expected
+
+
+def test_a_layout_string_gives_the_split_and_its_stages_give_vp():
+    layout = ["--pipeline-model-parallel-layout", "Et|tt|tt|ttL"]  # 4 stages on PP 2: VP 2
+    argv = ["--num-layers", "7"] + layout
+    assert _found(argv, drop=["--num-layers", "--num-layers-per-virtual-pipeline-stage"]) == []
+    found = _found(["--num-layers", "8"] + layout,
+                   drop=["--num-layers", "--num-layers-per-virtual-pipeline-stage"])
+    assert _keys(found) == ["--pipeline-model-parallel-layout"], found
+
+
+def test_interleaving_on_two_ranks_needs_overlapped_p2p():
+    found = _found(["--no-overlap-p2p-communication"])
+    assert _keys(found) == ["--no-overlap-p2p-communication"], found
+
+
+def test_the_expert_parallel_fixes_agree_in_one_step():
+    """6 experts, EP 8, 32 GPUs at PP 2: the divisor rule and the world-size rule name the same
+    EP (2), instead of 6, then 4, then 3, then 2 over four rounds."""
+    found = _found(["--num-experts", "6", "--expert-model-parallel-size", "8",
+                    "--global-batch-size", "64"], drop=["--global-batch-size"], world=32)
+    assert [(v.key, v.fix) for v in found] == [("--expert-model-parallel-size",
+                                               "--expert-model-parallel-size 2")], found
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in UPSTREAM.glob("*.args")))
+def test_upstream_example_scripts_use_only_megatron_lm_flags(script):
+    argv = (UPSTREAM / script).read_text().split("\n")
+    args = parse_megatron_lm_argv([a for a in argv if a])
+    found = megatron_lm_violations(args, world_size=8)
+    unknown = [v.key for v in found if "not a Megatron-LM" in v.found]
+    # gpt-oss's two come from megatron/post_training/arguments.py (ModelOpt's arguments, which
+    # pretrain_gpt.py adds itself), not from megatron.training's parser: named, not hidden
+    assert unknown == (["--export-force-local-attention", "--enable-gpt-oss"]
+                       if script.startswith("gptoss") else [])
+    assert "--num-virtual-stages-per-pipeline-rank" in _keys(found)  # none interleaves
+    if script.startswith("train_gpt3"):  # both batch flags: Megatron-LM 0.19.2 raises
+        assert "--global-batch-size" in _keys(found)

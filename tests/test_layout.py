@@ -123,6 +123,8 @@ def test_tests_import_shared_helpers_from_support_only():
 WHEEL_DIRS = ("", "backends", "cli", "config_check", "config_check/rules", "core", "demo",
               "integrations", "integrations/nemo", "kernels", "nemo", "planner", "sync")
 TEST_TOOLS = ("demo/faults",)
+#: Data files that ship with the modules (pyproject.toml's package-data).
+DATA_FILES = ("config_check/megatron_lm_flags.txt",)
 DIST_INFO = ("METADATA", "WHEEL", "RECORD", "entry_points.txt", "top_level.txt")
 
 
@@ -131,7 +133,8 @@ def _allowed_wheel_files(version: str) -> Set[str]:
     directory, none under :data:`TEST_TOOLS`) and the wheel's own metadata."""
     modules = {f"{PACKAGE}/{d + '/' if d else ''}{p.name}"
                for d in WHEEL_DIRS for p in (ROOT / PACKAGE / d).glob("*.py")}
-    return modules | {f"{PACKAGE}-{version}.dist-info/{n}" for n in DIST_INFO}
+    return (modules | {f"{PACKAGE}/{name}" for name in DATA_FILES}
+            | {f"{PACKAGE}-{version}.dist-info/{n}" for n in DIST_INFO})
 
 
 def _build_wheel(out: Path) -> Path:

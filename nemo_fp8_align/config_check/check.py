@@ -112,13 +112,15 @@ def plugin_off_override(cfg: Any) -> str:
 
 def find_violations(cfg: Any, *, data_parallel_size: Any = None,
                     data_parallel_name: str = "data_parallel_size",
-                    require_block: bool = False) -> List[Violation]:
+                    require_block: bool = False, dialect: str = "nemo") -> List[Violation]:
     """Every violation in ``cfg``, in :data:`RULES` order; empty when valid, and when the plugin
     block turns the plugin off (errors inside the block itself are still listed).
 
     ``data_parallel_name`` is how messages name the data-parallel size the caller passed
     (the CLI passes ``--data-parallel-size``). ``require_block``: an absent plugin block is a
     violation (the entry-point callback, unlike the mixin, does nothing without it).
+    ``dialect``: ``megatron_lm`` for Megatron-LM's arguments mapped onto the keys (NeMo's own
+    assertions left out; :mod:`.megatron_lm_args`).
     """
     with upstream_resolvers():
         model, trainer, problems = config_nodes(cfg)
@@ -128,7 +130,7 @@ def find_violations(cfg: Any, *, data_parallel_size: Any = None,
         ctx = CheckContext(Reader(model, "model.", found),
                            None if trainer is None else Reader(trainer, "trainer.", found),
                            data_parallel_size, data_parallel_name, found,
-                           require_block=require_block)
+                           require_block=require_block, dialect=dialect)
         align = _read_block(ctx.model)
         if align.active:
             for rule in RULES:

@@ -39,6 +39,19 @@ class CheckContext:
     require_block: bool = False
     #: Values computed once per check (the layout search).
     cache: Dict[str, Any] = field(default_factory=dict)
+    #: Whose spelling the config is: ``nemo`` (NeMo 2.3.3 builds the model, and its own checks
+    #: apply) or ``megatron_lm`` (Megatron-LM's arguments mapped onto the same keys: NeMo's
+    #: assertions do not apply, and a ``pipeline_model_parallel_layout`` defines the split).
+    dialect: str = "nemo"
+
+    @property
+    def nemo(self) -> bool:
+        return self.dialect == "nemo"
+
+    def layout_string(self) -> bool:
+        """Megatron-LM's ``--pipeline-model-parallel-layout`` gives the split itself."""
+        return not self.nemo and isinstance(self.model.get("pipeline_model_parallel_layout"),
+                                            str)
 
     # --- parallel sizes (None: missing or invalid, reported by the rule that owns the key) --
 

@@ -62,6 +62,11 @@ class Fixed:
     given_dp: Optional[int]
     ep: int = 1
     etp: int = 1
+    #: NeMo 2.3.3's own split assertions apply (False under Megatron-LM).
+    nemo: bool = True
+    #: The settings the search may change (only N under a Megatron-LM layout string, which
+    #: fixes PP, VP and the split).
+    changeable: Tuple[str, ...] = ("n", "first", "last", "vp", "pp")
 
     def dp(self, pp: int) -> Optional[int]:
         """The data-parallel size with ``pp`` (the world's when known, else the given one)."""
@@ -71,14 +76,15 @@ class Fixed:
         return self.world // mp if self.world % mp == 0 else None
 
 
-def split_error(layers: int, lay: Layout, emb: bool, loss: bool) -> Optional[str]:
+def split_error(layers: int, lay: Layout, emb: bool, loss: bool,
+                nemo: bool = True) -> Optional[str]:
     """Why megatron-core or NeMo 2.3.3 refuse this split (None: they accept it)."""
     for count in (lay.first, lay.last):
         if count is not None and lay.vp and count % lay.vp:
             return "a first/last stage count not a multiple of VP"
     if (lay.first is not None or lay.last is not None) and (emb or loss):
         return "first/last stage counts with an account_for_* flag"
-    error = layer_split_error(layers, lay.pp, lay.vp, lay.first, lay.last, emb, loss)
+    error = layer_split_error(layers, lay.pp, lay.vp, lay.first, lay.last, emb, loss, nemo)
     return None if error is None else error[1]
 
 
@@ -90,7 +96,8 @@ def layout_problem(fixed: Fixed, lay: Layout) -> Optional[str]:
         return "TP * PP * CP does not divide the world size"
     if fixed.world is not None and fixed.ep > 1 and fixed.world % (fixed.etp * fixed.ep * lay.pp):
         return "expert TP * EP * PP does not divide the world size"
-    error = split_error(fixed.layers, lay, fixed.emb, fixed.loss)
+    error = None if fixed.changeable == ("n",) else split_error(
+        fixed.layers, lay, fixed.emb, fixed.loss, fixed.nemo)
     if error is not None:
         return error
     dp = fixed.dp(lay.pp)
@@ -165,7 +172,8 @@ def search(fixed: Fixed, cur: Layout) -> Optional[Layout]:
     tried = 0
     for size in range(1, _MAX_CHANGED + 1):
         best: Optional[Tuple[Tuple[int, int], Layout]] = None
-        for changed in itertools.combinations(_ORDER, size):
+        for changed in itertools.combinations([v for v in _ORDER if v in fixed.changeable],
+                                              size):
             for lay in _layouts(fixed, cur, changed):
                 tried += 1
                 if tried > _MAX_TRIED:
@@ -212,7 +220,8 @@ def _inputs(ctx: CheckContext) -> Optional[Tuple[Fixed, Layout]]:
         return None  # invalid devices / num_nodes: reported by their own rule
     fixed = Fixed(layers, ctx.world(), tp, cp, flags[0], flags[1],
                   m.peek_int("micro_batch_size"), m.peek_int("global_batch_size"),
-                  ctx.given_data_parallel() if ctx.world() is None else None, ep, etp)
+                  ctx.given_data_parallel() if ctx.world() is None else None, ep, etp,
+                  nemo=ctx.nemo, changeable=("n",) if ctx.layout_string() else Fixed.changeable)
     return fixed, Layout(pp, vp, values["first"], values["last"], values["n"])
 
 

@@ -17,14 +17,17 @@ of the same names. Nothing here imports megatron-core.
 
 from __future__ import annotations
 
-import argparse
 import re
-from functools import partial
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence
 
+from nemo_fp8_align.config_check.megatron_lm_parser import parse_argv
+from nemo_fp8_align.config_check.megatron_lm_rules import (
+    PARSE_PROBLEMS, implicit_global_batch, megatron_lm_only, recipe_not_supported, step_schedule,
+    vp_flag, vp_of, vp_spelling)
 from nemo_fp8_align.config_check.reader import Violation
 
-__all__ = ["FLAGS", "megatron_lm_config", "megatron_lm_violations", "parse_megatron_lm_argv"]
+__all__ = ["FLAGS", "READ_DESTS", "megatron_lm_config", "megatron_lm_violations",
+           "parse_megatron_lm_argv", "translate_fix"]
 
 STORE_TRUE, STORE_FALSE, VALUE = "store_true", "store_false", "value"
 
@@ -75,9 +78,9 @@ FLAGS: Dict[str, Flag] = {
     "optim.overlap_param_gather_with_optimizer_step": Flag(
         "overlap_param_gather_with_optimizer_step",
         "--overlap-param-gather-with-optimizer-step", STORE_TRUE, False),
+    "num_attention_heads": Flag("num_attention_heads", "--num-attention-heads", VALUE, None),
     "micro_batch_size": Flag("micro_batch_size", "--micro-batch-size", VALUE, None),
     "global_batch_size": Flag("global_batch_size", "--global-batch-size", VALUE, None),
-    "rampup_batch_size": Flag("rampup_batch_size", "--rampup-batch-size", VALUE, None),
     "microbatch_group_size_per_vp_stage": Flag(
         "microbatch_group_size_per_vp_stage",
         "--microbatch-group-size-per-virtual-pipeline-stage", VALUE, None),
@@ -99,7 +102,19 @@ _DERIVED: Dict[str, Flag] = {f.dest: f for f in (
     Flag("use_distributed_optimizer", "--use-distributed-optimizer", STORE_TRUE, False),
     Flag("use_megatron_fsdp", "--use-megatron-fsdp", STORE_TRUE, False),
     Flag("use_torch_fsdp2", "--use-torch-fsdp2", STORE_TRUE, False),
+    Flag("num_query_groups", "--num-query-groups", VALUE, 1),
+    Flag("group_query_attention", "--group-query-attention", STORE_TRUE, False),
+    Flag("step_batch_size_schedule", "--step-batch-size-schedule", VALUE, None),
+    Flag("seq_length", "--seq-length", VALUE, None),
+    Flag("overlap_p2p_comm", "--no-overlap-p2p-communication", STORE_FALSE, True),
+    Flag("fp4", "--fp4-format", VALUE, None),
+    Flag("fp4_param_gather", "--fp4-param-gather", STORE_TRUE, False),
+    Flag("rampup_batch_size", "--rampup-batch-size", VALUE, None),
 )}
+
+#: Every Megatron-LM argument the check reads (their defaults are kept in the generated
+#: table of Megatron-LM's flags, :mod:`.megatron_lm_flags`).
+READ_DESTS = tuple(sorted({f.dest for f in FLAGS.values()} | set(_DERIVED)))
 
 #: Derived keys: how a fix of the rule's key is spelt in Megatron-LM.
 _DERIVED_FIX = {
@@ -123,24 +138,13 @@ _DERIVED_EXPECTED = {
 
 
 def parse_megatron_lm_argv(argv: Sequence[str]) -> Dict[str, Any]:
-    """The arguments the rules read, parsed from a Megatron-LM command line (other arguments
-    are ignored), with Megatron-LM's defaults for those not given."""
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    for f in list(FLAGS.values()) + list(_DERIVED.values()):
-        if f.kind == STORE_TRUE:
-            parser.add_argument(f.flag, dest=f.dest, action="store_true")
-        elif f.kind == STORE_FALSE:
-            parser.add_argument(f.flag, dest=f.dest, action="store_false")
-        elif f.dest == "rampup_batch_size":
-            parser.add_argument(f.flag, dest=f.dest, nargs="*", default=None)
-        else:
-            parser.add_argument(f.flag, dest=f.dest, type=_int_or_str, default=f.default)
-    known, _ = parser.parse_known_args(list(argv))
-    return vars(known)
-
-
-def _int_or_str(text: str) -> Any:
-    return int(text) if re.fullmatch(r"-?\d+", text) else text
+    """Megatron-LM's arguments parsed from a command line as its own parser reads them (every
+    argument, with Megatron-LM 0.19.2's defaults); what its parser would stop on (an unknown
+    flag, a value it rejects) is kept under ``PARSE_PROBLEMS`` for
+    :func:`megatron_lm_violations`."""
+    args, problems = parse_argv(argv)
+    args[PARSE_PROBLEMS] = problems
+    return args
 
 
 def megatron_lm_config(args: Mapping[str, Any], world_size: Optional[int] = None) -> dict:
@@ -153,13 +157,21 @@ def megatron_lm_config(args: Mapping[str, Any], world_size: Optional[int] = None
     for key, f in FLAGS.items():
         _put(model, key, get(f.dest, f.default))
     fmt = get("fp8")
+    schedule = step_schedule(args)
     model.update(fp8=fmt is not None, fp8_hybrid=fmt == "hybrid", fp8_e4m3=fmt == "e4m3",
                  transformer_engine=get("transformer_impl", "transformer_engine")
                  == "transformer_engine",
-                 virtual_pipeline_model_parallel_size=_vp(args),
+                 virtual_pipeline_model_parallel_size=vp_of(args),
+                 num_query_groups=get("num_query_groups") if get("group_query_attention")
+                 else None,  # Megatron-LM passes its groups only with --group-query-attention
+                 rampup_batch_size=None,  # read by Megatron-LM 0.19.2 only to warn
                  megatron_amp_O2=True,  # NeMo's requirement; Megatron-LM keeps FP32 main params
                  mcore_gpt=True,  # NeMo's switch; Megatron-LM's models are megatron-core's
                  fp8_transpose_align={"enabled": True})
+    if isinstance(schedule, list) and schedule:
+        model["global_batch_size"] = schedule[-1][1]  # the steady state; every entry: rules
+    elif model["global_batch_size"] is None and world_size is not None:
+        model["global_batch_size"] = implicit_global_batch(args, world_size)
     model["optim"]["name"] = ("mcore_distributed_optim" if get("use_distributed_optimizer")
                               else "adam")
     trainer = {"precision": "bf16-mixed"}  # NeMo's O2 needs a half precision, Megatron-LM not
@@ -176,56 +188,33 @@ def _put(node: Dict[str, Any], key: str, value: Any) -> None:
         node[head] = value
 
 
-def _vp(args: Mapping[str, Any]) -> Any:
-    """Model chunks per pipeline rank, as Megatron-LM derives them (validated args carry it)."""
-    if args.get("virtual_pipeline_model_parallel_size") is not None:
-        return args["virtual_pipeline_model_parallel_size"]
-    if args.get("num_virtual_stages_per_pipeline_rank") is not None:
-        return args["num_virtual_stages_per_pipeline_rank"]
-    per_stage, layers = args.get("num_layers_per_virtual_pipeline_stage"), args.get("num_layers")
-    pp = args.get("pipeline_model_parallel_size") or 1
-    if per_stage is None:
-        return None
-    if isinstance(layers, int) and isinstance(per_stage, int) and per_stage > 0 \
-            and layers % (pp * per_stage) == 0:
-        return layers // (pp * per_stage)
-    return f"num_layers {layers} / (PP {pp} x {per_stage} per virtual stage): not a whole number"
-
-
 def megatron_lm_violations(args: Mapping[str, Any], world_size: Optional[int] = None
                            ) -> List[Violation]:
     """Every violation, keyed and fixed in Megatron-LM's flags; empty when valid."""
     from nemo_fp8_align.config_check.check import find_violations
 
-    out: List[Violation] = _megatron_lm_only(args)
-    for v in map(partial(_translate, args), find_violations(megatron_lm_config(args, world_size))):
+    out: List[Violation] = list(args.get(PARSE_PROBLEMS, ()))
+    out += megatron_lm_only(args, world_size)
+    cfg = megatron_lm_config(args, world_size)
+    for v in find_violations(cfg, dialect="megatron_lm"):
+        if step_schedule(args) is not None and v.key == "model.global_batch_size":
+            continue  # every entry of the schedule is checked by megatron_lm_rules
+        v = _translate(args, v, world_size)
         if not any(v.key == o.key and v.fix == o.fix for o in out):  # fp8 and its format
             out.append(v)
     return out
 
 
-def _megatron_lm_only(args: Mapping[str, Any]) -> List[Violation]:
-    out = []
-    if args.get("overlap_param_gather_with_optimizer_step"):
-        # The chunk-level attachment opens a step at the schedule's launch of chunk 0, which
-        # the optimizer step dispatches instead here (force_dispatch): not run in this mode.
-        out.append(Violation("--overlap-param-gather-with-optimizer-step", "set",
-                             "not set with Megatron-LM's loop (chunk 0's all-gather is then "
-                             "dispatched by the optimizer step; not run with the plugin there)",
-                             "drop --overlap-param-gather-with-optimizer-step"))
-    for dest in ("use_megatron_fsdp", "use_torch_fsdp2"):
-        if args.get(dest):
-            flag = _DERIVED[dest].flag
-            out.append(Violation(flag, "set", "megatron-core's DistributedDataParallel (the "
-                                 "plugin finishes its bucket groups' all-gathers)",
-                                 f"drop {flag}; use --use-distributed-optimizer"))
-    return out
-
-
-def _translate(args: Mapping[str, Any], v: Violation) -> Violation:
+def _translate(args: Mapping[str, Any], v: Violation, world: Optional[int]) -> Violation:
     key = v.key[len("model."):] if v.key.startswith("model.") else v.key
+    if key == "fp8_recipe":
+        return recipe_not_supported(args)
+    if key == "trainer.num_nodes" and world is not None:
+        return _world_size(v, world)
     if key in FLAGS:
         flag = FLAGS[key].flag
+    elif key == "virtual_pipeline_model_parallel_size":
+        flag = vp_flag(args)
     elif key in _DERIVED_KEY:
         flag = _DERIVED_KEY[key]
     elif v.key.startswith("trainer."):
@@ -236,22 +225,59 @@ def _translate(args: Mapping[str, Any], v: Violation) -> Violation:
         dest = {"transformer_engine": "transformer_impl", "optim.name":
                 "use_distributed_optimizer"}.get(key, "fp8")
         return Violation(flag, repr(args.get(dest)) if args.get(dest) else "not set",
-                         _DERIVED_EXPECTED[key], _translate_fix(v.fix))
-    return Violation(flag, v.found, v.expected, _translate_fix(v.fix))
+                         _DERIVED_EXPECTED[key], translate_fix(args, v.fix))
+    return Violation(flag, v.found, v.expected, translate_fix(args, v.fix))
 
 
-def _translate_fix(fix: str) -> str:
-    """``model.key=value`` overrides in a fix, spelt as Megatron-LM flags."""
-    def one(match: "re.Match[str]") -> str:
-        key, value = match.group(2), match.group(3)
+def _world_size(v: Violation, world: int) -> Violation:
+    """NeMo's node-count fix, as the world size of a Megatron-LM job."""
+    nodes = re.search(r"num_nodes=(\d+)", v.fix)
+    fixed = world * int(nodes.group(1)) if nodes else None
+    expected = v.expected.replace("trainer.devices * trainer.num_nodes", "the world size")
+    fix = (f"launch {fixed} processes (the world size; a multiple of TP * PP * CP), and "
+           f"check with --world-size {fixed}" if fixed else v.fix)
+    return Violation("--world-size", str(world), expected, fix)
+
+
+_OVERRIDE = re.compile(r"([+~]{0,2})model\.([A-Za-z0-9_.]+)=(\S+)")
+
+
+def translate_fix(args: Mapping[str, Any], fix: str) -> str:
+    """``model.key=value`` overrides in a fix, spelt as Megatron-LM flags; a change of PP or VP
+    keeps the user's way of giving VP (``--num-layers-per-virtual-pipeline-stage`` stays that
+    flag where the layers split that way), and never leaves two VP flags."""
+    changes = {m.group(2): m.group(3) for m in _OVERRIDE.finditer(fix)}
+    if not changes:
+        return fix
+    parts: List[str] = []
+    for key, value in changes.items():
+        if key == "virtual_pipeline_model_parallel_size":
+            continue
         if key in _DERIVED_FIX:
-            return _DERIVED_FIX[key].format(value)
+            parts.append(_DERIVED_FIX[key].format(value))
+            continue
         f = FLAGS.get(key)
         if f is None:
-            return "--" + key.replace("_", "-") + ("" if value == "True" else f" {value}")
-        if f.kind == VALUE:
-            return f"{f.flag} {value}" if value != "null" else f"drop {f.flag}"
-        wanted = value == "True"
-        on = wanted if f.kind == STORE_TRUE else not wanted
-        return f.flag if on else f"drop {f.flag}"
-    return re.sub(r"([+~]{0,2})model\.([A-Za-z0-9_.]+)=(\S+)", one, fix)
+            parts.append("--" + key.replace("_", "-") + ("" if value == "True" else f" {value}"))
+        elif f.kind == VALUE:
+            parts.append(f"{f.flag} {value}" if value != "null" else f"drop {f.flag}")
+        else:
+            on = (value == "True") if f.kind == STORE_TRUE else value != "True"
+            parts.append(f.flag if on else f"drop {f.flag}")
+    vp = changes.get("virtual_pipeline_model_parallel_size")
+    pp = changes.get("pipeline_model_parallel_size")
+    if vp is not None or (pp is not None and args.get("num_layers_per_virtual_pipeline_stage")):
+        parts.extend(vp_spelling(args, int(pp) if pp else None,
+                                 int(vp) if vp not in (None, "null") else vp_of(args)))
+    rest = _OVERRIDE.sub("", fix).strip()
+    return "; ".join(parts) + (f"; {rest}" if rest else "")
+
+
+if __name__ == "__main__":  # regenerate the flag table in an environment with megatron-core 0.19
+    import sys
+
+    from nemo_fp8_align.config_check.megatron_lm_parser import write_flag_table
+
+    if sys.argv[1:] != ["--write-flags"]:
+        sys.exit("usage: python -m nemo_fp8_align.config_check.megatron_lm_args --write-flags")
+    write_flag_table(READ_DESTS)

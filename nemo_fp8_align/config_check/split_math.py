@@ -12,10 +12,11 @@ _FIRST, _LAST = "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeli
 
 
 def layer_split_error(layers: int, pp: int, vp: Optional[int], first: Optional[int],
-                      last: Optional[int], emb: bool, loss: bool) -> Optional[Tuple[str, str]]:
+                      last: Optional[int], emb: bool, loss: bool, nemo: bool = True
+                      ) -> Optional[Tuple[str, str]]:
     """(key to blame, why) for the first split rule that fails, or None when NeMo 2.3.3 and
-    megatron-core accept the split. First/last counts not divisible by VP are left to the
-    caller."""
+    megatron-core accept the split (``nemo=False``: megatron-core alone, as under Megatron-LM).
+    First/last counts not divisible by VP are left to the caller."""
     chunks = vp or 1
     if first is not None or last is not None:
         middle_stages = pp - (first is not None) - (last is not None)
@@ -45,7 +46,7 @@ def layer_split_error(layers: int, pp: int, vp: Optional[int], first: Optional[i
                           f"// pipeline_model_parallel_size (PP) = {total} // {pp} = "
                           f"{total // pp} (megatron-core and NeMo: every model chunk holds the "
                           "same number of layers)")
-    if vp and not (emb and loss) and (layers // pp) % vp:
+    if nemo and vp and not (emb and loss) and (layers // pp) % vp:
         return "vp", (f"a divisor of num_layers // pipeline_model_parallel_size (PP) = "
                       f"{layers} // {pp} = {layers // pp}: NeMo "
                       "2.3.3 asserts it ('the number of model chunks is the same across all "

@@ -18,7 +18,7 @@ from nemo_fp8_align.core.schedule import InterleavedSchedule, ScheduleError
 from nemo_fp8_align.config_check.context import CheckContext
 from nemo_fp8_align.config_check.layout import FIXED_WHY, layout_fix, layout_overrides
 from nemo_fp8_align.config_check.reader import ABSENT, Violation, show_value
-from nemo_fp8_align.config_check.rules.split import divisors
+from nemo_fp8_align.config_check.rules.parallel import expert_parallel_fix
 
 __all__ = ["rule_batch_sizes", "rule_data_parallel_agrees", "rule_data_parallel_value",
            "rule_expert_world_size", "rule_fixed_microbatches", "rule_group_size",
@@ -70,11 +70,10 @@ def rule_expert_world_size(ctx: CheckContext) -> None:
         return
     if world % (etp * ep * pp) == 0:
         return
-    fits = [d for d in divisors(world) if d <= ep and world % (etp * d * pp) == 0]
     ctx.model.add("expert_model_parallel_size", ep, (
         f"expert TP * EP * PP = {etp} * {ep} * {pp} to divide the world size {world} "
         "(megatron-core raises 'decoder world_size ... is not divisible by "
-        "expert_tensor_model_pipeline_parallel size')"), max(fits) if fits else 1)
+        "expert_tensor_model_pipeline_parallel size')"), expert_parallel_fix(ctx))
 
 
 def rule_data_parallel_value(ctx: CheckContext) -> None:

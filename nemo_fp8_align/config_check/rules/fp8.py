@@ -46,16 +46,20 @@ def rule_fp8_format(ctx: CheckContext) -> None:
 
 
 def rule_fp8_recipe(ctx: CheckContext) -> None:
-    """A per-tensor recipe (absent: megatron-core's default, delayed); megatron-core 0.12.3 also
-    raises 'MXFP8 currently does not support fp8_param'."""
+    """A per-tensor recipe (absent: megatron-core's default, delayed). Any other recipe is not
+    supported by this plugin; changing it would change the training numerics, so it is never
+    offered as a fix: the way out is training without the plugin (megatron-core 0.12.3 also
+    raises 'MXFP8 currently does not support fp8_param')."""
     for node in _RECIPE_NODES:
         key = node + "fp8_recipe"
         recipe = ctx.model.get(key)
         if recipe is ABSENT or recipe in PER_TENSOR_RECIPES:
             continue
         ctx.model.add(key, recipe, "a per-tensor FP8 recipe, one of: "
-                      + ", ".join(PER_TENSOR_RECIPES)
-                      + " (MXFP8 / blockwise FP8 cannot be byte-transposed)", PER_TENSOR_RECIPES[0])
+                      + ", ".join(PER_TENSOR_RECIPES) + f"; fp8_recipe={recipe} is not "
+                      "supported by this plugin", fix=f"none that keeps fp8_recipe={recipe}: "
+                      "turn the plugin off, or choose a per-tensor recipe yourself (a change "
+                      "of the training numerics)")
 
 
 def rule_transpose_cache(ctx: CheckContext) -> None:

@@ -12,7 +12,8 @@ from nemo_fp8_align.config_check.context import CheckContext
 from nemo_fp8_align.config_check.reader import ABSENT, UNRESOLVED, Reader
 from nemo_fp8_align.config_check.rules.split import divisors, layer_split_error
 
-__all__ = ["divisors", "layer_split_error", "rule_expert_parallel", "rule_megatron_amp_o2",
+__all__ = ["divisors", "expert_parallel_fix", "layer_split_error", "rule_expert_parallel",
+           "rule_megatron_amp_o2",
            "rule_other_parallel_sizes", "rule_pipeline_size", "rule_precision",
            "rule_virtual_pipeline_size"]
 
@@ -80,6 +81,18 @@ def _one_of(value: Any, choices: Tuple[Any, ...]) -> bool:
 # Expert parallelism
 
 
+def expert_parallel_fix(ctx: CheckContext) -> int:
+    """The largest EP below the current one that both EP rules accept: a divisor of
+    num_moe_experts (when set) with expert TP * EP * PP dividing the world size (when known).
+    One answer for both rules, so their fixes never chase each other (6 -> 4 -> 3 -> 2)."""
+    ep, etp, pp, world = ctx.ep() or 1, ctx.etp(), ctx.pp(), ctx.world()
+    experts = ctx.model.get("num_moe_experts")
+    fits = [d for d in range(ep, 0, -1)
+            if (not (type(experts) is int and experts >= 1) or experts % d == 0)
+            and (world is None or etp is None or pp is None or world % (etp * d * pp) == 0)]
+    return fits[0] if fits else 1
+
+
 def rule_expert_parallel(ctx: CheckContext) -> None:
     """With expert_model_parallel_size > 1: NeMo 2.3.3 rejects the Apex distributed optimizer;
     megatron-core needs num_moe_experts, a multiple of EP (MoELayer asserts it), and sequence
@@ -101,9 +114,8 @@ def rule_expert_parallel(ctx: CheckContext) -> None:
                       "None to use expert-parallel'); a MoE model sets num_moe_experts, a "
                       "multiple of EP", 1)
     elif experts % ep:
-        fix = max(d for d in divisors(experts) if d <= ep)
         ctx.model.add("expert_model_parallel_size", ep, f"a divisor of num_moe_experts = "
-                      f"{experts} (megatron-core's MoELayer asserts it)", fix)
+                      f"{experts} (megatron-core's MoELayer asserts it)", expert_parallel_fix(ctx))
     if tp is not None and tp > 1 and ctx.model.get("sequence_parallel") is not True:
         ctx.model.add("sequence_parallel", ctx.model.get("sequence_parallel"),
                       f"True with expert parallelism and TP = {tp} (megatron-core raises 'When "

@@ -44,7 +44,7 @@ def rule_split_option_values(ctx: CheckContext) -> None:
     for key in (_EMB, _LOSS):
         ctx.model.bool_or_default(key, False, "count the stage as one layer in the split")
     layout = ctx.model.get("pipeline_model_parallel_layout")
-    if layout is not ABSENT and layout is not None:
+    if layout is not ABSENT and layout is not None and ctx.nemo:
         ctx.model.add("pipeline_model_parallel_layout", layout,
                       "no such setting in NeMo 2.3.3 (megatron-core 0.12.3's TransformerConfig "
                       "has no pipeline_model_parallel_layout, so NeMo drops it and splits the "
@@ -56,7 +56,7 @@ def rule_split_options_exclusive(ctx: CheckContext) -> None:
     """megatron-core 0.12.3 and 0.16.1 raise when uneven first/last stages are combined with an
     account_for_* flag."""
     split = _split(ctx)
-    if split is None:
+    if split is None or ctx.layout_string():
         return
     _layers, _pp, _vp, first, last, emb, loss = split
     if (first is not None or last is not None) and (emb or loss):
@@ -72,8 +72,8 @@ def rule_layer_split(ctx: CheckContext) -> None:
     (num_layers // PP) % VP == 0 unless both account_for_* flags are set; its
     build_transformer_config divides by the middle stage count)."""
     split = _split(ctx)
-    if split is None:
-        return
+    if split is None or ctx.layout_string():
+        return  # Megatron-LM's layout string gives the split (megatron_lm_rules checks it)
     layers, pp, vp, first, last, emb, loss = split
     if (first is not None or last is not None) and (emb or loss):
         return  # rule_split_options_exclusive
@@ -85,7 +85,7 @@ def rule_layer_split(ctx: CheckContext) -> None:
                           "virtual_pipeline_model_parallel_size: megatron-core builds every "
                           "model chunk of that stage with the same number of layers)",
                           -(-value // vp) * vp, fix=change)
-    error = layer_split_error(layers, pp, vp, first, last, emb, loss)
+    error = layer_split_error(layers, pp, vp, first, last, emb, loss, ctx.nemo)
     if error is None:
         return
     key, why = error
@@ -107,15 +107,15 @@ def _layout_change(ctx: CheckContext) -> Optional[str]:
 def _no_layout_fits(ctx: CheckContext, key: str, why: str, split: Tuple[Any, ...]) -> None:
     """The fallbacks: VP, the last stage's count, then the layer count (a model change, said)."""
     layers, pp, vp, first, last, emb, loss = split
-    vp_fix = _vp_fix(*split) if key == "vp" else None
+    vp_fix = _vp_fix(*split, ctx.nemo) if key == "vp" else None
     if key == _LAST:
         ctx.model.add(_LAST, last, why, None)
         return
     if vp_fix is not None:
         ctx.model.add("virtual_pipeline_model_parallel_size", vp, why, vp_fix)
         return
-    fix = _num_layers_fix(*split)
-    if fix is None and vp and emb != loss:
+    fix = _num_layers_fix(*split, ctx.nemo)
+    if fix is None and vp and emb != loss and ctx.nemo:
         # num_layers + 1 = k * PP * VP makes (num_layers // PP) % VP = VP - 1, always: NeMo
         # 2.3.3 rejects every layer count with exactly one account_for_* flag and VP >= 2.
         on, off = (_EMB, _LOSS) if emb else (_LOSS, _EMB)

@@ -1,0 +1,215 @@
+"""Megatron-LM 0.19.2's command line, read as Megatron-LM reads it, without importing it.
+
+``megatron_lm_flags.txt`` lists every option of Megatron-LM's own parser
+(``megatron.training.arguments.add_megatron_arguments`` of the megatron-core 0.19.2 wheel): its
+spelling, kind, ``nargs``, value type, choices, ``dest`` and the defaults the check reads. It is
+data generated from that parser (``python -m nemo_fp8_align.config_check.megatron_lm_args
+--write-flags`` in an environment with megatron-core 0.19.2), and
+``tests/test_megatron_lm_parser_019.py`` holds it equal to the live parser. :func:`parse_argv`
+builds an ``argparse`` parser from it, so a value
+is read with the flag's own ``nargs`` and type, an unknown flag is named (with the flag meant,
+where one is close), and a value Megatron-LM's parser rejects is reported as it would be.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+
+from nemo_fp8_align.config_check.reader import Violation
+
+__all__ = ["ArgvProblem", "MEGATRON_LM_VERSION", "flag_spec", "given_dests", "option_of",
+           "parse_argv", "spec_from_parser", "takes_value", "write_flag_table"]
+
+MEGATRON_LM_VERSION = "0.19.2"
+SPEC_FILE = Path(__file__).with_name("megatron_lm_flags.txt")
+
+#: Spellings users bring from NeMo or older Megatron-LM that are not Megatron-LM 0.19.2 flags.
+_MEANT = {
+    "--virtual-pipeline-model-parallel-size": "--num-virtual-stages-per-pipeline-rank",
+    "--num-layers-per-virtual-pipeline-stages": "--num-layers-per-virtual-pipeline-stage",
+    "--fp8": "--fp8-format hybrid",
+    "--fp8-params": "--fp8-param-gather",
+}
+
+_TYPES = {"int": int, "float": float, "str": str}
+
+
+class ArgvProblem(ValueError):
+    """Megatron-LM's parser would stop on this command line (argparse's own message)."""
+
+
+def spec_from_parser(parser: argparse.ArgumentParser,
+                     read: Sequence[str] = ()) -> Dict[str, Dict[str, Any]]:
+    """Every option of ``parser``: option string -> dest, kind, nargs, type, choices, and the
+    default where its dest is in ``read`` (the dests the check reads)."""
+    flags: Dict[str, Dict[str, Any]] = {}
+    for action in parser._actions:  # noqa: SLF001 - argparse keeps its options only here
+        kind = {"_StoreAction": "store", "_StoreTrueAction": "true",
+                "_StoreFalseAction": "false", "BooleanOptionalAction": "bool"}.get(
+                    type(action).__name__)
+        if kind is None:
+            continue  # -h / --help
+        vtype = "str" if action.type is None else getattr(action.type, "__name__", "other")
+        vtype = vtype if vtype in _TYPES else "other"
+        for option in action.option_strings:
+            flags[option] = {
+                "dest": action.dest, "kind": kind, "nargs": None if kind != "store" else
+                action.nargs, "type": vtype if kind == "store" else None,
+                "choices": (tuple(action.choices) if action.choices is not None
+                            and kind == "store" and vtype in _TYPES else None),
+                "default": action.default if action.dest in read else None,
+                "negative": kind == "bool" and option.startswith("--no-")}
+    return flags
+
+
+@lru_cache(maxsize=1)
+def flag_spec() -> Dict[str, Dict[str, Any]]:
+    """The generated table (``megatron_lm_flags.txt``) in :func:`spec_from_parser`'s form."""
+    flags: Dict[str, Dict[str, Any]] = {}
+    for line in SPEC_FILE.read_text().splitlines():
+        if not line.startswith("--"):
+            continue  # the header
+        option, kind, nargs, vtype, dest, choices, default = line.split("\t")
+        flags[option] = {
+            "dest": dest, "kind": kind, "type": None if vtype == "-" else vtype,
+            "nargs": None if nargs == "-" else int(nargs) if nargs.isdigit() else nargs,
+            "choices": None if choices == "-" else tuple(
+                _TYPES.get(vtype, str)(c) for c in choices.split(",")),
+            "default": json.loads(default), "negative": kind == "bool"
+            and option.startswith("--no-")}
+    return flags
+
+
+def option_of(dest: str) -> Optional[str]:
+    """The (first) option string that sets ``dest``."""
+    for option, row in flag_spec().items():
+        if row["dest"] == dest and not row.get("negative"):
+            return option
+    return None
+
+
+def takes_value(option: str) -> bool:
+    row = flag_spec().get(option)
+    return row is not None and row["kind"] == "store" and row["nargs"] != 0
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ArgvProblem(message)
+
+
+@lru_cache(maxsize=1)
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(add_help=False, allow_abbrev=False)
+    seen: Set[Tuple[str, ...]] = set()
+    by_action: Dict[Tuple[str, str], List[str]] = {}
+    for option, row in flag_spec().items():
+        by_action.setdefault((row["dest"], row["kind"] + str(row["nargs"])), []).append(option)
+    for (dest, _), options in by_action.items():
+        row = flag_spec()[options[0]]
+        key = tuple(options)
+        if key in seen:
+            continue
+        seen.add(key)
+        default = row["default"]
+        if row["kind"] in ("true", "false"):
+            parser.add_argument(*options, dest=dest, action=f"store_{row['kind']}",
+                                default=(row["kind"] == "false") if default is None else default)
+        elif row["kind"] == "bool":
+            for option in options:
+                parser.add_argument(option, dest=dest, action="store_const", default=default,
+                                    const=not flag_spec()[option]["negative"])
+        else:
+            kwargs: Dict[str, Any] = {"dest": dest, "default": default}
+            if row["nargs"] is not None:
+                kwargs["nargs"] = row["nargs"]
+            if row["type"] in _TYPES:
+                kwargs["type"] = _TYPES[row["type"]]
+            if row["choices"] is not None:
+                kwargs["choices"] = row["choices"]
+            parser.add_argument(*options, **kwargs)
+    return parser
+
+
+def given_dests(argv: Sequence[str]) -> Set[str]:
+    """The dests the command line sets explicitly."""
+    spec = flag_spec()
+    return {spec[token.split("=", 1)[0]]["dest"] for token in argv
+            if token.startswith("--") and token.split("=", 1)[0] in spec}
+
+
+def parse_argv(argv: Sequence[str]) -> Tuple[Dict[str, Any], List[Violation]]:
+    """(Megatron-LM's arguments as ``vars(args)`` before validation, problems): every flag
+    Megatron-LM 0.19.2 does not have, and the first value its parser rejects, as violations
+    naming the flag."""
+    problems: List[Violation] = []
+    try:
+        known, rest = _parser().parse_known_args(list(argv))
+        args = vars(known)
+    except ArgvProblem as err:
+        problems.append(_parse_problem(str(err)))
+        args = {row["dest"]: row["default"] for row in flag_spec().values()}
+        rest = []
+    problems += _unknown(rest)
+    args["_is_global_batch_size_explicitly_specified"] = args.get("global_batch_size") is not None
+    return args, problems
+
+
+def _parse_problem(message: str) -> Violation:
+    flag = message.split(":", 1)[0].replace("argument ", "").split("/")[0].strip()
+    return Violation(flag or "<arguments>", message, f"an argument list Megatron-LM "
+                     f"{MEGATRON_LM_VERSION}'s parser accepts", f"correct {flag} (Megatron-LM's "
+                     f"parser stops here: '{message}')")
+
+
+def _unknown(rest: Sequence[str]) -> List[Violation]:
+    out: List[Violation] = []
+    i = 0
+    while i < len(rest):
+        token = rest[i]
+        values = []
+        while i + 1 < len(rest) and not rest[i + 1].startswith("--"):
+            values.append(rest[i + 1])
+            i += 1
+        i += 1
+        if not token.startswith("-"):
+            out.append(Violation(token, "a value with no flag before it", "every value after a "
+                                 "flag Megatron-LM has", f"drop {token}"))
+            continue
+        name = token.split("=", 1)[0]
+        meant = _MEANT.get(name) or next(iter(difflib.get_close_matches(
+            name, list(flag_spec()), n=1, cutoff=0.8)), None)
+        hint = f"; did you mean {meant}?" if meant else ""
+        shown = " ".join([token, *values])
+        out.append(Violation(name, f"{shown} (not a Megatron-LM {MEGATRON_LM_VERSION} flag)",
+                             f"a flag of Megatron-LM {MEGATRON_LM_VERSION}'s parser, which stops "
+                             f"on any other ('unrecognized arguments'){hint}",
+                             f"drop {name}" + (f"; {meant}" + (" " + values[0] if values
+                                                              and " " not in meant else "")
+                                              if meant else "")))
+    return out
+
+
+def write_flag_table(read: Sequence[str], path: Path = SPEC_FILE) -> None:
+    """Write ``megatron_lm_flags.txt`` from the installed Megatron-LM's parser, with the
+    defaults of the dests in ``read``."""
+    from megatron.training.arguments import add_megatron_arguments
+
+    spec = spec_from_parser(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)),
+                            read)
+    lines = [f"# Megatron-LM {MEGATRON_LM_VERSION}'s command-line options, generated from its "
+             "parser by `python -m nemo_fp8_align.config_check.megatron_lm_args --write-flags`; do "
+             "not edit. Columns (tab-separated): option, kind, nargs, type, dest, choices, "
+             "default (JSON, for the dests the check reads)."]
+    for option, row in sorted(spec.items()):
+        cols = [option, row["kind"], "-" if row["nargs"] is None else str(row["nargs"]),
+                row["type"] or "-", row["dest"],
+                "-" if row["choices"] is None else ",".join(map(str, row["choices"])),
+                json.dumps(row["default"])]
+        lines.append("\t".join(cols))
+    path.write_text("\n".join(lines) + "\n")

@@ -1,0 +1,275 @@
+"""What Megatron-LM 0.19.2's ``validate_args`` (``megatron/training/arguments.py``) and its
+microbatch calculator check on the settings the plugin depends on, and NeMo has no spelling for:
+the three ways of giving the virtual-pipeline size (at most one), the batch ramp of
+``--step-batch-size-schedule`` (every entry; not with ``--global-batch-size``), FP4, the
+interleaved schedule's PP > 2 without ``--overlap-p2p-comm``, and the plugin's refusals that only
+Megatron-LM has (FSDP, the optimizer step's all-gather). The rules shared with NeMo run in
+:mod:`.megatron_lm_args`. Pure functions of ``vars(args)``; nothing here imports Megatron-LM.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, List, Mapping, Optional, Tuple, Union
+
+from nemo_fp8_align.config_check.reader import Violation
+from nemo_fp8_align.core.schedule import InterleavedSchedule, ScheduleError
+
+__all__ = ["PARSE_PROBLEMS", "implicit_global_batch", "layout_stages", "megatron_lm_only",
+           "recipe_not_supported", "step_schedule", "vp_flag", "vp_of", "vp_spelling"]
+
+#: Key of :func:`parse_megatron_lm_argv`'s result holding what Megatron-LM's parser stops on.
+PARSE_PROBLEMS = "_nemo_fp8_align_parse_problems"
+PER_STAGE, STAGES, LAYOUT = ("--num-layers-per-virtual-pipeline-stage",
+                             "--num-virtual-stages-per-pipeline-rank",
+                             "--pipeline-model-parallel-layout")
+_VP_DESTS = ((PER_STAGE, "num_layers_per_virtual_pipeline_stage"),
+             (STAGES, "num_virtual_stages_per_pipeline_rank"),
+             (LAYOUT, "pipeline_model_parallel_layout"))
+_PER_TENSOR = ("delayed", "tensorwise")
+
+
+def _int(value: Any) -> Optional[int]:
+    return value if type(value) is int else None
+
+
+def _total_layers(args: Mapping[str, Any]) -> Optional[int]:
+    """num_layers + 1 per accounting flag: what Megatron-LM splits over the pipeline."""
+    layers = _int(args.get("num_layers"))
+    if layers is None:
+        return None
+    return (layers + bool(args.get("account_for_embedding_in_pipeline_split"))
+            + bool(args.get("account_for_loss_in_pipeline_split")))
+
+
+def layout_stages(layout: str) -> Tuple[int, int]:
+    """(stages, decoder layers) of a ``--pipeline-model-parallel-layout`` string: ``|``
+    separates stages, ``(...)*n`` and ``x*n`` repeat, commas are cosmetic, ``t`` is a decoder
+    layer."""
+    text = layout.replace(",", "")
+    while True:  # innermost groups first
+        expanded = re.sub(r"\(([^()]*)\)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), text)
+        if expanded == text:
+            break
+        text = expanded
+    text = re.sub(r"(.)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), text)
+    return text.count("|") + 1, text.count("t")
+
+
+def vp_of(args: Mapping[str, Any]) -> Any:
+    """Model chunks per pipeline rank as Megatron-LM derives them (validated args carry it);
+    a sentence where the flags give none."""
+    if args.get("virtual_pipeline_model_parallel_size") is not None:
+        return args["virtual_pipeline_model_parallel_size"]
+    pp = _int(args.get("pipeline_model_parallel_size")) or 1
+    layout = args.get("pipeline_model_parallel_layout")
+    if isinstance(layout, str):
+        stages, _ = layout_stages(layout)
+        if stages % pp:
+            return (f"{stages} layout stages / PP {pp}: not a whole number (Megatron-LM asserts "
+                    "the layout's length is divisible by the pipeline size)")
+        return stages // pp if stages // pp > 1 else None
+    if args.get("num_virtual_stages_per_pipeline_rank") is not None:
+        return args["num_virtual_stages_per_pipeline_rank"]
+    per_stage, total = args.get("num_layers_per_virtual_pipeline_stage"), _total_layers(args)
+    if per_stage is None:
+        return None
+    if total is not None and type(per_stage) is int and per_stage > 0 \
+            and total % pp == 0 and (total // pp) % per_stage == 0:
+        return total // pp // per_stage if total // pp // per_stage > 1 else None
+    return (f"num_layers (+1 per --account-for-*-in-pipeline-split) {total} / (PP {pp} x "
+            f"{per_stage} per virtual stage): not a whole number")
+
+
+def vp_flag(args: Mapping[str, Any]) -> str:
+    """The flag the user gives VP with (the one a VP fix is spelt in)."""
+    for flag, dest in _VP_DESTS[::-1]:
+        if args.get(dest) is not None:
+            return flag
+    return STAGES
+
+
+def vp_spelling(args: Mapping[str, Any], pp: Optional[int], vp: Any) -> List[str]:
+    """Setting VP (with PP, when it changes too) in the user's form: the layers per virtual
+    stage where they split that way, else the stage count (dropping the per-stage flag)."""
+    pp = pp or _int(args.get("pipeline_model_parallel_size")) or 1
+    if type(vp) is not int:
+        return []
+    flag = vp_flag(args)
+    if flag == LAYOUT:
+        return [f"<a {LAYOUT} of PP x VP = {pp * vp} stages>"]
+    if flag == PER_STAGE:
+        total = _total_layers(args)
+        if total is not None and total % (pp * vp) == 0:
+            return [f"{PER_STAGE} {total // (pp * vp)}"]
+        return [f"drop {PER_STAGE}", f"{STAGES} {vp}"]
+    return [f"{STAGES} {vp}"]
+
+
+def step_schedule(args: Mapping[str, Any]) -> Union[None, str, List[Tuple[int, int, str]]]:
+    """The entries of ``--step-batch-size-schedule`` as (threshold, batch size, threshold as
+    written), sorted; a sentence when Megatron-LM's calculator would refuse it; None unset."""
+    text = args.get("step_batch_size_schedule")
+    if text is None:
+        return None
+    scale = {"K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "T": 10 ** 12}
+    entries = []
+    for entry in str(text).replace(",", " ").split():
+        match = re.fullmatch(r"([0-9.]+)([KMBT]?):([0-9.]+)([KMBT]?)", entry.upper())
+        if match is None:
+            return f"entry '{entry}' is not THRESHOLD:BATCH_SIZE"
+        threshold = int(float(match.group(1)) * scale.get(match.group(2), 1))
+        batch = int(float(match.group(3)) * scale.get(match.group(4), 1))
+        entries.append((threshold, batch, entry.split(":")[0]))
+    entries.sort()
+    if not entries or entries[0][0] != 0:
+        return "the first entry must have threshold 0"
+    if any(b <= 0 for _, b, _ in entries):
+        return "every batch size must be positive"
+    return entries
+
+
+def implicit_global_batch(args: Mapping[str, Any], world: int) -> Optional[int]:
+    """Megatron-LM's global batch without ``--global-batch-size``: micro batch * DP (M = 1)."""
+    mbs = _int(args.get("micro_batch_size"))
+    mp = 1
+    for dest in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                 "context_parallel_size"):
+        mp *= _int(args.get(dest)) or 1
+    return mbs * (world // mp) if mbs and world % mp == 0 else None
+
+
+def recipe_not_supported(args: Mapping[str, Any]) -> Violation:
+    recipe = args.get("fp8_recipe")
+    return Violation("--fp8-recipe", repr(recipe), "a per-tensor FP8 recipe ("
+                     f"{', '.join(_PER_TENSOR)}): --fp8-recipe {recipe} is not supported by "
+                     "this plugin",
+                     f"none that keeps --fp8-recipe {recipe}: train without the plugin (do not "
+                     "attach it), or choose a per-tensor recipe yourself, which changes the "
+                     "training numerics")
+
+
+def megatron_lm_only(args: Mapping[str, Any], world: Optional[int]) -> List[Violation]:
+    """Every Megatron-LM-only violation, in the order Megatron-LM validates."""
+    out: List[Violation] = []
+    given = [(flag, dest) for flag, dest in _VP_DESTS if args.get(dest) is not None]
+    if len(given) > 1:
+        keep = next(flag for flag, _ in given if flag != PER_STAGE)
+        for flag, dest in given:
+            if flag != keep:
+                out.append(Violation(flag, f"{args[dest]!r}, with {keep} {args[keep_dest(keep)]!r}",
+                                     f"at most one of {PER_STAGE}, {STAGES}, {LAYOUT} "
+                                     "(Megatron-LM asserts 'No more than one of the following "
+                                     "arguments can be set at the same time')", f"drop {flag}"))
+    if args.get("num_layers_per_virtual_pipeline_stage") is not None and len(given) == 1 and (
+            args.get("decoder_first_pipeline_num_layers") is not None
+            or args.get("decoder_last_pipeline_num_layers") is not None):
+        vp = vp_of(args)
+        out.append(Violation(PER_STAGE, repr(args["num_layers_per_virtual_pipeline_stage"]),
+                             f"{STAGES} with an uneven first/last stage (Megatron-LM asserts "
+                             f"'please use {STAGES} ... when enable uneven pipeline "
+                             "parallelism')", f"drop {PER_STAGE}; {STAGES} "
+                             f"{vp if type(vp) is int else 2}"))
+    layout = args.get("pipeline_model_parallel_layout")
+    layers = _int(args.get("num_layers"))
+    if isinstance(layout, str) and layers is not None and layout_stages(layout)[1] != layers:
+        out.append(Violation(LAYOUT, repr(layout), f"{layers} decoder layers ('t'), as "
+                             f"--num-layers says; it has {layout_stages(layout)[1]}",
+                             f"<a {LAYOUT} with {layers} 't' layers>"))
+    vp, pp = vp_of(args), _int(args.get("pipeline_model_parallel_size")) or 1
+    if type(vp) is int and vp > 1 and pp <= 2 and not args.get("overlap_p2p_comm", True):
+        out.append(Violation("--no-overlap-p2p-communication", "set", "PP > 2 without overlapped "
+                             f"P2P communication when interleaving (PP = {pp}; Megatron-LM "
+                             "asserts it)", "drop --no-overlap-p2p-communication"))
+    out += _batch_schedule(args, world, vp, pp)
+    out += _fp4(args)
+    if args.get("overlap_param_gather_with_optimizer_step"):
+        # The chunk-level attachment opens a step at the schedule's launch of chunk 0, which
+        # the optimizer step dispatches instead here (force_dispatch): not run in this mode.
+        out.append(Violation("--overlap-param-gather-with-optimizer-step", "set",
+                             "not set with Megatron-LM's loop (chunk 0's all-gather is then "
+                             "dispatched by the optimizer step; not run with the plugin there)",
+                             "drop --overlap-param-gather-with-optimizer-step"))
+    for flag, dest in (("--use-megatron-fsdp", "use_megatron_fsdp"),
+                       ("--use-torch-fsdp2", "use_torch_fsdp2")):
+        if args.get(dest):
+            out.append(Violation(flag, "set", "megatron-core's DistributedDataParallel (the "
+                                 "plugin finishes its bucket groups' all-gathers)",
+                                 f"drop {flag}; --use-distributed-optimizer"))
+    return out
+
+
+def keep_dest(flag: str) -> str:
+    return dict(_VP_DESTS)[flag]
+
+
+def _fp4(args: Mapping[str, Any]) -> List[Violation]:
+    out = []
+    if args.get("fp4") is not None and args.get("fp8") is not None:
+        out.append(Violation("--fp4-format", repr(args["fp4"]), "not with --fp8-format "
+                             "(Megatron-LM raises '--fp4-format and --fp8-format cannot be used "
+                             "simultaneously')", "drop --fp4-format"))
+    elif args.get("fp4") is not None:
+        out.append(Violation("--fp4-format", repr(args["fp4"]), "FP8 training (--fp8-format): "
+                             "FP4 (NVFP4) is not supported by this plugin",
+                             "none that keeps FP4: train without the plugin (do not attach it)"))
+    if args.get("fp4_param_gather") and args.get("fp4") is None:
+        out.append(Violation("--fp4-param-gather", "set", "only with --fp4-format (Megatron-LM "
+                             "raises '--fp4-param-gather must be used together with "
+                             "--fp4-format')", "drop --fp4-param-gather"))
+    return out
+
+
+def _batch_schedule(args: Mapping[str, Any], world: Optional[int], vp: Any,
+                    pp: int) -> List[Violation]:
+    """``--step-batch-size-schedule``: not with ``--global-batch-size``; every entry's M fits
+    the interleaved schedule (the plugin follows M as it changes)."""
+    flag = "--step-batch-size-schedule"
+    entries = step_schedule(args)
+    if entries is None:
+        return []
+    out = []
+    if args.get("_is_global_batch_size_explicitly_specified"):
+        out.append(Violation("--global-batch-size", repr(args.get("global_batch_size")),
+                             f"not set with {flag} (Megatron-LM raises 'Cannot specify both "
+                             f"{flag} and --global-batch-size'; the schedule's last entry is the "
+                             "global batch)", "drop --global-batch-size"))
+    if isinstance(entries, str):
+        out.append(Violation(flag, repr(args["step_batch_size_schedule"]), f"a schedule "
+                             f"Megatron-LM's calculator accepts: {entries}",
+                             f"<a {flag} of THRESHOLD:BATCH_SIZE entries from 0>"))
+        return out
+    mbs, tp = _int(args.get("micro_batch_size")), _int(args.get("tensor_model_parallel_size")) or 1
+    cp = _int(args.get("context_parallel_size")) or 1
+    n = _int(args.get("microbatch_group_size_per_vp_stage"))
+    if world is None or mbs is None or world % (tp * pp * cp) or type(vp) is not int or pp < 2:
+        return out
+    per = mbs * (world // (tp * pp * cp))
+    bad, fixed = [], []
+    for threshold, batch, written in entries:
+        ok = batch % per == 0 and _fits(pp, vp, batch // per, n)
+        if not ok:
+            bad.append(f"{written}:{batch} (M = {batch / per:g})")
+        fixed.append(f"{written}:{batch if ok else _nearest(pp, vp, batch, per, n)}")
+    if bad:
+        out.append(Violation(flag, ", ".join(bad), f"every entry a multiple of micro batch * DP "
+                             f"= {per} whose M fits the interleaved schedule (PP = {pp} <= N <= "
+                             "M, not 0 < M mod N < PP; N = --microbatch-group-size-per-virtual-"
+                             "pipeline-stage, default PP); the fix changes those entries' batch "
+                             "sizes, which changes the batch ramp of the training recipe",
+                             f"{flag} '{' '.join(fixed)}'"))
+    return out
+
+
+def _fits(pp: int, vp: int, m: int, n: Optional[int]) -> bool:
+    try:
+        InterleavedSchedule(pp=pp, vp=vp, microbatches=m, group_size=n)
+    except ScheduleError:
+        return False
+    return m >= 1
+
+
+def _nearest(pp: int, vp: int, batch: int, per: int, n: Optional[int]) -> int:
+    m = batch / per
+    fits = [k for k in range(1, int(m) + 4 * pp + 2) if _fits(pp, vp, k, n)]
+    return min(fits, key=lambda k: (abs(k - m), -k)) * per
