@@ -68,3 +68,75 @@ def test_plot_without_matplotlib_says_how_to_get_it(tmp_path, capsys, monkeypatc
     assert main(["plan", "--model", "llama3-70b", "--pp", "4", "--vp", "4", "--global-batch", "4",
                  "--plot", str(tmp_path / "x.png")]) == 2
     assert "pip install matplotlib" in capsys.readouterr().err
+
+
+# --- issue 25 item 4: configs read as check reads them, CP, presets that fit, wording -------
+
+REPO = __import__("pathlib").Path(__file__).parent.parent
+LAUNCHER_GPT3 = str(REPO / "conf" / "launcher" / "gpt3_175b_fp8_align.yaml")
+FP8_ALIGN = str(REPO / "conf" / "megatron_gpt_fp8_align.yaml")
+
+
+def test_plan_reads_the_launcher_config_with_its_resolvers(capsys):
+    # ffn_hidden_size: ${multiply:4, ${.hidden_size}} resolves as check resolves it
+    assert main(["plan", LAUNCHER_GPT3]) == 0
+    out = capsys.readouterr().out
+    assert "96 layers, hidden 12288, seq 2048; TP=4 PP=8 VP=6 DP=32" in out
+    assert "-> M=64 (N=8)" in out and "Recommendation:" in out
+
+
+@pytest.mark.parametrize("overrides,argv,needle", [
+    (["model.fp8=False"], [], "trains without FP8 (model.fp8=False)"),
+    (["model.fp8_recipe=mxfp8"], [], "MXFP8"),
+    (["model.fp8_recipe=blockwise"], [], "not supported by this plugin"),
+])
+def test_plan_follows_the_configs_fp8_settings(capsys, overrides, argv, needle):
+    assert main(["plan", FP8_ALIGN, *overrides, *argv]) == 0
+    out = capsys.readouterr().out
+    assert "nothing to align" in out and needle in out and "lazy" not in out
+
+
+def test_plan_recipe_flag_wins_over_the_config(capsys):
+    assert main(["plan", FP8_ALIGN, "model.fp8_recipe=mxfp8", "--recipe", "delayed"]) == 0
+    assert "Recommendation:" in capsys.readouterr().out
+
+
+def test_plan_refuses_a_context_parallel_size_megatron_refuses(capsys):
+    # Megatron-LM: 'seq-length should be a multiple of 2 * context-parallel-size'
+    assert main(["plan", "--model", "gpt3-175b", "--cp", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--cp 3" in err and "2048" in err and "2 x CP = 6" in err and "--cp 2" in err
+    assert main(["plan", "--model", "gpt3-175b", "--cp", "2"]) == 0
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_every_preset_plans_on_its_own_defaults(capsys, model):
+    assert main(["plan", "--model", model]) == 0
+    out = capsys.readouterr().out
+    assert "Recommendation:" in out
+
+
+def test_the_405b_default_layout_is_named(capsys):
+    assert main(["plan", "--model", "llama3-405b"]) == 0
+    out = capsys.readouterr().out
+    assert "TP=8 PP=9 VP=2" in out
+    assert "PP9 VP2" in out and "the nearest to PP8 VP2 that divide the 126 layers" in out
+
+
+def test_one_layer_is_singular(capsys):
+    assert main(["plan", "--layers", "8", "--hidden", "1024", "--heads", "8", "--ffn", "4096",
+                 "--tp", "1", "--pp", "4", "--vp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "per chunk and microbatch: 1 layer," in out and "1 layers" not in out
+
+
+def test_a_small_saving_of_a_long_step_is_not_zero_percent():
+    from types import SimpleNamespace
+
+    from nemo_fp8_align.cli.plan import _recommendation
+    from nemo_fp8_align.planner.program import Placement
+
+    steps = {Placement.NONE: 1000.0, Placement.LAZY: 1000.0055, Placement.ALIGNED: 1000.001,
+             Placement.BUBBLE: 1000.0, Placement.OVERLAP: 1000.002}
+    text = _recommendation({p: SimpleNamespace(step_time=t) for p, t in steps.items()})
+    assert "saves 4.500 ms per step (0.00045%)" in text and "0.00%" not in text

@@ -8,7 +8,7 @@ import sys
 from typing import Dict, List, Optional, Tuple
 
 from nemo_fp8_align.core.schedule import InterleavedSchedule, ScheduleError
-from nemo_fp8_align.cli.plan_inputs import DEFAULTS, PlanInputs, flag, resolve
+from nemo_fp8_align.cli.plan_inputs import DEFAULTS, RECIPES, PlanInputs, flag, resolve
 from nemo_fp8_align.planner.costs import (GPUS, MODELS, OVERLAP_PENALTY_H200, Layout,
                                            PlanInputError, chunk_costs)
 from nemo_fp8_align.planner.program import Placement
@@ -65,8 +65,9 @@ def add_plan_parser(sub: "argparse._SubParsersAction") -> None:
                    help="megatron-core batch_p2p_comm (default off; a NeMo config without the "
                    "key: on); timed as unbatched blocking calls")
     p.add_argument("--gpu", default="h200", help=f"one of {', '.join(sorted(GPUS))} (any case)")
-    p.add_argument("--recipe", choices=["delayed", "tensorwise", "mxfp8"], default="delayed",
-                   help="FP8 recipe (mxfp8 has no byte transpose)")
+    p.add_argument("--recipe", choices=RECIPES, default=None,
+                   help="FP8 recipe (default: the config's fp8_recipe, else delayed; mxfp8 and "
+                   "blockwise have no byte transpose to align)")
     p.add_argument("--tflops", type=float, default=None,
                    help="achieved forward+backward TFLOP/s per GPU (GPU default otherwise)")
     p.add_argument("--transpose-tbps", type=float, default=None,
@@ -89,16 +90,22 @@ def _nothing_to_align(x: PlanInputs) -> Optional[str]:
     needed, reason = GPUS[x.gpu].needs_transpose
     if not needed:
         return reason
+    if x.fp8 is False:
+        return ("the config trains without FP8 (model.fp8=False): no FP8 weight, no transpose "
+                "(add the override model.fp8=True to plan it with FP8)")
     if x.recipe == "mxfp8":
         return ("MXFP8 quantises its columnwise copy from high precision with its own block "
                 "scales; there is no byte transpose to build or align")
+    if x.recipe == "blockwise":
+        return ("blockwise FP8 is not supported by this plugin (its weights carry 2D block "
+                "scales; the plugin refuses them and aligns nothing)")
     return None
 
 
 def _head(x: PlanInputs, model, global_batch: int, m: int, n: int) -> str:
     moe = (f", MoE {model.experts} experts top-{model.topk} EP={x.ep} ETP={x.expert_tp or x.tp}"
            if model.experts else "")
-    lines = [f"{x.source}: {model.layers} layers, hidden {model.hidden}, seq {model.seq}{moe}; "
+    lines = [f"{x.source}: {_count(model.layers, 'layer')}, hidden {model.hidden}, seq {model.seq}{moe}; "
              f"TP={x.tp} PP={x.pp} VP={x.vp} DP={x.dp} CP={x.cp} micro-batch {x.micro_batch}, "
              f"global batch {global_batch} -> M={m} (N={n}); {x.gpu}"]
     p2p = (f"p2p: overlap_p2p_comm={x.overlap_p2p} batch_p2p_comm={x.batch_p2p}"
@@ -109,10 +116,28 @@ def _head(x: PlanInputs, model, global_batch: int, m: int, n: int) -> str:
     shown = [d for d in x.defaulted if d not in ("overlap_p2p", "batch_p2p")]
     if shown:
         lines.append("defaults used (not given): " + " ".join(
-            f"{name.upper().replace('_', '-')}{DEFAULTS[name]}" if name in ("tp", "pp", "vp", "dp",
-                                                                            "cp", "ep")
-            else f"{flag(name)} {DEFAULTS[name]}" for name in shown))
+            f"{name.upper().replace('_', '-')}{x.values[name]}" if name in ("tp", "pp", "vp",
+                                                                             "dp", "cp", "ep")
+            else f"{flag(name)} {x.values[name]}" for name in shown)
+            + _refit_note(x, model.layers))
     return "\n".join(lines)
+
+
+def _refit_note(x: PlanInputs, layers: int) -> str:
+    moved = [n.upper() for n in ("pp", "vp") if n in x.defaulted and x.values[n] != DEFAULTS[n]]
+    return (f" ({' and '.join(moved)}: the nearest to PP{DEFAULTS['pp']} VP{DEFAULTS['vp']} that "
+            f"divide the {layers} layers)" if moved else "")
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def percent(part: float, whole: float) -> str:
+    """``part`` as a percentage of ``whole`` with two significant digits below 0.01%, so a
+    saving is never shown as 0.00%."""
+    share = 100 * part / whole
+    return f"{share:.2f}%" if share == 0 or abs(share) >= 0.01 else f"{share:.2g}%"
 
 
 def plan_report(args: argparse.Namespace) -> Tuple[str, Dict[Placement, Timeline]]:
@@ -122,11 +147,17 @@ def plan_report(args: argparse.Namespace) -> Tuple[str, Dict[Placement, Timeline
     global_batch = x.global_batch or 8 * x.pp * x.micro_batch * x.dp
     layout = Layout(x.tp, x.pp, x.vp, x.dp, x.micro_batch, global_batch, cp=x.cp, ep=x.ep,
                     etp=x.expert_tp)
-    m = layout.microbatches()
-    schedule = InterleavedSchedule(x.pp, x.vp, m, x.group_size)
-    layout.layers_per_chunk(model)
-    head = _head(x, model, global_batch, m, schedule.n)
     reason = _nothing_to_align(x)
+    try:
+        m = layout.microbatches()
+        schedule = InterleavedSchedule(x.pp, x.vp, m, x.group_size)
+        layout.layers_per_chunk(model)
+        _check_context_parallel(model.seq, x.cp)
+    except (PlanInputError, ScheduleError):
+        if not reason:
+            raise
+        return f"{x.source}: nothing to align: {reason}.\n", {}
+    head = _head(x, model, global_batch, m, schedule.n)
     if reason:
         return f"{head}\nnothing to align: {reason}.\n", {}
     costs, info = chunk_costs(model, layout, GPUS[x.gpu], tflops=x.tflops,
@@ -139,9 +170,22 @@ def plan_report(args: argparse.Namespace) -> Tuple[str, Dict[Placement, Timeline
     return "\n".join(lines) + "\n", timelines
 
 
+def _check_context_parallel(seq: int, cp: int) -> None:
+    """Megatron-LM 0.19.2 asserts 'seq-length should be a multiple of 2 * context-parallel-size'
+    (megatron-core's get_batch_on_this_cp_rank splits each sequence into 2 x CP pieces)."""
+    if cp > 1 and seq % (2 * cp):
+        fits = [c for c in range(2, seq // 2 + 1) if seq % (2 * c) == 0]
+        near = min(fits, key=lambda c: (abs(c - cp), c), default=None)
+        hint = f"--cp {near}" if near else "--cp 1"
+        raise PlanInputError(
+            f"--cp {cp}: the sequence length {seq} is not a multiple of 2 x CP = {2 * cp} "
+            f"(megatron-core splits each sequence into 2 x CP pieces; Megatron-LM refuses it); "
+            f"use {hint}, or a sequence length that is a multiple of {2 * cp}")
+
+
 def _costs_line(c: Costs, info: Dict[str, float], args: PlanInputs) -> str:
     src = GPUS[args.gpu].source
-    return (f"per chunk and microbatch: {info['layers_per_chunk']} layers, "
+    return (f"per chunk and microbatch: {_count(info['layers_per_chunk'], 'layer')}, "
             f"{info['weight_bytes'] / 1e6:.0f} MB of FP8 weights per GPU; forward {c.forward * 1e3:.2f} ms, "
             f"backward {c.backward * 1e3:.2f} ms, transposes {c.transpose * 1e3:.3f} ms "
             f"({100 * c.transpose / c.forward:.1f}% of a forward), all-gather "
@@ -177,7 +221,7 @@ def _recommendation(tls: Dict[Placement, Timeline]) -> str:
     best = min(tls, key=lambda p: tls[p].step_time if p is not Placement.NONE else float("inf"))
     verdict = ("turn it on" if saved / lazy >= 0.002 else "harmless but the gain is below 0.2%")
     text = (f"Recommendation: {verdict}: aligned saves {saved * 1e3:.3f} ms per step "
-            f"({100 * saved / lazy:.2f}%), {100 * share:.0f}% of the {extra * 1e3:.3f} ms the lazy "
+            f"({percent(saved, lazy)}), {100 * share:.0f}% of the {extra * 1e3:.3f} ms the lazy "
             "transposes add.")
     if best in _MODELLED_ONLY and tls[best].step_time < aligned - 1e-9:
         text += (f" The modelled '{best.value}' placement (not implemented) would save "

@@ -21,6 +21,8 @@ __all__ = ["PlanInputs", "DEFAULTS", "resolve"]
 DEFAULTS: Dict[str, Any] = {"tp": 8, "pp": 8, "vp": 2, "dp": 1, "cp": 1, "ep": 1,
                             "micro_batch": 1, "overlap_p2p": True, "batch_p2p": False}
 NEMO_P2P = {"overlap_p2p": False, "batch_p2p": True}
+#: FP8 recipes (megatron-core's names): the per-tensor ones have a byte transpose to align.
+RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
 _INT_FLAGS = ("layers", "hidden", "heads", "kv_heads", "ffn", "seq", "tp", "pp", "vp", "dp", "cp",
               "ep", "expert_tp", "experts", "topk", "moe_ffn", "micro_batch", "global_batch",
               "group_size")
@@ -70,23 +72,32 @@ def _check_numbers(args: argparse.Namespace) -> None:
 
 
 def _from_config(path: str, overrides: List[str]) -> Dict[str, Any]:
-    """The sizes a NeMo (or launcher: under ``training:``) config gives, by flag name."""
+    """The sizes a NeMo (or launcher: under ``training:``) config gives, by flag name, read as
+    ``check`` reads them: NeMo's and the launcher's resolvers (``${multiply:4, ${.hidden_size}}``)
+    and ``${training.*}`` resolve; ``fp8`` and ``fp8_recipe`` come along (``fp8``, ``recipe``)."""
     from nemo_fp8_align.cli.check_load import load_config
-    from nemo_fp8_align.config_check.context import CheckContext
-    from nemo_fp8_align.config_check.reader import ABSENT, Reader
+    from nemo_fp8_align.config_check.resolvers import upstream_resolvers
     from nemo_fp8_align.errors import ConfigLoadError
 
     try:
         cfg = load_config(Path(path), overrides)
     except ConfigLoadError as err:
         raise PlanInputError(str(err).splitlines()[0]) from None
-    root, prefix = cfg, ""
-    if "model" not in cfg and "training" in cfg and "model" in (cfg.training or {}):
-        root, prefix = cfg.training, "training."
-    if "model" not in root:
+    with upstream_resolvers():
+        return _read_config(path, cfg)
+
+
+def _read_config(path: str, cfg: Any) -> Dict[str, Any]:
+    from nemo_fp8_align.config_check.check import config_nodes
+    from nemo_fp8_align.config_check.context import CheckContext
+    from nemo_fp8_align.config_check.reader import ABSENT, Reader
+
+    prefix = "training." if "model" not in cfg and "training" in cfg else ""
+    model_node, trainer_node, problems = config_nodes(cfg)
+    if model_node is None or ("model" not in cfg and not prefix):
         raise PlanInputError(f"{path}: no model: block, not a NeMo training config")
-    model = Reader(root.model, prefix + "model.")
-    trainer = Reader(root.trainer, prefix + "trainer.") if "trainer" in root else None
+    model = Reader(model_node, prefix + "model.")
+    trainer = None if trainer_node is None else Reader(trainer_node, prefix + "trainer.")
     ctx = CheckContext(model, trainer)
     out: Dict[str, Any] = {}
     for name, key in CONFIG_KEYS.items():
@@ -99,6 +110,7 @@ def _from_config(path: str, overrides: List[str]) -> Dict[str, Any]:
         elif type(value) is not int or value < 1:
             raise PlanInputError(f"{prefix}model.{key}={value!r}: expected an integer >= 1")
         out[name] = value
+    out.update(_config_fp8(model, prefix))
     if model.violations:
         raise PlanInputError(str(model.violations[0]))
     if out.get("vp") == 1:
@@ -107,10 +119,38 @@ def _from_config(path: str, overrides: List[str]) -> Dict[str, Any]:
     if isinstance(gated, str):
         out["gated_mlp"] = gated.lower() in ("swiglu", "geglu", "reglu", "fast-swiglu")
     dp = ctx.trainer_data_parallel()
+    world, mp = ctx.world(), ctx.model_parallel()
+    if dp is None and world is not None and mp is not None:
+        raise PlanInputError(
+            f"{prefix}trainer.devices x num_nodes = {world} GPUs is not divisible by TP x PP x CP "
+            f"= {mp} (megatron-core refuses it): change the node count or the layout, or pass "
+            "--dp to plan one data-parallel size")
     if dp is not None:
         out["dp"] = dp
     for name, value in NEMO_P2P.items():
         out.setdefault(name, value)  # NeMo's own defaults for a config without the keys
+    return out
+
+
+def _config_fp8(model: Any, prefix: str) -> Dict[str, Any]:
+    """``fp8`` (False: the config trains without FP8) and ``recipe`` (NeMo copies
+    ``mcore_customization_config`` last, so its ``fp8_recipe`` wins) of a config's model node."""
+    from nemo_fp8_align.config_check.reader import ABSENT
+
+    out: Dict[str, Any] = {}
+    fp8 = model.get("fp8")
+    if fp8 is not ABSENT and fp8 is not None:
+        if not isinstance(fp8, bool):
+            raise PlanInputError(f"{prefix}model.fp8={fp8!r}: expected true or false")
+        out["fp8"] = fp8
+    for key in ("fp8_recipe", "mcore_customization_config.fp8_recipe"):
+        recipe = model.get(key)
+        if recipe is ABSENT or recipe is None:
+            continue
+        if recipe not in RECIPES:
+            raise PlanInputError(f"{prefix}model.{key}={recipe!r}: not an FP8 recipe plan knows; "
+                                 f"one of {', '.join(RECIPES)} (or pass --recipe)")
+        out["recipe"] = recipe
     return out
 
 
@@ -142,13 +182,29 @@ def _model(v: Dict[str, Any], preset: Optional[str]) -> ModelShape:
     return model
 
 
+def _fit_default_layout(v: Dict[str, Any], layers: int, defaulted: List[str]) -> None:
+    """PP and VP that were not given default to the pair nearest PP8 VP2 whose product divides
+    the layer count (the 126 layers of Llama 3 405B: PP9 VP2): a default never makes the plan
+    fail. A PP or VP that was given is kept (its error names it)."""
+    free = [name for name in ("pp", "vp") if name in defaulted]
+    if not free or layers % (v["pp"] * v["vp"]) == 0:
+        return
+    pps = range(2, layers + 1) if "pp" in free else [v["pp"]]
+    vps = range(2, layers + 1) if "vp" in free else [v["vp"]]
+    fits = [(abs(pp - DEFAULTS["pp"]), abs(vp - DEFAULTS["vp"]), -pp, pp, vp)
+            for pp in pps for vp in vps if layers % (pp * vp) == 0]
+    if fits:
+        v["pp"], v["vp"] = min(fits)[3:]
+
+
 def resolve(args: argparse.Namespace) -> PlanInputs:
     """Config, then preset, then flags; the rest from :data:`DEFAULTS` (named in ``defaulted``)."""
     _check_numbers(args)
     if args.gpu.lower() not in GPUS:
         raise PlanInputError(f"--gpu {args.gpu!r} is not known; use one of {', '.join(sorted(GPUS))}"
                              " (or the closest one with --tflops and --transpose-tbps)")
-    v: Dict[str, Any] = dict.fromkeys((*_INT_FLAGS, "gated_mlp", "overlap_p2p", "batch_p2p"))
+    v: Dict[str, Any] = dict.fromkeys((*_INT_FLAGS, "gated_mlp", "overlap_p2p", "batch_p2p",
+                                       "fp8", "recipe"))
     v.update(_from_config(args.config, args.overrides) if args.config else {})
     if args.overrides and not args.config:
         raise PlanInputError(f"override {args.overrides[0]!r} without a CONFIG.yaml: pass the "
@@ -164,9 +220,11 @@ def resolve(args: argparse.Namespace) -> PlanInputs:
         raise PlanInputError("--overlap-p2p-comm with --batch-p2p-comm: megatron-core allows one "
                              "of them (pass --no-batch-p2p-comm or --no-overlap-p2p-comm)")
     v["gpu"] = args.gpu.lower()
-    for name in _FLOAT_FLAGS + ("recipe",):
+    for name in _FLOAT_FLAGS:
         v[name] = getattr(args, name)
+    v["recipe"] = args.recipe or v["recipe"] or "delayed"  # the flag, the config, megatron-core's
     model = _model(v, args.model)
+    _fit_default_layout(v, model.layers, defaulted)
     if model.kv_heads % v["tp"] and v["tp"] % model.kv_heads:
         raise PlanInputError(f"--tp {v['tp']}: the {model.kv_heads} KV heads must be divisible by "
                              "TP (or TP by them)")
