@@ -19,6 +19,7 @@ import sys
 from collections import defaultdict
 from typing import Dict, List, Optional, Tuple
 
+from nemo_fp8_align.cli.report_fields import SIZE_FLAGS, completeness_judged, field_problems
 from nemo_fp8_align.cli.report_input import REQUIRED, load_telemetry, plot_path_problem
 from nemo_fp8_align.core.completeness import completeness_problems
 from nemo_fp8_align.core.telemetry import record_problems
@@ -42,7 +43,43 @@ def add_report_parser(sub: "argparse._SubParsersAction") -> None:
                    "chunk's transposes, per step")
     p.add_argument("--baseline", metavar="TELEMETRY", nargs="+", default=None,
                    help="another run's files (e.g. the lazy run): print an A/B summary")
+    for name, what in SIZE_FLAGS.items():
+        p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int, default=None,
+                       metavar="N", help=f"the run's {what}, for records written without "
+                       f"{name} (older telemetry): lets the report judge which records are missing")
     p.set_defaults(func=run_report)
+
+
+def _with_sizes(records: List[dict], args: argparse.Namespace) -> List[dict]:
+    """``records`` with the sizes given by flag filled in where a record lacks them; a size a
+    record carries must equal the flag's."""
+    given = {k: getattr(args, k, None) for k in SIZE_FLAGS}
+    for key, value in given.items():
+        if value is not None and value < 1:
+            raise TelemetryError(f"--{key.replace('_', '-')} {value}: must be >= 1")
+        said = sorted({r[key] for r in records if r.get(key) is not None})
+        if value is not None and said and said != [value]:
+            raise TelemetryError(f"--{key.replace('_', '-')} {value}, but the records say {key} "
+                                 f"{', '.join(map(str, said))}: leave the flag out (the records "
+                                 "carry the size) or pass the files of the run it describes")
+    if all(v is None for v in given.values()):
+        return records
+    return [{**r, **{k: v for k, v in given.items() if v is not None and r.get(k) is None}}
+            for r in records]
+
+
+def _verdict(records: List[dict]) -> str:
+    observed = any(r.get("obs_built") is not None for r in records)
+    text = ("OK: every record passes the invariants (slot per policy, after the all-gather, all "
+            "weights" + (", observed builds where the policy puts them" if observed else "")
+            + "), each record's fields agree with one another, the ranks agree on each slot, and ")
+    why = completeness_judged(records)
+    if why is not None:
+        return text.replace(", and ", "; ") + why + "."
+    if any(r.get("world_size") is None for r in records):
+        return text + ("every record is there (one per step/chunk/pipeline rank/data-parallel "
+                       "rank; global ranks not judged: records without world_size).")
+    return text + "every record is there (every rank, one record per step/chunk/rank)."
 
 
 def _policy(records: List[dict]) -> str:
@@ -71,13 +108,15 @@ def _timings(recs: List[dict]) -> Tuple[str, str]:
 
 def judge(records: List[dict]) -> List[str]:
     """Every problem of one run's records: per record, then what is missing or disagrees."""
-    return record_problems(records, policy=_policy(records)) + completeness_problems(records)
+    return (record_problems(records, policy=_policy(records)) + field_problems(records)
+            + completeness_problems(records))
 
 
 def _shape(records: List[dict]) -> str:
     r = records[-1]
-    if r.get("pp_size") is None:
-        return "schedule shape not recorded (older records): completeness judged from the ranks seen"
+    if r.get("pp_size") is None or r.get("microbatches") is None:
+        return ("not recorded (older records): aligned slots judged from the "
+                "ranks' agreement only")
     return (f"PP={r['pp_size']} VP={r['vp_size']} DP={r.get('dp_size') or '?'} "
             f"M={r['microbatches']} N={r.get('group_size') or 'legacy'}, world size "
             f"{r.get('world_size') or '?'}")
@@ -142,7 +181,7 @@ def _inputs(args: argparse.Namespace) -> Tuple[List[dict], Optional[List[dict]]]
     problem = plot_path_problem(args.plot)
     if problem:
         raise TelemetryError(problem)
-    records = load_telemetry(args.telemetry)
+    records = _with_sizes(load_telemetry(args.telemetry), args)
     _policy(records)
     baseline = load_telemetry(args.baseline) if args.baseline else None
     if baseline is not None:
@@ -172,10 +211,7 @@ def run_report(args: argparse.Namespace) -> int:
     if plot_error is not None:  # after the verdict, never instead of it
         print(f"nemo-fp8-align report: --plot {args.plot}: {plot_error}", file=sys.stderr)
     if not problems:
-        print("OK: every record passes the invariants (slot per policy, after the all-gather, "
-              "all weights, observed builds where the policy puts them), the ranks agree on "
-              "each slot, and every record is there (every rank, one record per "
-              "step/chunk/rank).")
+        print(_verdict(records))
     if problems:
         return 1
     return 2 if plot_error is not None else 0

@@ -9,6 +9,7 @@ import statistics
 from collections import defaultdict
 from typing import Callable, Dict, List, Optional, Tuple
 
+from nemo_fp8_align.cli.report_fields import completeness_judged
 from nemo_fp8_align.cli.report_plot import shown_slot
 
 __all__ = ["ab_summary", "chunk_figures"]
@@ -46,6 +47,31 @@ def _cell(value: Optional[float], digits: int) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def _verdict_b(b: List[dict], problems: List[str]) -> str:
+    if problems:
+        return f"{len(problems)} problems"
+    return "OK" if completeness_judged(b) is None else "OK, completeness not judged (no sizes)"
+
+
+def _source(a: List[dict], b: List[dict]) -> str:
+    """Which slot the skew column is from, per run."""
+    seen = ["observed" if any(r.get("obs_slot") is not None for r in run) else "reported"
+            for run in (a, b)]
+    return (f"{seen[0]} slots" if seen[0] == seen[1]
+            else f"A's {seen[0]}, B's {seen[1]} slots")
+
+
+def _skew_note(name: str, policy: str, figures: Dict[int, Dict[str, Optional[float]]]) -> str:
+    """What the run's skews say: the same slot on every rank, or how far apart, on which chunks."""
+    skewed = {c: int(f["skew"] or 0) for c, f in figures.items() if f["skew"]}
+    if not skewed:
+        return f"{name} ({policy}): 0 on every chunk, every pipeline rank at the same slot"
+    chunks = ", ".join(map(str, sorted(skewed)))
+    most = max(skewed.values())
+    return (f"{name} ({policy}): pipeline ranks up to {most} slot{'s' if most != 1 else ''} "
+            f"apart on chunk{'s' if len(skewed) > 1 else ''} {chunks}")
+
+
 def ab_summary(a: List[dict], b: List[dict],
                judge: Callable[[List[dict]], List[str]]) -> Tuple[str, List[str]]:
     """The A/B table and B's problems (A's are judged by the caller)."""
@@ -61,8 +87,9 @@ def ab_summary(a: List[dict], b: List[dict],
         rows.append(f"{chunk:<6}{pair('skew', 0):>16}{pair('wait_ms', 3):>26}"
                     f"{pair('valid_ms', 3):>24}{pair('built', 0):>22}")
     problems_b = judge(b)
-    rows.append(f"(slot skew 0: every pipeline rank had the chunk's transposes at the same slot; "
-                f"B's verdict: {'OK' if not problems_b else f'{len(problems_b)} problems'})")
+    rows.append(f"(slot skew: largest minus smallest slot over the pipeline ranks, "
+                f"{_source(a, b)}; {_skew_note('A', pa, fa)}; {_skew_note('B', pb, fb)}; "
+                f"B's verdict: {_verdict_b(b, problems_b)})")
     if pa == pb:
         rows.append(f"(both runs are {pa}: an A/B of placement compares aligned with lazy)")
     return "\n".join(rows) + "\n", problems_b
