@@ -72,15 +72,15 @@ def test_overrides_are_parsed_as_yaml_values(seed_yaml):
     # "False" must become a bool (a string would be a wrong type, with a different message).
     status, out, err = check(str(seed_yaml), "model.fp8=False", "model.global_batch_size=12")
     assert status == EXIT_INVALID == 2
-    assert out == ""
-    assert "2 setting(s)" in err
-    assert "model.fp8: found False; expected True" in err
-    assert "| fix: model.fp8=True" in err
+    assert err == ""  # the violations and the fix line are the result: stdout
+    assert "2 setting(s)" in out
+    assert "model.fp8: found False; expected True" in out
+    assert "| fix: model.fp8=True" in out
     # M = 12 / 2 = 6 does not fit N = PP = 4: the group size is what to change (a layout fix).
-    assert "global_batch_size = 12 (M = 12 / (1 * DP 2) = 6)" in err
-    assert "| fix: +model.microbatch_group_size_per_vp_stage=6" in err
+    assert "global_batch_size = 12 (M = 12 / (1 * DP 2) = 6)" in out
+    assert "| fix: +model.microbatch_group_size_per_vp_stage=6" in out
     assert "re-checked: the config passes with it):\n  model.fp8=True " \
-        "+model.microbatch_group_size_per_vp_stage=6\n" in err
+        "+model.microbatch_group_size_per_vp_stage=6\n" in out
 
 
 def test_override_can_fix_a_config(seed_yaml):
@@ -90,55 +90,55 @@ def test_override_can_fix_a_config(seed_yaml):
 
 
 def test_delete_and_append_overrides(seed_yaml):
-    status, _, err = check(str(seed_yaml), "~model.fp8_params")
+    status, out, err = check(str(seed_yaml), "~model.fp8_params")
     assert status == EXIT_INVALID
-    assert "model.fp8_params: found <missing>" in err and "+model.fp8_params=True" in err
-    status, _, err = check(str(seed_yaml), "~model.fp8_params", "+model.fp8_params=true")
+    assert "model.fp8_params: found <missing>" in out and "+model.fp8_params=True" in out
+    status, out, err = check(str(seed_yaml), "~model.fp8_params", "+model.fp8_params=true")
     assert status == EXIT_OK, err
-    status, _, err = check(str(seed_yaml), "+model.optim.align_param_gather=True",
+    status, out, err = check(str(seed_yaml), "+model.optim.align_param_gather=True",
                            "model.optim.name=mcore_distributed_optim")
     assert status == EXIT_OK, err
 
 
 def test_override_of_a_missing_key_without_plus_is_an_error(seed_yaml):
-    status, _, err = check(str(seed_yaml), "model.fp8_recipe=mxfp8")
+    status, out, err = check(str(seed_yaml), "model.fp8_recipe=mxfp8")
     assert status == EXIT_INVALID
     assert "+model.fp8_recipe=mxfp8" in err  # Hydra's own hint
-    status, _, err = check(str(seed_yaml), "+model.fp8_recipe=mxfp8")
-    assert status == EXIT_INVALID and "model.fp8_recipe: found 'mxfp8'" in err
+    status, out, err = check(str(seed_yaml), "+model.fp8_recipe=mxfp8")
+    assert status == EXIT_INVALID and "model.fp8_recipe: found 'mxfp8'" in out
 
 
 def test_inactive_plugin_is_ok(seed_yaml):
-    status, out, _ = check(str(seed_yaml), "model.fp8=False",
+    status, out, err = check(str(seed_yaml), "model.fp8=False",
                            "+model.fp8_transpose_align.enabled=False")
     assert status == EXIT_OK
     assert "plugin inactive" in out
 
 
 def test_ok_line_says_when_microbatch_checks_were_skipped(seed_yaml):
-    status, out, _ = check(str(seed_yaml), "trainer.devices=auto", "model.global_batch_size=3")
+    status, out, err = check(str(seed_yaml), "trainer.devices=auto", "model.global_batch_size=3")
     assert status == EXIT_OK
     assert "microbatch checks skipped" in out and "--data-parallel-size" in out
-    status, _, err = check(str(seed_yaml), "trainer.devices=auto", "model.global_batch_size=3",
+    status, out, err = check(str(seed_yaml), "trainer.devices=auto", "model.global_batch_size=3",
                            "--data-parallel-size", "2")
-    assert status == EXIT_INVALID and "model.global_batch_size" in err
+    assert status == EXIT_INVALID and "model.global_batch_size" in out
 
 
 def test_data_parallel_size_option(seed_yaml):
     # Without a known world size: DP 4 gives M = 16 / 4 = 4, fine; DP 8: M = 2 < PP.
     assert check(str(seed_yaml), "trainer.devices=auto", "--data-parallel-size", "4")[0] == EXIT_OK
-    status, _, err = check(str(seed_yaml), "trainer.devices=auto", "--data-parallel-size", "8")
-    assert status == EXIT_INVALID and "DP 8" in err
+    status, out, err = check(str(seed_yaml), "trainer.devices=auto", "--data-parallel-size", "8")
+    assert status == EXIT_INVALID and "DP 8" in out
     # The trainer's own DP (8 / 4 = 2) agrees with the flag: fine.
     assert check(str(seed_yaml), "--data-parallel-size", "2")[0] == EXIT_OK
 
 
 def test_data_parallel_size_that_disagrees_with_the_trainer(seed_yaml):
     # 8 devices / (TP 1 * PP 4) = DP 2, but the flag says 4: the node count that gives 4 is 2.
-    status, _, err = check(str(seed_yaml), "--data-parallel-size", "4")
+    status, out, err = check(str(seed_yaml), "--data-parallel-size", "4")
     assert status == EXIT_INVALID
-    assert "--data-parallel-size: found 4; expected 2, the data-parallel size of the trainer" in err
-    assert "| fix: trainer.num_nodes=2, or leave --data-parallel-size out" in err
+    assert "--data-parallel-size: found 4; expected 2, the data-parallel size of the trainer" in out
+    assert "| fix: trainer.num_nodes=2, or leave --data-parallel-size out" in out
 
 
 def test_missing_file_exits_2(tmp_path):
@@ -151,7 +151,7 @@ def test_missing_file_exits_2(tmp_path):
 def test_unparseable_file_exits_2(tmp_path):
     path = tmp_path / "broken.yaml"
     path.write_text("model: [1,\n  fp8: }\n")
-    status, _, err = check(str(path))
+    status, out, err = check(str(path))
     assert status == EXIT_INVALID
     assert err.startswith(f"error: {path}: could not compose the config")
 
@@ -159,12 +159,12 @@ def test_unparseable_file_exits_2(tmp_path):
 def test_not_a_yaml_suffix_exits_2(tmp_path):
     path = tmp_path / "cfg.yml"
     path.write_text(SEED_YAML)
-    status, _, err = check(str(path))
+    status, out, err = check(str(path))
     assert status == EXIT_INVALID and "cfg.yaml" in err
 
 
 def test_misspelt_plugin_key_in_an_override_gets_a_suggestion():
-    status, _, err = check(str(FP8_ALIGN), "model.fp8_transpose_align.polcy=lazy")
+    status, out, err = check(str(FP8_ALIGN), "model.fp8_transpose_align.polcy=lazy")
     assert status == EXIT_INVALID
     assert "did you mean model.fp8_transpose_align.policy?" in err
     assert "fix: model.fp8_transpose_align.policy=lazy" in err
@@ -172,31 +172,31 @@ def test_misspelt_plugin_key_in_an_override_gets_a_suggestion():
 
 def test_misspelt_plugin_key_in_a_yaml_gets_a_suggestion(seed_yaml):
     seed_yaml.write_text(SEED_YAML + "    telemetry_pth: /tmp/t\n")
-    status, _, err = check(str(seed_yaml))
+    status, out, err = check(str(seed_yaml))
     assert status == EXIT_INVALID
-    assert "model.fp8_transpose_align.telemetry_pth" in err
-    assert "did you mean 'telemetry_path'?" in err
+    assert "model.fp8_transpose_align.telemetry_pth" in out
+    assert "did you mean 'telemetry_path'?" in out
 
 
 def test_shipped_configs_pass_and_their_overrides_are_checked():
     assert check(str(FP8_ALIGN))[0] == EXIT_OK
     assert check(str(LAUNCHER))[0] == EXIT_OK
-    status, _, err = check(str(LAUNCHER), "model.virtual_pipeline_model_parallel_size=5")
+    status, out, err = check(str(LAUNCHER), "model.virtual_pipeline_model_parallel_size=5")
     assert status == EXIT_INVALID
-    assert "| fix: model.virtual_pipeline_model_parallel_size=4" in err
-    status, _, err = check(str(FP8_ALIGN), "model.fp8_transpose_align.policy=eager")
-    assert status == EXIT_INVALID and "one of: aligned, lazy, off" in err
+    assert "| fix: model.virtual_pipeline_model_parallel_size=4" in out
+    status, out, err = check(str(FP8_ALIGN), "model.fp8_transpose_align.policy=eager")
+    assert status == EXIT_INVALID and "one of: aligned, lazy, off" in out
 
 
 def test_a_value_align_config_rejects_exits_2_with_every_violation():
     # AlignConfig rejects verify_every_n_steps < 0: a listed violation, never a traceback, and
     # it hides no other violation.
-    status, _, err = check(str(FP8_ALIGN), "model.fp8_transpose_align.verify_every_n_steps=-1",
+    status, out, err = check(str(FP8_ALIGN), "model.fp8_transpose_align.verify_every_n_steps=-1",
                            "model.num_layers=18")
     assert status == EXIT_INVALID
-    assert "2 setting(s)" in err
-    assert "| fix: model.fp8_transpose_align.verify_every_n_steps=0" in err
-    assert "model.virtual_pipeline_model_parallel_size: found 2" in err  # 18 // PP 2 = 9
+    assert "2 setting(s)" in out
+    assert "| fix: model.fp8_transpose_align.verify_every_n_steps=0" in out
+    assert "model.virtual_pipeline_model_parallel_size: found 2" in out  # 18 // PP 2 = 9
 
 
 def test_subprocess_exit_codes(seed_yaml):
@@ -208,7 +208,7 @@ def test_subprocess_exit_codes(seed_yaml):
     bad = subprocess.run([*cmd, str(seed_yaml), "model.fp8_params=false"], env=env,
                          capture_output=True, text=True)
     assert bad.returncode == 2
-    assert "model.fp8_params: found False" in bad.stderr
+    assert "model.fp8_params: found False" in bad.stdout
     missing = subprocess.run([*cmd, "/nonexistent/x.yaml"], env=env, capture_output=True,
                              text=True)
     assert missing.returncode == 2 and "no such file" in missing.stderr
@@ -219,3 +219,36 @@ def test_run_check_defaults_to_sys_streams(seed_yaml, capsys):
                               format="text", mixin=False)
     assert run_check(args) == EXIT_OK
     assert "OK" in capsys.readouterr().out
+
+
+# --- issue 25 item 6: closed pipes, stdout for results, flags of the other mode --------------
+
+
+def test_a_closed_pipe_exits_quietly_with_the_commands_status():
+    # `check --format json | head -c 10`: the reader is gone before the command writes.
+    run = subprocess.Popen([sys.executable, "-m", "nemo_fp8_align", "check", str(LAUNCHER),
+                            "--format", "json"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, cwd=ROOT)
+    run.stdout.close()
+    err = run.stderr.read().decode()
+    assert run.wait(timeout=120) == EXIT_OK, err
+    assert "Traceback" not in err and "BrokenPipe" not in err and err == ""
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--world-size", "3"], "--world-size 3 applies only with --megatron-lm"),
+    (["--megatron-lm"], "leave out --megatron-lm to check it"),
+])
+def test_a_flag_of_the_other_mode_is_an_error(argv, needle):
+    status, out, err = check(str(FP8_ALIGN), *argv)
+    assert status == EXIT_INVALID and out == ""
+    assert err.count("\n") == 1 and needle in err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--mixin"], "--mixin applies only to a NeMo config"),
+    (["--data-parallel-size", "2"], "--data-parallel-size applies only to a NeMo config"),
+])
+def test_a_nemo_flag_with_megatron_lm_is_an_error(argv, needle):
+    status, out, err = check("--megatron-lm", *argv, "--", "--pipeline-model-parallel-size", "2")
+    assert status == EXIT_INVALID and out == "" and needle in err and err.count("\n") == 1

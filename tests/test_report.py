@@ -65,7 +65,7 @@ def test_report_fails_on_broken_records(tmp_path, capsys, field, value, needle):
     path = tmp_path / "t.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert main(["report", str(path)]) == 1
-    assert needle in capsys.readouterr().err
+    assert needle in capsys.readouterr().out
 
 
 def test_report_duplicate_record_fails(tmp_path, capsys):
@@ -73,7 +73,7 @@ def test_report_duplicate_record_fails(tmp_path, capsys):
     path = tmp_path / "t.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows + rows[:1]))
     assert main(["report", str(path)]) == 1
-    assert "2 records, expected exactly 1" in capsys.readouterr().err
+    assert "2 records, expected exactly 1" in capsys.readouterr().out
 
 
 def test_report_timings_from_timestamps(tmp_path, capsys):
@@ -158,15 +158,18 @@ def test_report_fails_on_fields_that_contradict_each_other(tmp_path, capsys, cha
     path = tmp_path / "t.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert main(["report", str(path)]) == 1
-    out, err = capsys.readouterr()
-    assert needle in err and "OK:" not in out
+    out = capsys.readouterr().out
+    failed = [line for line in out.splitlines() if line.startswith("FAILED: ")]
+    assert any(line.startswith("FAILED: step 0 chunk 1 pp rank 1 dp rank 0: ") and needle in line
+               for line in failed), out
+    assert "OK:" not in out
 
 
 def test_report_judges_completeness_of_older_records_only_with_the_sizes(tmp_path, capsys):
     rank0 = tmp_path / "t.rank0.jsonl"
     rank0.write_text("".join(json.dumps(r) + "\n" for r in _rows(ALIGNED) if r["pp_rank"] == 0))
     assert main(["report", str(rank0), "--pp-size", "2", "--vp-size", "2", "--dp-size", "2"]) == 1
-    assert "pipeline rank 1 wrote no records (of PP=2)" in capsys.readouterr().err
+    assert "pipeline rank 1 wrote no records (of PP=2)" in capsys.readouterr().out
     assert main(["report", str(ALIGNED), "--pp-size", "2", "--vp-size", "2", "--dp-size", "2"]) == 0
     out = capsys.readouterr().out
     assert "every record is there" in out and "global ranks not judged" in out
@@ -183,3 +186,20 @@ def test_report_baseline_footnote_follows_the_data(capsys):
                 if line.startswith("(slot skew"))
     assert "A (lazy): pipeline ranks up to 1 slot apart on chunks 0, 1" in note
     assert "B (aligned): 0 on every chunk" in note and "observed slots" in note
+
+
+@pytest.mark.parametrize("path,status", [
+    (OBSERVED, 0), (DATA / "telemetry_observed_pp2_vp2_dp2_slot_shift_unreported.jsonl", 1)],
+    ids=["ok", "failed"])
+def test_report_into_a_closed_pipe_exits_with_its_own_status(path, status):
+    # `report ... | head -1`: the reader is gone before the command writes; no traceback,
+    # and the status is the verdict's (was a BrokenPipeError traceback and exit 1).
+    import subprocess
+    import sys
+
+    run = subprocess.Popen([sys.executable, "-m", "nemo_fp8_align", "report", str(path)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           cwd=Path(__file__).parent.parent)
+    run.stdout.close()
+    err = run.stderr.read().decode()
+    assert run.wait(timeout=120) == status and err == "", err

@@ -43,28 +43,28 @@ def test_the_real_runs_pass(capsys):
 def test_one_record_deleted(tmp_path, capsys):
     rows = _rows()
     gone = rows.pop(5)
-    code, _, err = _report(capsys, _write(tmp_path, rows))
+    code, out, err = _report(capsys, _write(tmp_path, rows))
     assert code == 1
     assert (f"missing record: step {gone['step']} chunk {gone['chunk']} pp rank "
-            f"{gone['pp_rank']} dp rank {gone['dp_rank']}") in err
+            f"{gone['pp_rank']} dp rank {gone['dp_rank']}") in out
 
 
 def test_pp_rank_1_last_step_deleted(tmp_path, capsys):
     rows = [r for r in _rows() if not (r["pp_rank"] == 1 and r["step"] == 2)]
-    code, _, err = _report(capsys, _write(tmp_path, rows))
+    code, out, err = _report(capsys, _write(tmp_path, rows))
     assert code == 1
     for chunk in (0, 1):
         for dp in (0, 1):
-            assert f"missing record: step 2 chunk {chunk} pp rank 1 dp rank {dp}" in err
+            assert f"missing record: step 2 chunk {chunk} pp rank 1 dp rank {dp}" in out
 
 
 def test_only_rank_0s_file(tmp_path, capsys):
     rows = [r for r in _rows() if r["rank"] == 0]
-    code, _, err = _report(capsys, _write(tmp_path, rows, "t.rank0.jsonl"))
+    code, out, err = _report(capsys, _write(tmp_path, rows, "t.rank0.jsonl"))
     assert code == 1
-    assert "3 of 4 global ranks wrote no records (ranks 1, 2, 3)" in err
-    assert "pipeline rank 1 wrote no records" in err
-    assert "data-parallel rank 1 wrote no records" in err
+    assert "3 of 4 global ranks wrote no records (ranks 1, 2, 3)" in out
+    assert "pipeline rank 1 wrote no records" in out
+    assert "data-parallel rank 1 wrote no records" in out
 
 
 def test_pp_rank_1_slot_and_aligned_slot_rewritten(tmp_path, capsys):
@@ -72,11 +72,11 @@ def test_pp_rank_1_slot_and_aligned_slot_rewritten(tmp_path, capsys):
     for r in rows:
         if r["pp_rank"] == 1:
             r["slot"] = r["aligned_slot"] = 1
-    code, _, err = _report(capsys, _write(tmp_path, rows))
+    code, out, err = _report(capsys, _write(tmp_path, rows))
     assert code == 1
     assert "step 0 chunk 0: ranks disagree on the aligned slot: slot 0 by pp/dp ranks 0/0, 0/1; " \
-           "slot 1 by pp/dp ranks 1/0, 1/1" in err
-    assert "aligned slot 1, but PP=2 VP=2 M=4 N=2 put the chunk's first forward at slot 0" in err
+           "slot 1 by pp/dp ranks 1/0, 1/1" in out
+    assert "aligned slot 1, but PP=2 VP=2 M=4 N=2 put the chunk's first forward at slot 0" in out
 
 
 def test_misplaced_build_is_caught_from_observed_evidence(capsys):
@@ -87,19 +87,19 @@ def test_misplaced_build_is_caught_from_observed_evidence(capsys):
     assert code == 1
     assert "r0:[2] r1:[3]" in out  # the observed column shows it, the reported one cannot
     assert ("step 0 chunk 1 pp rank 1 dp rank 0: observed built before forward 2 of this rank's "
-            "step (slot 3); aligned means before forward 1 of this rank's step (slot 2)") in err
-    assert "transposes at slot" not in err  # the reported slot is the plan: only obs_* tell
+            "step (slot 3); aligned means before forward 1 of this rank's step (slot 2)") in out
+    assert "transposes at slot" not in out  # the reported slot is the plan: only obs_* tell
 
 
 def test_observed_build_twice_or_never(tmp_path, capsys):
     rows = _rows()
     rows[0]["obs_built"] = 8
     rows[1]["obs_built"], rows[1]["obs_at"], rows[1]["obs_slot"] = 0, [], None
-    code, _, err = _report(capsys, _write(tmp_path, rows))
+    code, out, err = _report(capsys, _write(tmp_path, rows))
     assert code == 1
-    assert "observed 8 transpose builds of 4 FP8 weights" in err
+    assert "observed 8 transpose builds of 4 FP8 weights" in out
     assert "observed 0 transpose builds of 4 FP8 weights in the step (expected each built " \
-           "exactly once, none seen before the chunk's first use)" in err
+           "exactly once, none seen before the chunk's first use)" in out
 
 
 def test_a_chunk_without_fp8_weights_is_valid(tmp_path, capsys):
@@ -119,8 +119,8 @@ def test_rank_template_expands(tmp_path, capsys):
     code, out, _ = _report(capsys, tmp_path / "telemetry.rank{rank}.jsonl")
     assert code == 0 and out.startswith("24 records")
     (tmp_path / "telemetry.rank3.jsonl").unlink()
-    code, _, err = _report(capsys, tmp_path / "telemetry.rank{rank}.jsonl")
-    assert code == 1 and "1 of 4 global ranks wrote no records (ranks 3)" in err
+    code, out, err = _report(capsys, tmp_path / "telemetry.rank{rank}.jsonl")
+    assert code == 1 and "1 of 4 global ranks wrote no records (ranks 3)" in out
 
 
 def _no_matplotlib(monkeypatch):
@@ -133,9 +133,9 @@ def _no_matplotlib(monkeypatch):
 
 def test_plot_failure_never_hides_a_failed_verdict(tmp_path, capsys, monkeypatch):
     _no_matplotlib(monkeypatch)
-    code, _, err = _report(capsys, MISPLACED, "--plot", tmp_path / "s.png")
+    code, out, err = _report(capsys, MISPLACED, "--plot", tmp_path / "s.png")
     assert code == 1  # the verdict, not the picture's exit 2
-    assert "observed built" in err and "needs matplotlib" in err
+    assert "observed built" in out and "needs matplotlib" in err
 
 
 def test_plot_failure_after_an_ok_verdict_is_exit_2(tmp_path, capsys, monkeypatch):
@@ -163,5 +163,5 @@ def test_baseline_prints_an_ab_summary(capsys):
 
 def test_baseline_problems_fail(tmp_path, capsys):
     rows = _rows(LAZY)[1:]
-    code, _, err = _report(capsys, ALIGNED, "--baseline", _write(tmp_path, rows))
-    assert code == 1 and "FAILED: baseline: missing record" in err
+    code, out, err = _report(capsys, ALIGNED, "--baseline", _write(tmp_path, rows))
+    assert code == 1 and "FAILED: baseline: missing record" in out

@@ -1,6 +1,11 @@
 """``nemo-fp8-align`` (also ``python -m nemo_fp8_align``): one command line, one sub-command per
 module here: ``demo`` (the CPU demo), ``check`` (the startup config check), ``plan`` (the timeline
-model) and ``report`` (the telemetry judge)."""
+model) and ``report`` (the telemetry judge).
+
+Results go to stdout (the verdict, the violation list, the fix line, the table, JSON);
+diagnostics that are not the result (an unreadable input, a failed plot) go to stderr. A reader
+that closes the pipe early (``| head -1``) ends nothing early: the command exits with its own
+status (:mod:`nemo_fp8_align.cli.pipes`)."""
 
 from __future__ import annotations
 
@@ -27,7 +32,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     add_report_parser(sub)
     args = parser.parse_args(argv)
-    return args.func(args)
+    from nemo_fp8_align.cli.pipes import closed_pipes_discarded
+
+    with closed_pipes_discarded():  # `... | head -1`: the command's own status, no traceback
+        return args.func(args)
 
 
 if __name__ == "__main__":  # pragma: no cover

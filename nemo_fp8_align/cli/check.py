@@ -70,6 +70,14 @@ def run_check(args: argparse.Namespace, *, out: Optional[TextIO] = None,
     """Run the check for parsed ``args``; returns the exit status (0 valid, 2 otherwise)."""
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
+    problem = _mode_problem(args)
+    if problem is not None:
+        if getattr(args, "format", "text") == "json":
+            print(json.dumps({"ok": False, "config": args.config, "error": problem,
+                              "violations": [], "fix_overrides": []}), file=out)
+        else:
+            print(f"error: {problem}", file=err)
+        return EXIT_INVALID
     if getattr(args, "megatron_lm", False):
         from nemo_fp8_align.cli.check_megatron_lm import run_megatron_lm_check
 
@@ -100,6 +108,30 @@ def run_check(args: argparse.Namespace, *, out: Optional[TextIO] = None,
     return report.run(source, cfg)
 
 
+def _mode_problem(args: argparse.Namespace) -> Optional[str]:
+    """A flag of the other mode is an error, never silently ignored: ``--world-size`` belongs to
+    ``--megatron-lm``; ``--data-parallel-size`` and ``--mixin`` to a NeMo config; and a YAML
+    file is not a Megatron-LM argument list."""
+    if not getattr(args, "megatron_lm", False):
+        if getattr(args, "world_size", None) is not None:
+            return (f"--world-size {args.world_size} applies only with --megatron-lm; a NeMo "
+                    "config's world size is trainer.devices x trainer.num_nodes: change those "
+                    f"with overrides (e.g. trainer.num_nodes=...) or pass {DP_FLAG} instead")
+        return None
+    config = args.config or ""
+    if config.endswith((".yaml", ".yml")):
+        return (f"--megatron-lm checks the Megatron-LM argument list after --, but {config} is "
+                f"a config file: leave out --megatron-lm to check it (check {config}), or pass "
+                "the arguments: check --megatron-lm -- --pipeline-model-parallel-size 2 ...")
+    if args.data_parallel_size is not None:
+        return (f"{DP_FLAG} applies only to a NeMo config, not with --megatron-lm: there the "
+                "data-parallel size follows from --world-size N; pass that instead")
+    if getattr(args, "mixin", False):
+        return ("--mixin applies only to a NeMo config (the class of the model NeMo builds), not "
+                "with --megatron-lm: leave it out")
+    return None
+
+
 def _argument_problem(args: argparse.Namespace) -> Optional[str]:
     dp = args.data_parallel_size
     if dp is not None and dp < 1:
@@ -114,7 +146,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="nemo-fp8-align")
     add_check_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["check", *(sys.argv[1:] if argv is None else argv)])
-    return args.func(args)
+    from nemo_fp8_align.cli.pipes import closed_pipes_discarded
+
+    with closed_pipes_discarded():
+        return args.func(args)
 
 
 if __name__ == "__main__":

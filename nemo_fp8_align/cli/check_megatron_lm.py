@@ -34,7 +34,7 @@ def run_megatron_lm_check(args: argparse.Namespace, argv: List[str], out: TextIO
         lines = "\n".join(f"  - {v}" for v in violations)
         print(f"Megatron-LM arguments: {len(violations)} setting(s) stop the aligned "
               f"FP8-transpose plugin from working:\n{lines}\nApply the fixes above, or do not "
-              "attach the plugin.", file=err)
+              "attach the plugin.", file=out)
         return EXIT_INVALID
     state = "" if world is not None else (" (microbatch checks skipped: world size unknown, "
                                           "pass --world-size)")

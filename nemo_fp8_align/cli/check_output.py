@@ -168,27 +168,27 @@ class Report:
 
     def _print_text(self, violations: List[Violation], line: FixLine, off: Optional[str]) -> None:
         print(f"{self.path}: {len(violations)} setting(s) stop the aligned FP8-transpose plugin "
-              "(model.fp8_transpose_align) from working:", file=self.err)
+              "(model.fp8_transpose_align) from working:", file=self.out)
         for v in violations:
             print(f"  - {self.shown(v.key)}: found {v.found}; expected {v.expected} | fix: "
-                  f"{self.shown(v.fix)}", file=self.err)
+                  f"{self.shown(v.fix)}", file=self.out)
         if line.passes:
             print("Fix them all with this override line (re-checked: the config passes with "
-                  f"it):\n  {self.shown(line.text)}", file=self.err)
+                  f"it):\n  {self.shown(line.text)}", file=self.out)
         else:
             if line.overrides:
                 print(f"These overrides fix part of it (re-checked):\n  {self.shown(line.text)}",
-                      file=self.err)
+                      file=self.out)
             left = line.left or [v for v in violations if pasteable(v.fix) is None]
             print("Still to decide by hand (no override line found that passes):",
-                  file=self.err)
+                  file=self.out)
             for v in left:
                 print(f"  - {self.shown(v.key)}: {v.expected} | {self.shown(v.fix)}",
-                      file=self.err)
+                      file=self.out)
         for note in self._notes():
-            print(f"note: {note}", file=self.err)
+            print(f"note: {note}", file=self.out)
         if off is not None:
-            print(f"Or turn the plugin off: {off}", file=self.err)
+            print(f"Or turn the plugin off: {off}", file=self.out)
 
     def _emit_json(self, payload: Dict[str, Any]) -> None:
         print(json.dumps(payload, indent=None, sort_keys=False), file=self.out)

@@ -206,8 +206,8 @@ def run_report(args: argparse.Namespace) -> int:
     plot_error = _plot(records, args.plot) if args.plot else None
     if args.plot and plot_error is None:
         print(f"wrote {args.plot}")
-    for problem in problems:
-        print(f"FAILED: {problem}", file=sys.stderr)
+    for problem in problems:  # the verdict is the result: stdout, as OK is
+        print(f"FAILED: {problem}")
     if plot_error is not None:  # after the verdict, never instead of it
         print(f"nemo-fp8-align report: --plot {args.plot}: {plot_error}", file=sys.stderr)
     if not problems:
