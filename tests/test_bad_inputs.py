@@ -102,6 +102,23 @@ CHECK = [["/nonexistent/c.yaml"], [str(GOOD)], [str(LAUNCHER / "gpt3_5b.yaml"), 
          [str(LAUNCHER / "gpt3_5b.yaml"), "--data-parallel-size", "x"], ["--bogus"], []]
 CASES += [pytest.param("check", None, argv, id=f"check-{i}") for i, argv in enumerate(CHECK)]
 
+#: issue 25 items 4-6: plan's CP and config reading, report's size flags, flags of the other mode
+GPT3_LAUNCHER = str(Path(__file__).parent.parent / "conf" / "launcher" / "gpt3_175b_fp8_align.yaml")
+MLM = ["--", "--pipeline-model-parallel-size", "2"]
+CASES += [
+    pytest.param("plan", None, [*GPT, "--cp", "3"], id="plan-cp-not-dividing-seq"),
+    pytest.param("plan", None, [GPT3_LAUNCHER, "trainer.num_nodes=3"], id="plan-world-not-divisible"),
+    pytest.param("plan", None, [GPT3_LAUNCHER, "model.fp8_recipe=fp4"], id="plan-config-recipe"),
+    pytest.param("plan", None, [GPT3_LAUNCHER, "model.fp8=yes"], id="plan-config-fp8-string"),
+    pytest.param("report", None, [str(GOOD), "--pp-size", "3"], id="report-size-contradicts"),
+    pytest.param("report", None, [str(GOOD), "--dp-size", "0"], id="report-size-zero"),
+    pytest.param("check", None, [GPT3_LAUNCHER, "--world-size", "3"], id="check-world-size-nemo"),
+    pytest.param("check", None, [GPT3_LAUNCHER, "--megatron-lm"], id="check-yaml-megatron-lm"),
+    pytest.param("check", None, ["--megatron-lm", "--mixin", *MLM], id="check-mlm-mixin"),
+    pytest.param("check", None, ["--megatron-lm", "--data-parallel-size", "2", *MLM],
+                 id="check-mlm-dp"),
+]
+
 
 def _argv(tmp_path, command, content, extra):
     if content is None:
