@@ -67,7 +67,7 @@ PLAN = [
     ["--tp", "0"], ["--pp", "0"], ["--pp", "1"], ["--vp", "1"], ["--vp", "0"], ["--dp", "0"],
     ["--cp", "0"], ["--ep", "0"], ["--expert-tp", "0"], ["--experts", "0"], ["--topk", "0"],
     ["--global-batch", "0"], ["--global-batch", "100", "--dp", "3"], ["--group-size", "0"],
-    ["--group-size", "3"], ["--layers", "0"], ["--layers", "95"], ["--hidden", "1000"],
+    ["--group-size", "3"], ["--layers", "0"], ["--layers", "97"], ["--hidden", "1000"],
     ["--heads", "0"], ["--ffn", "0"], ["--gpu", "a100"], ["--gpu", ""], ["--tp", "7"],
     ["--experts", "8", "--ep", "3"], ["--experts", "4", "--topk", "5"],
     ["--experts", "8", "--ep", "8", "--dp", "1", "--tp", "1"], ["--plot", "/nonexistent/dir/p.png"],

@@ -193,8 +193,16 @@ def _fit_default_layout(v: Dict[str, Any], layers: int, defaulted: List[str]) ->
     vps = range(2, layers + 1) if "vp" in free else [v["vp"]]
     fits = [(abs(pp - DEFAULTS["pp"]), abs(vp - DEFAULTS["vp"]), -pp, pp, vp)
             for pp in pps for vp in vps if layers % (pp * vp) == 0]
-    if fits:
-        v["pp"], v["vp"] = min(fits)[3:]
+    if not fits and len(free) == 2:
+        raise PlanInputError(
+            f"{layers} layers: no PP >= 2 and VP >= 2 whose product divides them (the interleaved "
+            "schedule gives every chunk the same layers); pass a layer count that has such a split")
+    if not fits:
+        fixed, other = ("pp", "vp") if "vp" in free else ("vp", "pp")
+        raise PlanInputError(
+            f"{flag(fixed)} {v[fixed]}: no {other.upper()} >= 2 makes PP x VP divide the {layers} "
+            f"layers (every chunk gets the same layers); pass another {flag(fixed)}")
+    v["pp"], v["vp"] = min(fits)[3:]
 
 
 def resolve(args: argparse.Namespace) -> PlanInputs:
