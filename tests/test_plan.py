@@ -78,6 +78,7 @@ FP8_ALIGN = str(REPO / "conf" / "megatron_gpt_fp8_align.yaml")
 
 
 def test_plan_reads_the_launcher_config_with_its_resolvers(capsys):
+    pytest.importorskip("hydra")
     # ffn_hidden_size: ${multiply:4, ${.hidden_size}} resolves as check resolves it
     assert main(["plan", LAUNCHER_GPT3]) == 0
     out = capsys.readouterr().out
@@ -91,12 +92,14 @@ def test_plan_reads_the_launcher_config_with_its_resolvers(capsys):
     (["model.fp8_recipe=blockwise"], [], "not supported by this plugin"),
 ])
 def test_plan_follows_the_configs_fp8_settings(capsys, overrides, argv, needle):
+    pytest.importorskip("hydra")
     assert main(["plan", FP8_ALIGN, *overrides, *argv]) == 0
     out = capsys.readouterr().out
     assert "nothing to align" in out and needle in out and "lazy" not in out
 
 
 def test_plan_recipe_flag_wins_over_the_config(capsys):
+    pytest.importorskip("hydra")
     assert main(["plan", FP8_ALIGN, "model.fp8_recipe=mxfp8", "--recipe", "delayed"]) == 0
     assert "Recommendation:" in capsys.readouterr().out
 

@@ -75,6 +75,11 @@ def _from_config(path: str, overrides: List[str]) -> Dict[str, Any]:
     """The sizes a NeMo (or launcher: under ``training:``) config gives, by flag name, read as
     ``check`` reads them: NeMo's and the launcher's resolvers (``${multiply:4, ${.hidden_size}}``)
     and ``${training.*}`` resolve; ``fp8`` and ``fp8_recipe`` come along (``fp8``, ``recipe``)."""
+    from nemo_fp8_align.cli.deps import CHECK_NEEDS, missing_dependency
+
+    missing = missing_dependency("plan CONFIG.yaml", CHECK_NEEDS)
+    if missing is not None:  # before anything imports OmegaConf or Hydra
+        raise PlanInputError(f"{missing} (or plan with --model or the size flags)")
     from nemo_fp8_align.cli.check_load import load_config
     from nemo_fp8_align.config_check.resolvers import upstream_resolvers
     from nemo_fp8_align.errors import ConfigLoadError
