@@ -1,4 +1,4 @@
-"""What Megatron-LM 0.19.2's ``validate_args`` (``megatron/training/arguments.py``) and its
+"""What Megatron-LM 0.19.2's ``validate_args`` (``megatron.training.arguments``) and its
 microbatch calculator check on the settings the plugin depends on, and NeMo has no spelling for:
 the three ways of giving the virtual-pipeline size (at most one), the batch ramp of
 ``--step-batch-size-schedule`` (every entry; not with ``--global-batch-size``), FP4, the
