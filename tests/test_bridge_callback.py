@@ -8,10 +8,9 @@ Engine), so its ``CallbackManager`` is loaded by path; ``setup()``'s ``num_epoch
 ``train()``'s order of events around the callbacks are replayed below, each line citing Bridge
 0.6.2's source."""
 
-import importlib.util
+import importlib
 import os
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -27,31 +26,11 @@ from megatron.core.transformer import TransformerConfig  # noqa: E402
 from nemo_fp8_align.config import AlignConfig, Policy  # noqa: E402
 from nemo_fp8_align.config_check.megatron_lm_args import megatron_lm_violations  # noqa: E402
 from nemo_fp8_align.integrations.bridge import FP8TransposeAlignCallback, bridge_args  # noqa: E402
-
-BRIDGE_VERSION = "0.6.2"
-#: megatron-bridge's callbacks module as the Makefile unpacks it from the wheel.
-BRIDGE_CALLBACKS = (Path(__file__).resolve().parents[1] / ".bridge-wheel" / "megatron" / "bridge"
-                    / "training" / "callbacks.py")
-
-
-def _load_bridge_callbacks(path=BRIDGE_CALLBACKS):
-    """megatron-bridge's ``megatron/bridge/training/callbacks.py``, imported from its file."""
-    name = "megatron_bridge_training_callbacks"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # its dataclass looks its own module up while being built
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
+from support.bridge import BRIDGE_CALLBACKS, load_bridge_callbacks  # noqa: E402
 
 @pytest.fixture
 def callbacks():
-    if not BRIDGE_CALLBACKS.exists():
-        pytest.skip(f"{BRIDGE_CALLBACKS} is absent: `make test` (or `make "
-                    f".bridge-wheel/.installed`) downloads megatron-bridge {BRIDGE_VERSION}'s "
-                    "wheel and unpacks it")
-    return _load_bridge_callbacks()
+    return load_bridge_callbacks()
 
 
 def _cfg(num_epochs=None, **ddp):
@@ -217,7 +196,7 @@ def _bridge_rank(rank, world_size, port, callbacks_path, out_dir):
                        rebinding_loop=True, pg_timeout_s=120)
     try:
         with distributed(rank, world_size, opts):
-            callbacks = _load_bridge_callbacks(callbacks_path)
+            callbacks = load_bridge_callbacks(callbacks_path)
             init_num_microbatches_calculator(rank, None, opts.microbatches * opts.micro_batch_size,
                                              opts.micro_batch_size, 1)
             run = PipelineRun(opts, None)

@@ -3,11 +3,10 @@ zero-argument forms work (issue 24): ``align_fp8_transposes``, ``megatron_lm.att
 ``megatron_lm.post_wrap_hook()`` on megatron-core's real ``DistributedDataParallel`` chunks in a
 1-process gloo world.
 
-The pipeline rank and size are the one stand-in: a 1-process world has one pipeline rank, and
-the interleaved schedule needs two, so ``resolve_ranks`` is made to report PP=2 (what it reads
-from real groups is tests/test_groups.py). The multi-rank runs (faults stopping every rank, the
-aligned runs bit-identical to off) are tests/test_no_hang.py, tests/test_engine_mcore.py,
-tests/test_megatron_lm_loop.py and tests/test_bridge_callback.py.
+The chunks and their one stand-in (PP=2 reported in a 1-process world): tests/support/ddp_chunks.py.
+The multi-rank runs (faults stopping every rank, the aligned runs bit-identical to off) are
+tests/test_no_hang.py, tests/test_engine_mcore.py, tests/test_megatron_lm_loop.py and
+tests/test_bridge_callback.py.
 """
 
 import pytest
@@ -15,52 +14,20 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron.core import parallel_state  # noqa: E402
-from megatron.core.distributed import (DistributedDataParallel,  # noqa: E402
-                                       DistributedDataParallelConfig)
-from megatron.core.transformer import TransformerConfig  # noqa: E402
-
 from nemo_fp8_align.config import AlignConfig  # noqa: E402
 from nemo_fp8_align.core import claims  # noqa: E402
 from nemo_fp8_align.core.class_patch import observe_method, patched_methods  # noqa: E402
-from nemo_fp8_align.integrations import groups, megatron_lm  # noqa: E402
+from nemo_fp8_align.integrations import megatron_lm  # noqa: E402
 from nemo_fp8_align.integrations.megatron_core import align_fp8_transposes  # noqa: E402
 from nemo_fp8_align.sync.mcore_hold import McoreChunkHold  # noqa: E402
-from support.one_process import gloo_world  # noqa: E402
+from support.attach_leftovers import leftovers, module_hooks  # noqa: E402
+from support.ddp_chunks import ddp_chunks  # noqa: E402
 
 
 @pytest.fixture
 def model(monkeypatch):
-    """Two real DDP chunks of the demo GPT (reference FP8 weights), their config with the
-    schedule's launch list bound, in a 1-process gloo world."""
-    from megatron.core.num_microbatches_calculator import (destroy_num_microbatches_calculator,
-                                                           init_num_microbatches_calculator)
-
-    from nemo_fp8_align.backends.reference import ReferenceBackend
-    from nemo_fp8_align.demo.model import DemoModelConfig, GPTChunk
-
-    real = groups.resolve_ranks
-    monkeypatch.setattr(groups, "resolve_ranks", lambda *a, **k: groups.ParallelRanks(
-        pp_rank=0, pp_size=2, dp_rank=0, dp_size=1, pp_group=None, pp_source="test",
-        dp_source=real(*a, **k).dp_source))
-    with gloo_world():
-        parallel_state.initialize_model_parallel(1, 1)
-        init_num_microbatches_calculator(0, None, 2, 1, 1)
-        try:
-            backend = ReferenceBackend()
-            config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
-                                       params_dtype=torch.float32, use_cpu_initialization=True)
-            ddp = DistributedDataParallelConfig(use_distributed_optimizer=True,
-                                                overlap_param_gather=True, overlap_grad_reduce=True,
-                                                align_param_gather=True)
-            chunks = [DistributedDataParallel(config, ddp, GPTChunk(
-                DemoModelConfig(), config=config, stage=0, vp_stage=v, pre_process=v == 0,
-                post_process=v == 1, backend=backend)) for v in range(2)]
-            config.param_sync_func = [c.start_param_sync for c in chunks]
-            config.microbatch_group_size_per_vp_stage = 2  # N = PP of the stand-in pipeline
-            yield chunks, config, backend
-        finally:
-            destroy_num_microbatches_calculator()
+    with ddp_chunks(monkeypatch) as built:
+        yield built
 
 
 def _weights(chunk):
@@ -78,35 +45,13 @@ ENTRIES = {
 }
 
 
-def _hooks(chunks):
-    return [(len(m._forward_pre_hooks), len(m._forward_hooks))
-            for chunk in chunks for m in (chunk, chunk.module)]
-
-
-def leftovers(chunks, config, bound, hooks):
-    """Everything an attach may install, still there (``hooks``: the counts before it; DDP has
-    forward pre-hooks of its own)."""
-    found = [] if _hooks(chunks) == hooks else [f"hooks {_hooks(chunks)}, were {hooks}"]
-    for c, chunk in enumerate(chunks):
-        found += [f"chunk {c}.{n}" for n in ("start_param_sync", "finish_grad_sync")
-                  if n in vars(chunk)]
-        if claims.holder_of(chunk) is not None:
-            found.append(f"claim on chunk {c}")
-        found += [f"chunk {c} bucket group wrapped" for g in chunk.bucket_groups
-                  if "start_param_sync" in vars(g)]
-    if config.param_sync_func is not bound:
-        found.append("config.param_sync_func replaced")
-    found += [f"class patch {k}" for k in patched_methods()]
-    return found
-
-
 @pytest.mark.parametrize("entry", sorted(ENTRIES))
 def test_the_documented_default_backend_gives_the_install_hint_and_leaves_nothing(model, entry):
     """The README's zero-argument forms (``post_wrap_hook()``) used to crash with
     AttributeError: 'TransformerConfig' object has no attribute 'use_triton_kernel'. Without
     Transformer Engine (this machine) the default backend is an ImportError with the hint."""
     chunks, config, _ = model
-    bound, hooks = config.param_sync_func, _hooks(chunks)
+    bound, hooks = config.param_sync_func, module_hooks(chunks)
     with pytest.raises(ImportError, match="Transformer Engine is not importable"):
         ENTRIES[entry](chunks, config)
     assert leftovers(chunks, config, bound, hooks) == []
@@ -134,7 +79,7 @@ STAGES = {
 @pytest.mark.parametrize("entry", sorted(ENTRIES))
 def test_a_failing_attach_leaves_nothing_and_a_retry_attaches(model, entry, stage, tmp_path):
     chunks, config, backend = model
-    bound, hooks = config.param_sync_func, _hooks(chunks)
+    bound, hooks = config.param_sync_func, module_hooks(chunks)
     kw = dict(backend=backend, weights_of=_weights,
               align_config=AlignConfig(telemetry_path=str(tmp_path / "t.jsonl")))
     with pytest.MonkeyPatch.context() as mp:

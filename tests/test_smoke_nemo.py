@@ -19,6 +19,8 @@ import sys
 
 import pytest
 
+from support.doc_blocks import find, missing_lines
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "validation", "smoke_nemo.sh")
 LOSSES = [8.367643356323242, 8.349407196044922, 8.36095142364502]
@@ -216,3 +218,6 @@ def test_smoke_nemo(tmp_path):
     assert "smoke_nemo: OK" in out.stdout
     for run in ("aligned", "stock", "resume"):
         assert f"Alignment report, run '{run}'" in out.stdout
+    # docs/testing.md shows this output (the losses' digits are this machine's: any number)
+    shown = find("docs/testing.md", "chunk  aligned slot").text
+    assert missing_lines(shown, out.stdout, numbers=True, consecutive=True) == [], out.stdout

@@ -196,6 +196,12 @@ def _costs_line(c: Costs, info: Dict[str, float], args: PlanInputs) -> str:
             "given); the optimizer step and gradient reduce-scatters are not modelled")
 
 
+def _ms3(seconds: float) -> float:
+    """Milliseconds at the table's 3 decimals; a difference that rounds to zero prints 0.000,
+    not -0.000 (the sums differ by rounding from one Python/CPU to another)."""
+    return round(seconds * 1e3, 3) + 0.0
+
+
 def _table(tls: Dict[Placement, Timeline], pp: int) -> str:
     base, lazy = tls[Placement.NONE], tls[Placement.LAZY]
     rows = [f"{'placement':<20}{'step ms':>10}{'extra ms':>10}{'transposes ms/rank':>20}"
@@ -204,8 +210,9 @@ def _table(tls: Dict[Placement, Timeline], pp: int) -> str:
         own = sum(tl.busy(r) - base.busy(r) for r in range(pp)) / pp
         idle = sum(tl.idle(r) - base.idle(r) for r in range(pp)) / pp
         name = p.value + (" (modelled)" if p in _MODELLED_ONLY else "")
-        rows.append(f"{name:<20}{tl.step_time * 1e3:>10.2f}{(tl.step_time - base.step_time) * 1e3:>10.3f}"
-                    f"{own * 1e3:>20.3f}{idle * 1e3:>22.3f}{lazy.step_time / tl.step_time:>17.4f}")
+        extra = _ms3(tl.step_time - base.step_time)
+        rows.append(f"{name:<20}{tl.step_time * 1e3:>10.2f}{extra:>10.3f}"
+                    f"{_ms3(own):>20.3f}{_ms3(idle):>22.3f}{lazy.step_time / tl.step_time:>17.4f}")
     rows.append("(extra: step time the transposes add; idle vs none: the idle they induce per rank, "
                 "negative where they filled idle time)")
     return "\n".join(rows)
