@@ -253,3 +253,73 @@ def test_bridge_train_attaches_at_train_start_and_detaches_at_train_end(callback
         assert rank["wrapped_at_end"] == [0, 0]
         assert rank["restart_wrapped"] == [[0, 0], [1, 1]]
         assert rank["restart_wrapped_at_end"] == [0, 0]
+
+
+# --- a plugin error on one rank stops both ranks in Bridge's train() (issue 24 item 6) ---------
+
+def _bridge_fault_rank(rank, world_size, port, callbacks_path, out_dir):
+    """One rank: for each fault of ``RANK_ERRORS`` in turn (one process group for all four:
+    the error is raised after the step end's agreement, with no collective left pending), a
+    new model, the callback through Bridge's ``CallbackManager``, and Bridge's ``train()`` until
+    the plugin's error; what each rank raised, and when."""
+    import time
+
+    from megatron.core.num_microbatches_calculator import (destroy_num_microbatches_calculator,
+                                                          init_num_microbatches_calculator)
+
+    from nemo_fp8_align.demo.faults import RANK_ERRORS, inject
+    from nemo_fp8_align.demo.options import DemoOptions
+    from nemo_fp8_align.demo.ranks import write_error, write_result
+    from nemo_fp8_align.demo.train import PipelineRun, distributed
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    opts = DemoOptions(pp=2, vp=2, dp=1, microbatches=4, steps=STEPS, policy=Policy.OFF,
+                       rebinding_loop=True, pg_timeout_s=60)
+    raised = {}
+    try:
+        with distributed(rank, world_size, opts):
+            callbacks = load_bridge_callbacks(callbacks_path)
+            init_num_microbatches_calculator(rank, None, opts.microbatches * opts.micro_batch_size,
+                                             opts.micro_batch_size, 1)
+            for fault in sorted(RANK_ERRORS):
+                undo, run = inject(fault), PipelineRun(opts, None)
+                callback = FP8TransposeAlignCallback(
+                    backend=run.backend, weights_of=lambda chunk: chunk.module.fp8_weights(),
+                    align_config=AlignConfig(policy=Policy.ALIGNED))
+                manager = callbacks.normalize_callbacks([callback])
+                state = SimpleNamespace(cfg=None, train_state=SimpleNamespace(step=0))
+                try:
+                    bridge_train(callbacks, manager, state, run, callback)
+                    raised[fault] = None
+                except Exception as err:  # noqa: BLE001 - what each rank raised is the result
+                    raised[fault] = (f"rank {rank}: {type(err).__name__}: {err}", time.time())
+                finally:
+                    undo()
+                    callback.on_train_end(None)  # Bridge's train() does not reach it
+                    run.close()
+            destroy_num_microbatches_calculator()
+            write_result(out_dir, rank, raised)
+    except Exception as err:
+        write_error(out_dir, rank, err)
+        raise
+
+
+@pytest.mark.slow
+def test_an_error_on_one_rank_stops_both_ranks_in_bridges_train(callbacks, tmp_path):
+    """Each one-rank error of ``demo --fault`` (the last rank's, in step 1) stops both ranks
+    with the plugin's error class within seconds, the faulty rank saying what differed and the
+    other naming it: the callback's engine agrees on the model's ranks at each step end, so
+    no rank is left in a collective (with NCCL: blocked until the timeout)."""
+    from nemo_fp8_align.demo.options import DemoOptions
+    from nemo_fp8_align.demo.ranks import read_results, spawn_and_wait
+    from support.rank_errors import EXPECTED, check_every_rank_stopped
+
+    codes = spawn_and_wait(_bridge_fault_rank, 2, (str(BRIDGE_CALLBACKS), str(tmp_path)),
+                           timeout_s=180)
+    ranks = read_results(str(tmp_path), codes)
+    opts = DemoOptions(pp=2, vp=2, dp=1, microbatches=4)
+    for fault in sorted(EXPECTED):
+        assert all(r[fault] is not None for r in ranks), (fault, ranks)
+        stopped = SimpleNamespace(reports={i: r[fault][0] for i, r in enumerate(ranks)},
+                                  times={i: r[fault][1] for i, r in enumerate(ranks)})
+        check_every_rank_stopped(opts, stopped, fault)
