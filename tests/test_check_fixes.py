@@ -269,3 +269,21 @@ def test_library_error_names_plugin_off_in_the_form_the_config_needs():
     with pytest.raises(FP8AlignConfigError) as info:
         check_config(seed_config(fp8=False, fp8_transpose_align={"enabled": True}))
     assert "turn the plugin off with model.fp8_transpose_align.enabled=False." in str(info.value)
+
+
+def test_each_violation_fix_agrees_with_the_line():
+    """Per-violation fixes are parts of the re-checked line (issue 25 item 2): was
+    virtual_pipeline_model_parallel_size=2 for VP >= 2 and =3 (with PP 4) for the split."""
+    from nemo_fp8_align.config_check.fixes import override_key, pasteable
+
+    argv = [str(L / "gpt3_175b_mlperf.yaml"), "+model.fp8_transpose_align.policy=aligned",
+            "+model.optim.align_param_gather=True",
+            "model.virtual_pipeline_model_parallel_size=null", "model.num_layers=12",
+            "model.pipeline_model_parallel_size=8", "trainer.num_nodes=8"]
+    line = fix_line_of(*argv)
+    chosen = {override_key(o): o for o in line}
+    _, payload = as_json(*argv)
+    assert len(payload["violations"]) == 2, payload
+    for v in payload["violations"]:
+        for override in pasteable(v["fix"]) or []:
+            assert chosen[override_key(override)] == override, (v["fix"], line)

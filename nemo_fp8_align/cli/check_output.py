@@ -10,10 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, TextIO
 
-from nemo_fp8_align.config_check.fixes import FixLine, fix_line, pasteable
+from nemo_fp8_align.config_check.fixes import FixLine, agreeing, fix_line, pasteable
 from nemo_fp8_align.config_check.reader import Violation
 from nemo_fp8_align.errors import ConfigLoadError
 
@@ -50,6 +51,9 @@ class Report:
         if not violations:
             return self._ok()
         line = fix_line(violations, self.recheck, self.present)
+        # each violation's fix is then the part of the line that sets its keys (never a value
+        # the line replaces with another, e.g. VP 2 where the line, re-checked, says VP 3)
+        violations = [replace(v, fix=agreeing(v.fix, line)) for v in violations]
         # Not a training config (or no model block): there is no plugin to turn off.
         shape = any(v.key in ("config", "model", "trainer") for v in violations)
         off = None if shape else self._plugin_off()

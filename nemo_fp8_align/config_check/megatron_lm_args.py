@@ -206,6 +206,7 @@ def megatron_lm_violations(args: Mapping[str, Any], world_size: Optional[int] = 
 
 
 def _translate(args: Mapping[str, Any], v: Violation, world: Optional[int]) -> Violation:
+    v = Violation(v.key, v.found, _megatron_terms(v.expected), v.fix)
     key = v.key[len("model."):] if v.key.startswith("model.") else v.key
     if key == "fp8_recipe":
         return recipe_not_supported(args)
@@ -233,13 +234,26 @@ def _world_size(v: Violation, world: int) -> Violation:
     """NeMo's node-count fix, as the world size of a Megatron-LM job."""
     nodes = re.search(r"num_nodes=(\d+)", v.fix)
     fixed = world * int(nodes.group(1)) if nodes else None
-    expected = v.expected.replace("trainer.devices * trainer.num_nodes", "the world size")
-    fix = (f"launch {fixed} processes (the world size; a multiple of TP * PP * CP), and "
+    # no "; " inside: that separates the edits of a fix (megatron_lm_edits)
+    fix = (f"launch {fixed} processes (the world size, a multiple of TP * PP * CP) and "
            f"check with --world-size {fixed}" if fixed else v.fix)
-    return Violation("--world-size", str(world), expected, fix)
+    return Violation("--world-size", str(world), v.expected, fix)
 
 
-_OVERRIDE = re.compile(r"([+~]{0,2})model\.([A-Za-z0-9_.]+)=(\S+)")
+def _megatron_terms(text: str) -> str:
+    """A rule's words for the world in a Megatron-LM job's terms: one world size (the
+    processes launched), never nodes, devices per node or NeMo's keys."""
+    text = re.sub(r"trainer\.devices \* trainer\.num_nodes = \d+ \* \d+ = (\d+) GPUs",
+                  r"the world size \1", text)
+    text = text.replace("tensor_model_parallel_size * pipeline_model_parallel_size * "
+                        "context_parallel_size", "TP * PP * CP")
+    text = text.replace("the node count held", "the world size held")
+    text = text.replace("or train on fewer nodes", "or launch fewer processes")
+    return re.sub(r"changes the node count \(a multiple of \d+\)",
+                  "changes the world size (the number of processes)", text)
+
+
+_OVERRIDE = re.compile(r"([+~]{0,2})model\.([A-Za-z0-9_.]+)=(<[^>]*>|\S+)")  # <a placeholder>
 
 
 def translate_fix(args: Mapping[str, Any], fix: str) -> str:

@@ -178,8 +178,10 @@ def _unknown(rest: Sequence[str]) -> List[Violation]:
             i += 1
         i += 1
         if not token.startswith("-"):
-            out.append(Violation(token, "a value with no flag before it", "every value after a "
-                                 "flag Megatron-LM has", f"drop {token}"))
+            # one edit per token: the strays after it are read with it, and all must go
+            out.append(Violation(token, "a value with no flag before it" + (
+                f" (and {' '.join(values)} after it)" if values else ""), "every value after a "
+                "flag Megatron-LM has", "; ".join(f"drop {t}" for t in [token, *values])))
             continue
         name = token.split("=", 1)[0]
         meant = _MEANT.get(name) or next(iter(difflib.get_close_matches(

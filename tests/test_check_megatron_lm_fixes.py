@@ -1,0 +1,123 @@
+"""``check --megatron-lm``'s fixes (issue 25 item 2): one line of changes to the argument list,
+applied, parsed and checked again before it is printed; per-violation fixes that agree with it;
+the world size said as processes; ``--format json`` with the NeMo mode's keys. In-process calls
+of the command (no subprocess): each case is a few milliseconds."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+from pathlib import Path
+from typing import List, Tuple
+
+from nemo_fp8_align.cli.check import add_check_parser
+
+UPSTREAM = Path(__file__).parent / "data" / "upstream" / "megatron_lm"
+GOOD = ("--pipeline-model-parallel-size 2 --num-layers 8 --num-layers-per-virtual-pipeline-stage 2 "
+        "--fp8-format hybrid --fp8-param-gather --use-distributed-optimizer "
+        "--overlap-param-gather --overlap-grad-reduce --micro-batch-size 1 "
+        "--global-batch-size 16 --bf16 --seq-length 128 --lr 1e-4").split()
+#: The keys NeMo mode's JSON has (cli/check_output.py); Megatron-LM mode has them too.
+NEMO_KEYS = {"ok", "violations", "fix_overrides", "fix_passes", "left", "plugin_off", "notes"}
+
+
+def upstream(name: str) -> List[str]:
+    return [a for a in (UPSTREAM / name).read_text().split("\n") if a]
+
+
+def check(world: int, argv: List[str], *flags: str) -> Tuple[int, str]:
+    parser = argparse.ArgumentParser(prog="nemo-fp8-align")
+    add_check_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["check", "--megatron-lm", "--world-size", str(world), *flags,
+                              "--", *argv])
+    out, err = io.StringIO(), io.StringIO()
+    status = args.func(args, out=out, err=err)
+    assert err.getvalue() == "", err.getvalue()  # results on stdout
+    return status, out.getvalue()
+
+
+def as_json(world: int, argv: List[str]) -> Tuple[int, dict]:
+    status, out = check(world, argv, "--format", "json")
+    lines = out.strip().splitlines()
+    assert len(lines) == 1, out  # one JSON object
+    return status, json.loads(lines[0])
+
+
+def test_gpt_oss_gets_one_line_that_passes_and_fixes_that_agree_with_it():
+    """Was: --num-virtual-stages-per-pipeline-rank 2 for one violation, 3 (with PP 4) for the
+    next, and no combined line."""
+    argv = upstream("gptoss_02_train.args")
+    status, out = check(8, argv)
+    assert status == 2
+    assert "re-checked: the arguments pass with them" in out, out
+    line = out.split("re-checked: the arguments pass with them):\n", 1)[1].splitlines()[0]
+    assert "--pipeline-model-parallel-size 4" in line
+    assert "--num-virtual-stages-per-pipeline-rank 3" in line
+    _, payload = as_json(8, argv)
+    chosen = {}  # flag -> the one value every fix gives it
+    for v in payload["violations"]:
+        for edit in v["fix"].split("; "):
+            flag, _, value = edit.partition(" ") if not edit.startswith("drop ") else (edit, "", "")
+            assert chosen.setdefault(flag, value) == value, payload["violations"]
+    # pasted as the JSON says (fixed_argv is the list the re-check parsed)
+    assert payload["fix_passes"] is True
+    assert check(payload["fix_world_size"] or 8, payload["fixed_argv"])[0] == 0
+
+
+def test_the_fixed_list_is_the_given_one_with_the_line_applied():
+    argv = " ".join(GOOD).replace("--num-layers-per-virtual-pipeline-stage 2",
+                                  "--num-virtual-stages-per-pipeline-rank 2").split()
+    argv += ["--pipeline-model-parallel-size", "3", "--no-align-param-gather"]
+    status, payload = as_json(4, argv)
+    assert status == 2 and payload["fix_passes"] is True, payload
+    assert payload["fix_overrides"] == ["--pipeline-model-parallel-size", "2"]
+    assert payload["fix_drop"] == ["--no-align-param-gather"]
+    fixed = payload["fixed_argv"]
+    assert fixed.count("--pipeline-model-parallel-size") == 1  # replaced, not appended twice
+    assert "--no-align-param-gather" not in fixed
+    assert check(4, fixed)[0] == 0
+    # the world-size rule's words, where its fix is PP: a world size, not trainer.devices
+    assert "the world size 4 to be a multiple of TP * PP * CP = 1 * 3 * 1" in check(4, argv)[1]
+    assert "trainer." not in check(4, argv)[1]
+
+
+def test_the_world_size_fix_is_processes_not_nodes():
+    argv = upstream("train_gpt3_175b_distributed.args")
+    status, out = check(8, argv)
+    assert status == 2 and "num_nodes" not in out and "trainer." not in out, out
+    assert "launch 128 processes (--world-size 128)" in out
+    _, payload = as_json(8, argv)
+    assert payload["fix_world_size"] == 128 and payload["fix_passes"] is True, payload
+    assert check(128, payload["fixed_argv"])[0] == 0
+
+
+def test_six_experts_get_one_expert_parallel_size_in_one_round():
+    argv = GOOD + ["--num-experts", "6", "--expert-model-parallel-size", "8",
+                   "--global-batch-size", "64"]
+    _, payload = as_json(32, argv)
+    assert payload["fix_overrides"] == ["--expert-model-parallel-size", "2"], payload
+    assert payload["fix_passes"] is True
+
+
+def test_json_has_the_nemo_keys_valid_or_not():
+    status, payload = as_json(4, GOOD)
+    assert status == 0 and payload["ok"] is True and payload["violations"] == []
+    assert payload["fix_overrides"] == [] and payload["notes"] == []
+    status, payload = as_json(4, GOOD + ["--no-align-param-gather"])
+    assert status == 2 and NEMO_KEYS <= set(payload), sorted(payload)
+    for v in payload["violations"]:
+        assert set(v) == {"key", "found", "expected", "fix"}
+
+
+def test_without_a_passing_combination_it_says_so_and_lists_the_hints():
+    """A recipe is never a fix: no edit passes, and no line is claimed to."""
+    argv = GOOD + ["--fp8-recipe", "mxfp8", "--no-align-param-gather"]
+    status, out = check(4, argv)
+    assert status == 2 and "re-checked: the arguments pass" not in out, out
+    assert "These changes fix part of it (re-checked):\n  drop --no-align-param-gather" in out
+    assert "Still to decide by hand (no combination of the fixes passes):" in out
+    assert "  - --fp8-recipe: " in out
+    _, payload = as_json(4, argv)
+    assert payload["fix_passes"] is False
+    assert [v["key"] for v in payload["left"]] == ["--fp8-recipe"]
