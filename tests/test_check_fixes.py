@@ -287,3 +287,15 @@ def test_each_violation_fix_agrees_with_the_line():
     for v in payload["violations"]:
         for override in pasteable(v["fix"]) or []:
             assert chosen[override_key(override)] == override, (v["fix"], line)
+
+
+def test_cpu_offloading_with_pipeline_parallelism_is_a_violation():
+    """megatron-core's TransformerConfig raises 'Currently there is no support for Pipeline
+    parallelism with CPU offloading' (0.12.3 and 0.19.2); the plugin needs PP >= 2, so the fix is
+    turning CPU offloading off (issue 25 item 3)."""
+    v = only(find_violations(seed_config(cpu_offloading=True)))
+    assert (v.key, v.found, v.fix) == ("model.cpu_offloading", "True",
+                                       "model.cpu_offloading=False")
+    assert "pipeline_model_parallel_size = 4" in v.expected
+    assert "no support for Pipeline parallelism with CPU offloading" in v.expected
+    assert find_violations(seed_config(cpu_offloading=False)) == []

@@ -20,7 +20,8 @@ Rule = Callable[[CheckContext], None]
 RULES: Tuple[Rule, ...] = (
     model.rule_plugin_block, model.rule_mcore_gpt,
     parallel.rule_pipeline_size, parallel.rule_virtual_pipeline_size,
-    parallel.rule_other_parallel_sizes, model.rule_attention_heads, split.rule_num_layers,
+    parallel.rule_other_parallel_sizes, parallel.rule_cpu_offloading, model.rule_attention_heads,
+    split.rule_num_layers,
     split.rule_split_option_values, split.rule_split_options_exclusive,
     split.rule_layer_split,
     fp8.rule_transformer_engine, fp8.rule_fp8_enabled, fp8.rule_fp8_params,

@@ -12,8 +12,8 @@ from nemo_fp8_align.config_check.context import CheckContext
 from nemo_fp8_align.config_check.reader import ABSENT, UNRESOLVED, Reader
 from nemo_fp8_align.config_check.rules.split import divisors, layer_split_error
 
-__all__ = ["divisors", "expert_parallel_fix", "layer_split_error", "rule_expert_parallel",
-           "rule_megatron_amp_o2",
+__all__ = ["divisors", "expert_parallel_fix", "layer_split_error", "rule_cpu_offloading",
+           "rule_expert_parallel", "rule_megatron_amp_o2",
            "rule_other_parallel_sizes", "rule_pipeline_size", "rule_precision",
            "rule_virtual_pipeline_size"]
 
@@ -33,6 +33,16 @@ def rule_virtual_pipeline_size(ctx: CheckContext) -> None:
     """Interleaving: VP >= 2 (NeMo turns 1 into None, no interleaving)."""
     ctx.model.int_at_least("virtual_pipeline_model_parallel_size", 2,
                            "model chunks per pipeline rank; 1 or null turns interleaving off")
+
+
+def rule_cpu_offloading(ctx: CheckContext) -> None:
+    """megatron-core's TransformerConfig (0.12.3 to 0.19.2) raises with CPU offloading and
+    PP > 1. The plugin needs PP >= 2, so the only fix that keeps it is CPU offloading off."""
+    pp = ctx.pp()
+    if ctx.model.get("cpu_offloading") is True and pp is not None and pp > 1:
+        ctx.model.add("cpu_offloading", True, f"False with pipeline_model_parallel_size = {pp} "
+                      "(megatron-core raises 'Currently there is no support for Pipeline "
+                      "parallelism with CPU offloading'; the plugin needs PP >= 2)", False)
 
 
 def rule_other_parallel_sizes(ctx: CheckContext) -> None:
