@@ -299,3 +299,22 @@ def test_cpu_offloading_with_pipeline_parallelism_is_a_violation():
     assert "pipeline_model_parallel_size = 4" in v.expected
     assert "no support for Pipeline parallelism with CPU offloading" in v.expected
     assert find_violations(seed_config(cpu_offloading=False)) == []
+
+
+def test_fixes_on_a_launcher_training_yaml_keep_the_users_training_prefix():
+    """The user wrote training.-prefixed overrides: the fixes and the plugin-off line come in the
+    same form (was: model.* on the same command line) and pass when pasted (issue 25 item 3)."""
+    argv = [str(L / "gpt3_175b_mlperf.yaml"), "+training.model.fp8_transpose_align.policy=aligned",
+            "+training.model.optim.align_param_gather=True",
+            "training.model.pipeline_model_parallel_size=6"]
+    line = fix_line_of(*argv)
+    assert line and all(o.lstrip("+~").startswith("training.model.") for o in line), line
+    _, payload = as_json(*argv)
+    assert all(v["key"].startswith("training.") for v in payload["violations"]), payload
+    assert all(v["fix"].lstrip("+~").startswith("training.") for v in payload["violations"])
+    assert payload["plugin_off"].lstrip("+~").startswith("training.model."), payload
+    # unprefixed overrides keep unprefixed fixes
+    plain = fix_line_of(str(L / "gpt3_175b_mlperf.yaml"), "+model.fp8_transpose_align.policy=aligned",
+                        "+model.optim.align_param_gather=True",
+                        "model.pipeline_model_parallel_size=6")
+    assert all(o.lstrip("+~").startswith("model.") for o in plain), plain

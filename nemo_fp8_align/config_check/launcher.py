@@ -6,7 +6,8 @@ Three kinds, told apart from the file itself:
   node, so a ``training.``-prefixed override is refused (it would create a node nobody reads).
 * ``launcher-training``: a NeMo-Framework-Launcher training YAML (``run:``, ``trainer:``,
   ``model:``: ``conf/training/<model>/<size>.yaml``). The launcher composes it under
-  ``training:``, so ``training.model.x=1`` and ``model.x=1`` both mean the same key here.
+  ``training:``, so ``training.model.x=1`` and ``model.x=1`` both mean the same key here;
+  where the user writes the prefix, fixes are printed with it.
 * ``launcher-main``: the launcher's ``conf/config.yaml`` (its defaults list names a ``training``
   group). The check reads its ``training=<model>/<size>`` choice from ``conf/training/`` and
   ``training.``-prefixed overrides; an unprefixed ``model.*`` / ``trainer.*`` override is
@@ -98,6 +99,7 @@ def plan_source(path: Path, overrides: Sequence[str]) -> Source:
                     f"config, not a launcher one), so it would be ignored; write "
                     f"{sign}{key[len('training.'):]}{rest}")
             override = f"{sign}{key[len('training.'):]}{rest}"  # the launcher's spelling
+            source.prefix = "training."  # fixes in the user's own form, pasteable beside it
         source.overrides.append(override)
     return source
 
