@@ -252,10 +252,11 @@ def test_trainer_world_size_not_divisible_by_model_parallel_size():
     assert "6 * 1 = 6 GPUs" in v.expected and "multiple of 2" in v.expected
     assert "found no layout that fits" in v.expected
     # Re-checked: 12 GPUs give DP 3, which no node count divides into the batch of 16, so the
-    # next round asks for the global batch too (the command line's fix line holds both).
+    # next round asks for the global batch too (the command line's fix line holds both): the
+    # nearest that fits, 12 (M = 4; was 24, M = 8).
     again = find_violations(applied(cfg, v.fix))
     assert [(w.key, w.fix) for w in again] == [("model.global_batch_size",
-                                                "model.global_batch_size=24")]
+                                                "model.global_batch_size=12")]
     assert "changes the training recipe" in again[0].expected
     assert find_violations(applied(cfg, v.fix + " " + again[0].fix)) == []
 
@@ -318,3 +319,34 @@ def test_fixes_on_a_launcher_training_yaml_keep_the_users_training_prefix():
                         "+model.optim.align_param_gather=True",
                         "model.pipeline_model_parallel_size=6")
     assert all(o.lstrip("+~").startswith("model.") for o in plain), plain
+
+
+NEMO_GPT = UP / "nemo_v2.3.2" / "megatron_gpt_config.yaml"
+
+
+def test_a_smaller_micro_batch_keeps_the_global_batch():
+    """NeMo's GPT config (micro batch 4, global 8) on 8 GPUs at PP 2 VP 2: no layout fits, and
+    micro_batch_size=1 gives M = 8 / (1 * DP 4) = 2, which keeps the recipe; was
+    global_batch_size=32 (issue 25 item 3)."""
+    argv = [str(NEMO_GPT), "model.fp8=True", "+model.fp8_params=True", "model.fp8_hybrid=True",
+            "model.transformer_engine=True", "model.optim.name=mcore_distributed_optim",
+            "+model.optim.align_param_gather=True", "+model.optim.overlap_param_sync=True",
+            "+model.optim.overlap_grad_sync=True", "+model.fp8_transpose_align.policy=aligned",
+            "model.pipeline_model_parallel_size=2",
+            "model.virtual_pipeline_model_parallel_size=2", "trainer.devices=8"]
+    assert fix_line_of(*argv) == ["model.micro_batch_size=1"]
+    _, payload = as_json(*argv)
+    (v,) = payload["violations"]
+    assert v["key"] == "model.micro_batch_size" and v["found"] == "4"
+    assert "keeps the global batch" in v["expected"]
+
+
+def test_a_global_batch_fix_goes_to_the_nearest_batch_that_fits_and_names_it():
+    """16 GPUs, micro batch 1, global batch 2001 (odd): every layout has an even DP, so the batch
+    changes; 2000 (M = 500 at DP 4) is nearer than 2016, where the fix went before."""
+    cfg = seed_config(global_batch_size=2001)
+    cfg.trainer.num_nodes = 2
+    v = only(find_violations(cfg))
+    assert (v.key, v.fix) == ("model.global_batch_size", "model.global_batch_size=2000")
+    assert "from 2001 to 2000" in v.expected and "changes the training recipe" in v.expected
+    assert find_violations(applied(cfg, v.fix)) == []

@@ -13,7 +13,7 @@ import re
 from typing import Any, List, Mapping, Optional, Tuple, Union
 
 from nemo_fp8_align.config_check.reader import Violation
-from nemo_fp8_align.core.schedule import InterleavedSchedule, ScheduleError
+from nemo_fp8_align.config_check.batch_fix import nearest_microbatches, schedule_fits
 
 __all__ = ["PARSE_PROBLEMS", "implicit_global_batch", "layout_stages", "megatron_lm_only",
            "recipe_not_supported", "step_schedule", "vp_flag", "vp_of", "vp_spelling"]
@@ -247,7 +247,7 @@ def _batch_schedule(args: Mapping[str, Any], world: Optional[int], vp: Any,
     per = mbs * (world // (tp * pp * cp))
     bad, fixed = [], []
     for threshold, batch, written in entries:
-        ok = batch % per == 0 and _fits(pp, vp, batch // per, n)
+        ok = batch % per == 0 and schedule_fits(pp, vp, batch // per, n)
         if not ok:
             bad.append(f"{written}:{batch} (M = {batch / per:g})")
         fixed.append(f"{written}:{batch if ok else _nearest(pp, vp, batch, per, n)}")
@@ -261,15 +261,6 @@ def _batch_schedule(args: Mapping[str, Any], world: Optional[int], vp: Any,
     return out
 
 
-def _fits(pp: int, vp: int, m: int, n: Optional[int]) -> bool:
-    try:
-        InterleavedSchedule(pp=pp, vp=vp, microbatches=m, group_size=n)
-    except ScheduleError:
-        return False
-    return m >= 1
-
-
 def _nearest(pp: int, vp: int, batch: int, per: int, n: Optional[int]) -> int:
-    m = batch / per
-    fits = [k for k in range(1, int(m) + 4 * pp + 2) if _fits(pp, vp, k, n)]
-    return min(fits, key=lambda k: (abs(k - m), -k)) * per
+    """The batch nearest ``batch`` (a multiple of ``per``) whose M fits, as NeMo mode's fix."""
+    return (nearest_microbatches(pp, vp, batch / per, n) or max(round(batch / per), 1)) * per

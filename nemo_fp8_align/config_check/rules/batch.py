@@ -15,6 +15,7 @@ from typing import Optional
 from omegaconf import DictConfig
 
 from nemo_fp8_align.core.schedule import InterleavedSchedule, ScheduleError
+from nemo_fp8_align.config_check.batch_fix import micro_batch_fix, nearest_microbatches
 from nemo_fp8_align.config_check.context import CheckContext
 from nemo_fp8_align.config_check.layout import FIXED_WHY, layout_fix, layout_overrides
 from nemo_fp8_align.config_check.reader import ABSENT, Violation, show_value
@@ -148,7 +149,8 @@ def rule_microbatches(ctx: CheckContext) -> None:
     """M = global_batch_size / (micro_batch_size * DP) must be whole (megatron-core's
     microbatch calculator; checked whatever PP and VP are) and fit the interleaved schedule
     (PP <= N <= M, not 0 < M mod N < PP), which :class:`InterleavedSchedule` decides. The fix
-    changes the layout (N, PP, VP); the global batch only when no layout fits, said so."""
+    changes the layout (N, PP, VP); where no layout fits, a smaller micro batch, and only then
+    the nearest global batch (:mod:`..batch_fix`), each said so."""
     pp, vp, dp = ctx.pp(), ctx.vp(), ctx.data_parallel()
     mbs, gbs = ctx.model.peek_int("micro_batch_size"), ctx.model.peek_int("global_batch_size")
     raw_n = ctx.model.get("microbatch_group_size_per_vp_stage")
@@ -182,11 +184,33 @@ def rule_microbatches(ctx: CheckContext) -> None:
         ctx.model.add(key, ctx.model.get(key), f"{error}; global_batch_size = {found}",
                       fix=layout_overrides(ctx, change))
         return
-    valid = valid_microbatches(pp, m, n) if pp >= 2 else m + 1
+    _batch_fallback(ctx, error, found, (pp, vp, dp, mbs, gbs, n))
+
+
+def _batch_fallback(ctx: CheckContext, error: str, found: str, sizes: tuple) -> None:
+    """No layout fits: a smaller micro batch where one does (the global batch, the recipe,
+    kept), else the nearest global batch that fits, each trade-off named."""
+    pp, vp, dp, mbs, gbs, n = sizes
+    interleaved = pp >= 2
+    smaller = micro_batch_fix(pp, vp, dp, mbs, gbs, n) if interleaved else None
+    if smaller is not None:
+        ctx.model.add("micro_batch_size", mbs, f"{error}; global_batch_size = {found}; "
+                      f"{FIXED_WHY}, so the fix lowers micro_batch_size from {mbs} to "
+                      f"{smaller}, which keeps the global batch (the training recipe) in more, "
+                      "smaller microbatches", smaller)
+        return
+    per_microbatch = mbs * dp
+    m = gbs / per_microbatch
+    valid = nearest_microbatches(pp, vp, m, n) if interleaved else max(round(m), 1)
+    if valid is None:
+        valid = valid_microbatches(pp, int(m), n)
+    fixed = valid * per_microbatch
     ctx.violations.append(Violation(
-        "model.global_batch_size", found, f"{error}; {FIXED_WHY}, so the fix changes the "
-        "global batch, which changes the training recipe (samples per step): or train on "
-        "fewer nodes", f"model.global_batch_size={valid * per_microbatch}"))
+        "model.global_batch_size", found, f"{error}; {FIXED_WHY}, and no smaller "
+        f"micro_batch_size fits, so the fix changes the global batch from {gbs} to {fixed} "
+        f"(the nearest that fits, {abs(fixed - gbs)} samples per step "
+        f"{'fewer' if fixed < gbs else 'more'}), which changes the training recipe: or train "
+        "on fewer nodes", f"model.global_batch_size={fixed}"))
 
 
 def _schedule_error(pp: int, vp: int, m: int, n: Optional[int]) -> Optional[str]:

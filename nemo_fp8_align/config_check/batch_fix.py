@@ -1,0 +1,60 @@
+"""What a microbatch fix changes when no parallel layout fits: first the micro batch, then the
+global batch (the nearest that fits), never the model.
+
+A smaller ``micro_batch_size`` keeps the global batch, so the training recipe (samples per
+optimizer step) stays what the user chose; it only splits the step into more, smaller
+microbatches. A larger one is not offered: it needs more activation memory, which the check
+cannot judge. Only where no smaller micro batch fits does the global batch change, to the count
+of microbatches nearest the one given (either way: 2001 samples become 2000, not 2016), and the
+message names both values. Pure arithmetic over the interleaved schedule's own rule
+(:class:`~nemo_fp8_align.core.schedule.InterleavedSchedule`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from nemo_fp8_align.core.schedule import InterleavedSchedule, ScheduleError
+
+__all__ = ["micro_batch_fix", "nearest_microbatches", "schedule_fits"]
+
+
+def schedule_fits(pp: int, vp: Optional[int], m: int, n: Optional[int]) -> bool:
+    """Whether M microbatches fit megatron-core's interleaved schedule (PP <= N <= M, not
+    0 < M mod N < PP). The rule does not depend on VP; an unknown VP is checked as 2."""
+    if m < 1:
+        return False
+    try:
+        InterleavedSchedule(pp=pp, vp=vp or 2, microbatches=m, group_size=n)
+    except ScheduleError:
+        return False
+    return True
+
+
+def _span(pp: int, n: Optional[int]) -> int:
+    """How far to look each way: valid counts recur every group of max(N, PP)."""
+    return 2 * max(pp, n or pp) + 2
+
+
+def nearest_microbatches(pp: int, vp: Optional[int], m: float, n: Optional[int]
+                         ) -> Optional[int]:
+    """The microbatch count nearest ``m`` (the batch's own count, whole or not) that the
+    schedule accepts; a tie goes up (no samples dropped). None: none near (an N below PP)."""
+    low, high = math.floor(m), max(math.ceil(m), 1)
+    down = next((k for k in range(low, max(low - _span(pp, n), 0), -1)
+                 if schedule_fits(pp, vp, k, n)), None)
+    up = next((k for k in range(high, high + _span(pp, n))
+               if schedule_fits(pp, vp, k, n)), None)
+    found = [k for k in (down, up) if k is not None]
+    return min(found, key=lambda k: (abs(k - m), -k)) if found else None
+
+
+def micro_batch_fix(pp: int, vp: Optional[int], dp: int, mbs: int, gbs: int,
+                    n: Optional[int]) -> Optional[int]:
+    """The largest micro batch below ``mbs`` that divides the global batch over DP into a
+    microbatch count the schedule accepts (None: no smaller one does)."""
+    for smaller in range(mbs - 1, 0, -1):
+        if gbs % (smaller * dp) == 0 and schedule_fits(pp, vp, gbs // (smaller * dp), n):
+            return smaller
+    return None
