@@ -350,3 +350,14 @@ def test_a_global_batch_fix_goes_to_the_nearest_batch_that_fits_and_names_it():
     assert (v.key, v.fix) == ("model.global_batch_size", "model.global_batch_size=2000")
     assert "from 2001 to 2000" in v.expected and "changes the training recipe" in v.expected
     assert find_violations(applied(cfg, v.fix)) == []
+
+
+def test_the_layout_search_reaches_a_vp_above_32_that_divides_the_layers():
+    """Llama 3 70B (80 layers) with both accounting flags: 82 layers to split; PP 2 VP 41 fits
+    (1024 GPUs, TP4 CP2), and the search stopped at VP 32, so the fix changed num_layers (issue
+    25 item 3)."""
+    line = fix_line_of(str(L / "llama_llama3_70b.yaml"), *ENABLE,
+                       "+model.account_for_embedding_in_pipeline_split=True",
+                       "+model.account_for_loss_in_pipeline_split=True")
+    assert sorted(line) == ["model.pipeline_model_parallel_size=2",
+                            "model.virtual_pipeline_model_parallel_size=41"], line

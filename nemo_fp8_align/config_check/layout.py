@@ -127,8 +127,7 @@ def _candidates(var: str, fixed: Fixed, cur: Layout) -> List[Any]:
             values = list(range(2, min(fixed.layers, 64) + 1))
         return sorted((v for v in values if v != old), key=lambda v: (abs(v - old), v))
     if var == "vp":
-        values = list(range(2, min(fixed.layers, 32) + 1))
-        return sorted((v for v in values if v != old), key=lambda v: (abs(v - (old or 2)), v))
+        return _vp_candidates(fixed, cur)
     if var in ("first", "last"):
         values = [None] + list(range(1, min(fixed.layers, 64)))
         return sorted((v for v in values if v != old),
@@ -140,6 +139,24 @@ def _candidates(var: str, fixed: Fixed, cur: Layout) -> List[Any]:
     base = old if old is not None else cur.pp
     return sorted((v for v in values if v != old),
                   key=lambda v: (v is not None, abs((v or base) - base)))
+
+
+def _vp_candidates(fixed: Fixed, cur: Layout) -> List[int]:
+    """VP values other than the current one: every count up to one layer per chunk, up to 512
+    (not 32: 82 layers fit PP 2 VP 41). Without a first/last stage split, the VPs that divide the
+    layers per rank of some candidate PP come first, nearest first: those are the only ones
+    that can fit, and a search changing two settings keeps only the first few of each."""
+    total = fixed.layers + fixed.emb + fixed.loss
+    # bounded as PP is: a layer count of 10**9 must not become a list of 10**9 candidates
+    values = [v for v in range(2, min(max(total, 2), 512) + 1) if v != cur.vp]
+    pps = {cur.pp, *(_candidates("pp", fixed, cur) if "pp" in fixed.changeable else ())}
+    per_rank = {total // p for p in pps if p >= 1 and total % p == 0}
+    even = cur.first is None and cur.last is None
+
+    def divides(v: int) -> bool:
+        return even and any(r % v == 0 for r in per_rank)
+
+    return sorted(values, key=lambda v: (not divides(v), abs(v - (cur.vp or 2)), v))
 
 
 def _distance(cur: Layout, lay: Layout) -> int:
