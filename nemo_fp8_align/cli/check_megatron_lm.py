@@ -89,7 +89,8 @@ def _payload(violations: List[Any], line: Any, fixed_argv: List[str],
             "fix_drop": [e[len("drop "):] for e in line.overrides if e.startswith("drop ")],
             "fix_world_size": fixed_world if fixed_world != world else None,
             "fixed_argv": fixed_argv, "fix_text": line.text, "fix_passes": line.passes,
-            "left": [_violation_dict(v, line) for v in (line.left or line.manual)],
+            "left": [] if line.passes else [_violation_dict(v, line)
+                                            for v in (line.left or line.manual)],
             "plugin_off": PLUGIN_OFF, "notes": _notes(world)}
 
 
