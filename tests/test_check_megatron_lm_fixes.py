@@ -121,3 +121,15 @@ def test_without_a_passing_combination_it_says_so_and_lists_the_hints():
     _, payload = as_json(4, argv)
     assert payload["fix_passes"] is False
     assert [v["key"] for v in payload["left"]] == ["--fp8-recipe"]
+
+
+def test_layers_per_virtual_stage_that_do_not_divide_get_a_layout_not_a_world_size():
+    """PP 3 on 4 processes with 2 layers per virtual stage (8 layers): VP is no whole number, and
+    the layout search did not run, so the fix was 'launch 12 processes'; PP 2 keeps the world
+    (VP 2, given as stages: the per-stage count 2 with PP 3 is what the VP rule reports)."""
+    argv = GOOD + ["--pipeline-model-parallel-size", "3"]
+    status, payload = as_json(4, argv)
+    assert status == 2 and payload["fix_passes"] is True, payload
+    assert payload["fix_world_size"] is None, payload["fix_text"]
+    assert "--pipeline-model-parallel-size 2" in payload["fix_text"], payload["fix_text"]
+    assert check(4, payload["fixed_argv"])[0] == 0

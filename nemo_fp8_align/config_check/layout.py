@@ -215,10 +215,10 @@ def _inputs(ctx: CheckContext) -> Optional[Tuple[Fixed, Layout]]:
     ep, etp = ctx.ep(), ctx.etp()
     if None in (layers, pp, tp, cp, ep, etp):
         return None
-    raw_vp = m.get("virtual_pipeline_model_parallel_size")
+    # An invalid VP (0, a string, Megatron-LM's layers per virtual stage that do not divide) is
+    # reported by its own rule; the search starts from no VP and chooses one, so the other rules
+    # still get a layout fix (not a world-size or batch change the layout does not need).
     vp = ctx.vp()
-    if raw_vp not in (ABSENT, None, 1) and vp is None:
-        return None
     values: Dict[str, Any] = {}
     for var in ("first", "last", "n"):
         value = m.get(KEYS[var])
