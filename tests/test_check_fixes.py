@@ -361,3 +361,14 @@ def test_the_layout_search_reaches_a_vp_above_32_that_divides_the_layers():
                        "+model.account_for_loss_in_pipeline_split=True")
     assert sorted(line) == ["model.pipeline_model_parallel_size=2",
                             "model.virtual_pipeline_model_parallel_size=41"], line
+
+
+def test_a_context_parallel_size_that_no_pipeline_size_fits_is_the_fix():
+    """Llama 3 70B with CP 3 on 1024 GPUs: TP4 * CP3 divides no world of 1024, so no PP or VP
+    can fit; CP 2 (the file's own) does. Was trainer.num_nodes=132 and a global batch of 2024
+    (issue 25 item 3: the search covers CP where it is the cause)."""
+    argv = [str(L / "llama_llama3_70b.yaml"), *ENABLE, "model.context_parallel_size=3"]
+    assert fix_line_of(*argv) == ["model.context_parallel_size=2"]
+    _, payload = as_json(*argv)
+    (v,) = payload["violations"]
+    assert v["key"] == "model.context_parallel_size" and "4 * 4 * 3 = 48" in v["expected"]

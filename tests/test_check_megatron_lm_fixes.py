@@ -133,3 +133,12 @@ def test_layers_per_virtual_stage_that_do_not_divide_get_a_layout_not_a_world_si
     assert payload["fix_world_size"] is None, payload["fix_text"]
     assert "--pipeline-model-parallel-size 2" in payload["fix_text"], payload["fix_text"]
     assert check(4, payload["fixed_argv"])[0] == 0
+
+
+def test_a_context_parallel_size_no_pipeline_size_fits_gets_the_nearest_cp():
+    """CP 3 on 4 processes: no PP fits TP1 * CP3, so the world changed; CP 2 fits (sequence 128
+    a multiple of 2 * CP), and CP 4 would not (128 % 8 = 0, but PP 2 then needs 8 processes)."""
+    argv = GOOD + ["--context-parallel-size", "3"]
+    _, payload = as_json(4, argv)
+    assert payload["fix_overrides"] == ["--context-parallel-size", "2"], payload["fix_text"]
+    assert payload["fix_world_size"] is None and payload["fix_passes"] is True

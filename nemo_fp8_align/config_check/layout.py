@@ -13,7 +13,7 @@ such layout exists (the rule then says so and names the trade-off of what it cha
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from nemo_fp8_align.config_check.context import CheckContext
@@ -249,10 +249,35 @@ def layout_fix(ctx: CheckContext) -> Optional[Dict[str, Any]]:
     if "layout_fix" not in cache:
         inputs = _inputs(ctx)
         found = search(*inputs) if inputs is not None else None
-        cache["layout_fix"] = None if found is None else {
+        change = None if found is None else {
             KEYS[var]: getattr(found, var) for var in _ORDER
             if getattr(found, var) != getattr(inputs[1], var)}
+        if change is None and inputs is not None:
+            change = _context_parallel_fix(ctx, *inputs)
+        cache["layout_fix"] = change
     return cache["layout_fix"]
+
+
+def _context_parallel_fix(ctx: CheckContext, fixed: Fixed, cur: Layout
+                          ) -> Optional[Dict[str, Any]]:
+    """Where CP is the cause (TP * CP divides no world of this size, so no PP can fit), the
+    nearest CP with which a layout fits, and that layout; CP > 1 keeps the sequence a multiple
+    of 2 * CP (Megatron-LM asserts it). None: CP is not the cause, or no CP fits."""
+    world = fixed.world
+    if world is None or world % fixed.tp or world % (fixed.tp * fixed.cp) == 0:
+        return None
+    seq = ctx.model.peek_int("encoder_seq_length")
+    span = world // fixed.tp
+    for cp in sorted((c for c in range(1, min(span, 64) + 1) if span % c == 0),
+                     key=lambda c: (abs(c - fixed.cp), c)):
+        if cp > 1 and seq is not None and seq % (2 * cp):
+            continue
+        found = search(replace(fixed, cp=cp), cur)
+        if found is not None:
+            return {"context_parallel_size": cp, **{
+                KEYS[var]: getattr(found, var) for var in _ORDER
+                if getattr(found, var) != getattr(cur, var)}}
+    return None
 
 
 def layout_overrides(ctx: CheckContext, change: Dict[str, Any]) -> str:

@@ -164,6 +164,7 @@ def megatron_lm_config(args: Mapping[str, Any], world_size: Optional[int] = None
                  virtual_pipeline_model_parallel_size=vp_of(args),
                  num_query_groups=get("num_query_groups") if get("group_query_attention")
                  else None,  # Megatron-LM passes its groups only with --group-query-attention
+                 encoder_seq_length=get("seq_length"),  # a CP fix keeps it a multiple of 2CP
                  rampup_batch_size=None,  # read by Megatron-LM 0.19.2 only to warn
                  megatron_amp_O2=True,  # NeMo's requirement; Megatron-LM keeps FP32 main params
                  mcore_gpt=True,  # NeMo's switch; Megatron-LM's models are megatron-core's
