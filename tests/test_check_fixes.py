@@ -372,3 +372,21 @@ def test_a_context_parallel_size_that_no_pipeline_size_fits_is_the_fix():
     _, payload = as_json(*argv)
     (v,) = payload["violations"]
     assert v["key"] == "model.context_parallel_size" and "4 * 4 * 3 = 48" in v["expected"]
+
+
+def test_what_the_re_check_adds_to_the_line_is_listed_with_its_reason(tmp_path):
+    """6 GPUs per node: the node count (2) is the first fix; 12 GPUs then give DP 3, and the
+    re-check adds the global batch, which had no entry of its own (only the line named it)."""
+    from omegaconf import OmegaConf
+
+    path = tmp_path / "six.yaml"
+    OmegaConf.save(seed_config(), path)
+    argv = [str(path), "trainer.devices=6", "+model.fp8_transpose_align.policy=aligned"]
+    assert fix_line_of(*argv) == ["trainer.num_nodes=2", "model.global_batch_size=12"]
+    _, payload = as_json(*argv)
+    assert [v["key"] for v in payload["violations"]] == ["trainer.num_nodes"]
+    assert [(v["key"], v["fix"]) for v in payload["found_on_recheck"]] == [
+        ("model.global_batch_size", "model.global_batch_size=12")]
+    _, out, _ = check(*argv)
+    assert "The re-check with the fixes above found more (in the line too):\n" \
+           "  - model.global_batch_size: found 16" in out, out

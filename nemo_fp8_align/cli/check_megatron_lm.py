@@ -89,6 +89,7 @@ def _payload(violations: List[Any], line: Any, fixed_argv: List[str],
             "fix_drop": [e[len("drop "):] for e in line.overrides if e.startswith("drop ")],
             "fix_world_size": fixed_world if fixed_world != world else None,
             "fixed_argv": fixed_argv, "fix_text": line.text, "fix_passes": line.passes,
+            "found_on_recheck": [_violation_dict(v, line) for v in line.later],
             "left": [] if line.passes else [_violation_dict(v, line)
                                             for v in (line.left or line.manual)],
             "plugin_off": PLUGIN_OFF, "notes": _notes(world)}
@@ -115,6 +116,11 @@ def _print_text(out: TextIO, violations: List[Any], line: Any, world: Optional[i
     for v in violations:
         print(f"  - {v.key}: found {v.found}; expected {v.expected} | fix: "
               f"{agreeing(v.fix, line)}", file=out)
+    if line.later:
+        print("The re-check with the fixes above found more (in the line too):", file=out)
+        for v in line.later:
+            print(f"  - {v.key}: found {v.found}; expected {v.expected} | fix: "
+                  f"{agreeing(v.fix, line)}", file=out)
     if line.passes:
         print("Fix them all with these changes to the argument list (each flag replaces the "
               "one given, or is added; re-checked: the arguments pass with them):\n"

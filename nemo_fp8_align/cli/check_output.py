@@ -62,6 +62,8 @@ class Report:
                              "violations": [self._violation_dict(v) for v in violations],
                              "fix_overrides": [self.shown(o) for o in line.overrides],
                              "fix_passes": line.passes,
+                             "found_on_recheck": [self._violation_dict(v, line)
+                                                  for v in line.later],
                              "left": [self._violation_dict(v) for v in line.left],
                              "plugin_off": off, "notes": self._notes()})
         else:
@@ -145,9 +147,10 @@ class Report:
                          "run with the plugin")
         return [self.shown(n) for n in notes]
 
-    def _violation_dict(self, v: Violation) -> Dict[str, str]:
+    def _violation_dict(self, v: Violation, line: Optional[FixLine] = None) -> Dict[str, str]:
+        fix = v.fix if line is None else agreeing(v.fix, line)
         return {"key": self.shown(v.key), "found": v.found, "expected": v.expected,
-                "fix": self.shown(v.fix)}
+                "fix": self.shown(fix)}
 
     def _ok(self) -> int:
         from nemo_fp8_align.config_check.check import align_config_from, data_parallel_size_of
@@ -176,6 +179,12 @@ class Report:
         for v in violations:
             print(f"  - {self.shown(v.key)}: found {v.found}; expected {v.expected} | fix: "
                   f"{self.shown(v.fix)}", file=self.out)
+        if line.later:
+            print("The re-check with the fixes above found more (in the line too):",
+                  file=self.out)
+            for v in line.later:
+                print(f"  - {self.shown(v.key)}: found {v.found}; expected {v.expected} | fix: "
+                      f"{self.shown(agreeing(v.fix, line))}", file=self.out)
         if line.passes:
             print("Fix them all with this override line (re-checked: the config passes with "
                   f"it):\n  {self.shown(line.text)}", file=self.out)

@@ -97,12 +97,14 @@ def _merge(line: List[str], new: Sequence[str], key: Callable[[str], str]) -> Li
 class FixLine:
     """The combined fix: ``overrides`` (pasteable, in order); ``passes`` when the re-check of
     the config with them found nothing; ``manual`` the fixes no override can make; ``left``
-    what the last re-check still found."""
+    what the last re-check still found; ``later`` what a re-check found that the config as
+    given did not show (its fix is in the line: each part of the line has its reason)."""
 
     overrides: List[str] = field(default_factory=list)
     passes: bool = False
     manual: List[Violation] = field(default_factory=list)
     left: List[Violation] = field(default_factory=list)
+    later: List[Violation] = field(default_factory=list)
     spelling: Spelling = HYDRA
 
     @property
@@ -153,6 +155,9 @@ def fix_line(violations: Sequence[Violation],
             break  # this round adds nothing: what is left needs a person
         result.overrides = merged
         found = recheck(result.overrides)
+        given = {v.key for v in violations}  # a key found again is the same problem
+        result.later += [v for v in found if spelling.split(v.fix) is not None
+                         and v.key not in given and v not in result.later]
         if not found:
             result.passes = True
             result.left = []
