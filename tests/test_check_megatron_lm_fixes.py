@@ -142,3 +142,13 @@ def test_a_context_parallel_size_no_pipeline_size_fits_gets_the_nearest_cp():
     _, payload = as_json(4, argv)
     assert payload["fix_overrides"] == ["--context-parallel-size", "2"], payload["fix_text"]
     assert payload["fix_world_size"] is None and payload["fix_passes"] is True
+
+
+def test_the_world_size_fix_is_the_nearest_world_that_fits_the_batch():
+    """5 processes at PP 2: NeMo's node arithmetic (devices per node fixed) said 10 processes and
+    then a global batch of 20; a Megatron-LM job launches any count, and 4 keeps the batch."""
+    status, out = check(5, GOOD)
+    assert status == 2 and "launch 4 processes" in out, out
+    _, payload = as_json(5, GOOD)
+    assert payload["fix_world_size"] == 4 and payload["fix_overrides"] == [], payload["fix_text"]
+    assert payload["fix_passes"] is True

@@ -22,8 +22,8 @@ from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence
 
 from nemo_fp8_align.config_check.megatron_lm_parser import parse_argv
 from nemo_fp8_align.config_check.megatron_lm_rules import (
-    PARSE_PROBLEMS, implicit_global_batch, megatron_lm_only, recipe_not_supported, step_schedule,
-    vp_flag, vp_of, vp_spelling)
+    PARSE_PROBLEMS, implicit_global_batch, megatron_lm_only, nearest_world, recipe_not_supported,
+    step_schedule, vp_flag, vp_of, vp_spelling)
 from nemo_fp8_align.config_check.reader import Violation
 
 __all__ = ["FLAGS", "READ_DESTS", "megatron_lm_config", "megatron_lm_violations",
@@ -212,7 +212,7 @@ def _translate(args: Mapping[str, Any], v: Violation, world: Optional[int]) -> V
     if key == "fp8_recipe":
         return recipe_not_supported(args)
     if key == "trainer.num_nodes" and world is not None:
-        return _world_size(v, world)
+        return _world_size(args, v, world)
     if key in FLAGS:
         flag = FLAGS[key].flag
     elif key == "virtual_pipeline_model_parallel_size":
@@ -231,10 +231,14 @@ def _translate(args: Mapping[str, Any], v: Violation, world: Optional[int]) -> V
     return Violation(flag, v.found, v.expected, translate_fix(args, v.fix))
 
 
-def _world_size(v: Violation, world: int) -> Violation:
-    """NeMo's node-count fix, as the world size of a Megatron-LM job."""
-    nodes = re.search(r"num_nodes=(\d+)", v.fix)
-    fixed = world * int(nodes.group(1)) if nodes else None
+def _world_size(args: Mapping[str, Any], v: Violation, world: int) -> Violation:
+    """The world-size fix of a Megatron-LM job: the nearest process count that TP * PP * CP
+    divides and with which the batch fits (NeMo's rule keeps the devices per node and changes
+    the node count, a multiple of the world given; a launcher starts any count)."""
+    fixed = nearest_world(args, world)
+    if fixed is None:
+        nodes = re.search(r"num_nodes=(\d+)", v.fix)
+        fixed = world * int(nodes.group(1)) if nodes else None
     # no "; " inside: that separates the edits of a fix (megatron_lm_edits)
     fix = (f"launch {fixed} processes (the world size, a multiple of TP * PP * CP) and "
            f"check with --world-size {fixed}" if fixed else v.fix)

@@ -16,7 +16,7 @@ from nemo_fp8_align.config_check.reader import Violation
 from nemo_fp8_align.config_check.batch_fix import nearest_microbatches, schedule_fits
 
 __all__ = ["PARSE_PROBLEMS", "implicit_global_batch", "layout_stages", "megatron_lm_only",
-           "recipe_not_supported", "step_schedule", "vp_flag", "vp_of", "vp_spelling"]
+           "nearest_world", "recipe_not_supported", "step_schedule", "vp_flag", "vp_of", "vp_spelling"]
 
 #: Key of :func:`parse_megatron_lm_argv`'s result holding what Megatron-LM's parser stops on.
 PARSE_PROBLEMS = "_nemo_fp8_align_parse_problems"
@@ -137,6 +137,39 @@ def implicit_global_batch(args: Mapping[str, Any], world: int) -> Optional[int]:
                  "context_parallel_size"):
         mp *= _int(args.get(dest)) or 1
     return mbs * (world // mp) if mbs and world % mp == 0 else None
+
+
+def _batch_fits(args: Mapping[str, Any], world: int, mp: int) -> bool:
+    """Whether the global batch (every step-schedule entry) fits ``world`` processes."""
+    mbs, pp = _int(args.get("micro_batch_size")) or 1, _int(args.get("pipeline_model_parallel_size"))
+    vp, n = vp_of(args), _int(args.get("microbatch_group_size_per_vp_stage"))
+    entries = step_schedule(args)
+    batches = ([b for _, b, _ in entries] if isinstance(entries, list)
+               else [_int(args.get("global_batch_size"))])
+    per = mbs * (world // mp)
+    for batch in batches:
+        if batch is None:
+            continue  # M = 1 then (Megatron-LM's default): the schedule rule reports it
+        if batch % per or (type(vp) is int and vp > 1 and pp and pp > 1
+                           and not schedule_fits(pp, vp, batch // per, n)):
+            return False
+    return True
+
+
+def nearest_world(args: Mapping[str, Any], world: int) -> Optional[int]:
+    """The process count nearest ``world`` (fewer first on a tie) that TP * PP * CP and expert
+    TP * EP * PP divide and with which the batch fits; None: none within 64 model-parallel
+    groups of it."""
+    sizes = {d: _int(args.get(d)) or 1 for d in (
+        "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+        "expert_model_parallel_size")}
+    tp, pp, cp, ep = sizes.values()
+    etp = _int(args.get("expert_tensor_parallel_size")) or tp
+    mp = tp * pp * cp
+    candidates = sorted((k * mp for k in range(1, world // mp + 64)),
+                        key=lambda w: (abs(w - world), w))
+    return next((w for w in candidates if w != world and w % (etp * ep * pp) == 0
+                 and _batch_fits(args, w, mp)), None)
 
 
 def recipe_not_supported(args: Mapping[str, Any]) -> Violation:
