@@ -390,3 +390,15 @@ def test_what_the_re_check_adds_to_the_line_is_listed_with_its_reason(tmp_path):
     _, out, _ = check(*argv)
     assert "The re-check with the fixes above found more (in the line too):\n" \
            "  - model.global_batch_size: found 16" in out, out
+
+
+def test_a_layer_count_fix_goes_to_the_nearest_count_either_way():
+    """Both account_for_* flags and 17 layers: 19 to split, a prime, so no PP on 8 GPUs fits and
+    the model must change; 14 layers (16 = PP 4 * VP 2 * 2) is nearer than 22, where the fix
+    went before (it only counted up; issue 25 item 3)."""
+    cfg = seed_config(num_layers=17, account_for_embedding_in_pipeline_split=True,
+                      account_for_loss_in_pipeline_split=True)
+    v = only(find_violations(cfg))
+    assert (v.key, v.fix) == ("model.num_layers", "model.num_layers=14"), v
+    assert "changes the model" in v.expected
+    assert find_violations(applied(cfg, v.fix)) == []

@@ -157,7 +157,12 @@ def _split(ctx: CheckContext) -> Optional[Tuple[Any, ...]]:
 
 
 def _num_layers_fix(layers: int, pp: int, vp: Optional[int], *rest: Any) -> Any:
-    return _first_valid(range(layers + 1, layers + 1 + 4 * pp * (vp or 1)),
+    """The layer count nearest ``layers``, fewer or more (more on a tie), that splits: the
+    smallest change of the model (78 layers, not 98, where 80 do not split)."""
+    span = min(4 * pp * (vp or 1), 5_000)  # a huge PP or VP must not become a huge list
+    nearest = sorted(range(max(layers - span, 1), layers + span + 1),
+                     key=lambda n: (abs(n - layers), -n))
+    return _first_valid([n for n in nearest if n != layers],
                         lambda n: layer_split_error(n, pp, vp, *rest) is None, None)
 
 
