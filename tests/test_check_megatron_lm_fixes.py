@@ -152,3 +152,18 @@ def test_the_world_size_fix_is_the_nearest_world_that_fits_the_batch():
     _, payload = as_json(5, GOOD)
     assert payload["fix_world_size"] == 4 and payload["fix_overrides"] == [], payload["fix_text"]
     assert payload["fix_passes"] is True
+
+
+def test_an_unquoted_step_schedule_is_fixed_by_quoting_it_not_by_dropping_its_entries():
+    """Megatron-LM's GPT-3 example passes --step-batch-size-schedule's entries unquoted: its
+    parser reads only the first and stops on the rest. Dropping them (the old fix) left a batch
+    of 16 for the whole run; one quoted value keeps the ramp (every entry then checked)."""
+    argv = upstream("train_gpt3_175b_distributed.args")
+    _, payload = as_json(16, argv)
+    stray = payload["violations"][0]
+    assert stray["key"] == "2.4B:320", stray
+    assert stray["fix"].startswith(
+        "--step-batch-size-schedule '0:16 2.4B:320 4.8B:624 7.2B:928 9.6B:1232 12B:1536'"), stray
+    fixed = payload["fixed_argv"]
+    at = fixed.index("--step-batch-size-schedule")
+    assert fixed[at + 1] == "0:16 2.4B:320 4.8B:624 7.2B:928 9.6B:1232 12B:1536", fixed

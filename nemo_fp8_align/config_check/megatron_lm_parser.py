@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import re
+import shlex
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
@@ -155,7 +157,7 @@ def parse_argv(argv: Sequence[str]) -> Tuple[Dict[str, Any], List[Violation]]:
         problems.append(_parse_problem(str(err)))
         args = {row["dest"]: row["default"] for row in flag_spec().values()}
         rest = []
-    problems += _unknown(rest)
+    problems += _unknown(rest, argv)
     args["_is_global_batch_size_explicitly_specified"] = args.get("global_batch_size") is not None
     return args, problems
 
@@ -167,7 +169,23 @@ def _parse_problem(message: str) -> Violation:
                      f"parser stops here: '{message}')")
 
 
-def _unknown(rest: Sequence[str]) -> List[Violation]:
+_SCHEDULE = "--step-batch-size-schedule"
+_ENTRY = re.compile(r"[0-9.]+[KMBT]?:[0-9.]+[KMBT]?", re.I)
+
+
+def _stray_fix(strays: Sequence[str], argv: Sequence[str]) -> str:
+    """How to fix values with no flag: dropped, or, where they are schedule entries right after
+    ``--step-batch-size-schedule``'s one value (the entries unquoted), quoted into that value,
+    which keeps the batch ramp (dropping them would leave the first entry's batch for good)."""
+    drops = "; ".join(f"drop {t}" for t in strays)
+    at = next((i for i in range(2, len(argv)) if argv[i] == strays[0]
+               and argv[i - 2] == _SCHEDULE), None)
+    if at is None or not all(_ENTRY.fullmatch(t) for t in [argv[at - 1], *strays]):
+        return drops
+    return f"{shlex.join([_SCHEDULE, ' '.join([argv[at - 1], *strays])])}; {drops}"
+
+
+def _unknown(rest: Sequence[str], argv: Sequence[str] = ()) -> List[Violation]:
     out: List[Violation] = []
     i = 0
     while i < len(rest):
@@ -181,7 +199,7 @@ def _unknown(rest: Sequence[str]) -> List[Violation]:
             # one edit per token: the strays after it are read with it, and all must go
             out.append(Violation(token, "a value with no flag before it" + (
                 f" (and {' '.join(values)} after it)" if values else ""), "every value after a "
-                "flag Megatron-LM has", "; ".join(f"drop {t}" for t in [token, *values])))
+                "flag Megatron-LM has", _stray_fix([token, *values], argv)))
             continue
         name = token.split("=", 1)[0]
         meant = _MEANT.get(name) or next(iter(difflib.get_close_matches(
