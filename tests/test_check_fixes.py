@@ -402,3 +402,18 @@ def test_a_layer_count_fix_goes_to_the_nearest_count_either_way():
     assert (v.key, v.fix) == ("model.num_layers", "model.num_layers=14"), v
     assert "changes the model" in v.expected
     assert find_violations(applied(cfg, v.fix)) == []
+
+
+def test_a_tensor_parallel_size_that_divides_no_world_of_this_size_is_the_fix():
+    """TP 4 on 6 GPUs: no PP can fit (TP divides no world of 6), so the node count changed (to
+    8 nodes). TP 2 with PP 3 fits the 6 GPUs, the 24 layers and the heads; TP 3 is nearer but
+    does not divide 32 heads (issue 25 item 3: TP where it is the cause)."""
+    cfg = seed_config(tensor_model_parallel_size=4, num_attention_heads=32, hidden_size=4096,
+                      num_layers=24, global_batch_size=18)
+    cfg.trainer.devices = 6
+    v = only(find_violations(cfg))
+    assert (v.key, v.fix) == ("model.tensor_model_parallel_size",
+                              "model.tensor_model_parallel_size=2 "
+                              "model.pipeline_model_parallel_size=3"), v
+    assert "changes TP" in v.expected
+    assert find_violations(applied(cfg, v.fix)) == []

@@ -253,30 +253,41 @@ def layout_fix(ctx: CheckContext) -> Optional[Dict[str, Any]]:
             KEYS[var]: getattr(found, var) for var in _ORDER
             if getattr(found, var) != getattr(inputs[1], var)}
         if change is None and inputs is not None:
-            change = _context_parallel_fix(ctx, *inputs)
+            change = _cause_fix(ctx, *inputs)
         cache["layout_fix"] = change
     return cache["layout_fix"]
 
 
-def _context_parallel_fix(ctx: CheckContext, fixed: Fixed, cur: Layout
-                          ) -> Optional[Dict[str, Any]]:
-    """Where CP is the cause (TP * CP divides no world of this size, so no PP can fit), the
-    nearest CP with which a layout fits, and that layout; CP > 1 keeps the sequence a multiple
-    of 2 * CP (Megatron-LM asserts it). None: CP is not the cause, or no CP fits."""
+def _tp_fits(ctx: CheckContext, tp: int) -> bool:
+    """TP divides the sizes megatron-core splits over it (those the config gives)."""
+    sizes = [ctx.model.peek_int(k) for k in ("num_attention_heads", "num_query_groups",
+                                             "hidden_size", "ffn_hidden_size")]
+    return all(size is None or size % tp == 0 for size in sizes)
+
+
+def _cause_fix(ctx: CheckContext, fixed: Fixed, cur: Layout) -> Optional[Dict[str, Any]]:
+    """Where TP or CP is the cause (TP * CP divides no world of this size, so no PP can fit):
+    the nearest TP (a divisor of the GPUs per node that divides the heads and hidden sizes) or,
+    where TP divides the world, the nearest CP (the sequence a multiple of 2 * CP, as
+    Megatron-LM asserts) with which a layout fits, and that layout. None: neither is the
+    cause, or no value fits."""
     world = fixed.world
-    if world is None or world % fixed.tp or world % (fixed.tp * fixed.cp) == 0:
+    if world is None or world % (fixed.tp * fixed.cp) == 0:
         return None
-    seq = ctx.model.peek_int("encoder_seq_length")
-    span = world // fixed.tp
-    for cp in sorted((c for c in range(1, min(span, 64) + 1) if span % c == 0),
-                     key=lambda c: (abs(c - fixed.cp), c)):
-        if cp > 1 and seq is not None and seq % (2 * cp):
-            continue
-        found = search(replace(fixed, cp=cp), cur)
+    if world % fixed.tp:
+        key, old, span = "tensor_model_parallel_size", fixed.tp, ctx.devices() or world
+        ok = lambda t: world % (t * fixed.cp) == 0 and _tp_fits(ctx, t)  # noqa: E731
+    else:
+        seq = ctx.model.peek_int("encoder_seq_length")
+        key, old, span = "context_parallel_size", fixed.cp, world // fixed.tp
+        ok = lambda c: c == 1 or seq is None or seq % (2 * c) == 0  # noqa: E731
+    var = "tp" if key.startswith("tensor") else "cp"
+    for value in sorted((v for v in range(1, min(span, 64) + 1) if span % v == 0 and ok(v)),
+                        key=lambda v: (abs(v - old), v)):
+        found = search(replace(fixed, **{var: value}), cur)
         if found is not None:
-            return {"context_parallel_size": cp, **{
-                KEYS[var]: getattr(found, var) for var in _ORDER
-                if getattr(found, var) != getattr(cur, var)}}
+            return {key: value, **{KEYS[v]: getattr(found, v) for v in _ORDER
+                                   if getattr(found, v) != getattr(cur, v)}}
     return None
 
 

@@ -53,8 +53,14 @@ def rule_world_size(ctx: CheckContext) -> None:
            f"raises 'world_size ({devices * nodes}) is not divisible by {mp}')")
     change = layout_fix(ctx)
     if change:
-        key = "pipeline_model_parallel_size" if "pipeline_model_parallel_size" in change \
-            else next(iter(change))
+        cause = next((k for k in ("tensor_model_parallel_size", "context_parallel_size")
+                      if k in change), None)
+        if cause is not None:  # TP * CP divides no world of this size: name the trade-off
+            short = "TP" if cause.startswith("tensor") else "CP"
+            why += (f"; no pipeline size fits a world of this size with this {short}, so the "
+                    f"fix changes {short}, which changes the memory per GPU")
+        key = cause or ("pipeline_model_parallel_size" if "pipeline_model_parallel_size"
+                        in change else next(iter(change)))
         ctx.model.add(key, ctx.model.get(key), why, fix=layout_overrides(ctx, change))
         return
     step = mp // gcd(devices, mp)  # num_nodes must be a multiple of this
