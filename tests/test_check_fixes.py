@@ -315,7 +315,8 @@ def test_fixes_on_a_launcher_training_yaml_keep_the_users_training_prefix():
     assert all(v["fix"].lstrip("+~").startswith("training.") for v in payload["violations"])
     assert payload["plugin_off"].lstrip("+~").startswith("training.model."), payload
     # unprefixed overrides keep unprefixed fixes
-    plain = fix_line_of(str(L / "gpt3_175b_mlperf.yaml"), "+model.fp8_transpose_align.policy=aligned",
+    plain = fix_line_of(str(L / "gpt3_175b_mlperf.yaml"),
+                        "+model.fp8_transpose_align.policy=aligned",
                         "+model.optim.align_param_gather=True",
                         "model.pipeline_model_parallel_size=6")
     assert all(o.lstrip("+~").startswith("model.") for o in plain), plain

@@ -6,8 +6,12 @@ the model chunks per rank VP, the first/last stage split and the group size N. T
 architecture (num_layers, hidden, FFN, heads, experts), the global and micro batch, the sequence
 and the node count are what the user chose to train; changing them to fit a layout is the wrong
 way round. :func:`layout_fix` searches the layouts that change one setting, then two, then three
-(nearest values first) and returns the first that passes every layout constraint; None when no
-such layout exists (the rule then says so and names the trade-off of what it changes instead).
+(nearest values first; VP up to one layer per chunk) and returns the first that passes every
+layout constraint. Where TP or CP is the cause (TP * CP divides no world of this size, so no PP
+can fit), it tries the nearest TP or CP that lets a layout fit (a change of the memory per GPU,
+which the rule names). None when nothing fits (the rule then says so and names the trade-off of
+what it changes instead: the micro or global batch (:mod:`.batch_fix`), the node count, the
+layer count).
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ from nemo_fp8_align.config_check.reader import Violation
 from nemo_fp8_align.config_check.batch_fix import nearest_microbatches, schedule_fits
 
 __all__ = ["PARSE_PROBLEMS", "implicit_global_batch", "layout_stages", "megatron_lm_only",
-           "nearest_world", "recipe_not_supported", "step_schedule", "vp_flag", "vp_of", "vp_spelling"]
+           "nearest_world", "recipe_not_supported", "step_schedule", "vp_flag", "vp_of",
+           "vp_spelling"]
 
 #: Key of :func:`parse_megatron_lm_argv`'s result holding what Megatron-LM's parser stops on.
 PARSE_PROBLEMS = "_nemo_fp8_align_parse_problems"
@@ -141,7 +142,8 @@ def implicit_global_batch(args: Mapping[str, Any], world: int) -> Optional[int]:
 
 def _batch_fits(args: Mapping[str, Any], world: int, mp: int) -> bool:
     """Whether the global batch (every step-schedule entry) fits ``world`` processes."""
-    mbs, pp = _int(args.get("micro_batch_size")) or 1, _int(args.get("pipeline_model_parallel_size"))
+    mbs = _int(args.get("micro_batch_size")) or 1
+    pp = _int(args.get("pipeline_model_parallel_size"))
     vp, n = vp_of(args), _int(args.get("microbatch_group_size_per_vp_stage"))
     entries = step_schedule(args)
     batches = ([b for _, b, _ in entries] if isinstance(entries, list)
