@@ -418,3 +418,12 @@ def test_a_tensor_parallel_size_that_divides_no_world_of_this_size_is_the_fix():
                               "model.pipeline_model_parallel_size=3"), v
     assert "changes TP" in v.expected
     assert find_violations(applied(cfg, v.fix)) == []
+
+
+def test_a_batch_fix_beside_the_pipeline_fixes_is_judged_at_the_layout_they_make():
+    """GPT-3 126M on 16 nodes: PP 1 and no VP; at PP 1 (DP 128) the batch of 256 is no multiple
+    of 4 * 128, and the fix said global_batch_size=512. The plugin's own fixes make PP 2 VP 2
+    (DP 64), where micro_batch_size=2 keeps the batch (M = 2)."""
+    line = fix_line_of(str(L / "gpt3_126m.yaml"), *ENABLE, "trainer.num_nodes=16")
+    assert line == ["model.pipeline_model_parallel_size=2",
+                    "model.virtual_pipeline_model_parallel_size=2", "model.micro_batch_size=2"]

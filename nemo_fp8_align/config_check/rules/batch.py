@@ -197,13 +197,19 @@ def _batch_fallback(ctx: CheckContext, error: str, found: str, sizes: tuple) -> 
     """No layout fits: a smaller micro batch where one does (the global batch, the recipe,
     kept), else the nearest global batch that fits, each trade-off named."""
     pp, vp, dp, mbs, gbs, n = sizes
+    judged = ""
+    if pp < 2 and _data_parallel_at(ctx, 2) is not None:
+        # the plugin's own fix makes PP 2 (and VP 2): the batch is fixed for that layout, not
+        # for PP 1, whose DP the line changes anyway
+        pp, dp = 2, _data_parallel_at(ctx, 2)
+        judged = f" (judged at PP 2, which the plugin needs: DP {dp})"
     interleaved = pp >= 2
     smaller = micro_batch_fix(pp, vp, dp, mbs, gbs, n) if interleaved else None
     if smaller is not None:
         ctx.model.add("micro_batch_size", mbs, f"{error}; global_batch_size = {found}; "
                       f"{FIXED_WHY}, so the fix lowers micro_batch_size from {mbs} to "
-                      f"{smaller}, which keeps the global batch (the training recipe) in more, "
-                      "smaller microbatches", smaller)
+                      f"{smaller}{judged}, which keeps the global batch (the training recipe) "
+                      "in more, smaller microbatches", smaller)
         return
     per_microbatch = mbs * dp
     m = gbs / per_microbatch
@@ -213,10 +219,18 @@ def _batch_fallback(ctx: CheckContext, error: str, found: str, sizes: tuple) -> 
     fixed = valid * per_microbatch
     ctx.violations.append(Violation(
         "model.global_batch_size", found, f"{error}; {FIXED_WHY}, and no smaller "
-        f"micro_batch_size fits, so the fix changes the global batch from {gbs} to {fixed} "
-        f"(the nearest that fits, {abs(fixed - gbs)} samples per step "
+        f"micro_batch_size fits, so the fix changes the global batch from {gbs} to {fixed}"
+        f"{judged} (the nearest that fits, {abs(fixed - gbs)} samples per step "
         f"{'fewer' if fixed < gbs else 'more'}), which changes the training recipe: or train "
         "on fewer nodes", f"model.global_batch_size={fixed}"))
+
+
+def _data_parallel_at(ctx: CheckContext, pp: int) -> Optional[int]:
+    """DP with pipeline size ``pp`` (the world's when known, else the caller's)."""
+    world, tp, cp = ctx.world(), ctx.tp(), ctx.cp()
+    if world is None or tp is None or cp is None:
+        return ctx.given_data_parallel()
+    return world // (tp * pp * cp) if world % (tp * pp * cp) == 0 else None
 
 
 def _schedule_error(pp: int, vp: int, m: int, n: Optional[int]) -> Optional[str]:
