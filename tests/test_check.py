@@ -82,9 +82,10 @@ SINGLE = [
     # M = 6 / 2 = 3 < PP = 4.
     ({"global_batch_size": 6}, "model.global_batch_size", "6 (M = 6 / (1 * DP 2) = 3)",
      "model.global_batch_size=8"),
-    # Not a multiple of micro_batch_size * DP = 2: the nearest batch that fits, M = 8 (was 24).
+    # Not a multiple of micro_batch_size * DP = 2: PP 8 (DP 1, M = 17) with N = 9 keeps the
+    # batch (17 mod 9 = 8 >= PP); was global_batch_size=24, N being bounded by PP 4's M.
     ({"global_batch_size": 17}, "model.global_batch_size", "17 (M = 17 / (1 * DP 2) = 8.5)",
-     "model.global_batch_size=16"),
+     "+model.microbatch_group_size_per_vp_stage=9 model.pipeline_model_parallel_size=8"),
     # N = 3 < PP = 4, while the default N would be fine.
     ({"microbatch_group_size_per_vp_stage": 3}, "model.microbatch_group_size_per_vp_stage", "3",
      "model.microbatch_group_size_per_vp_stage=null"),

@@ -427,3 +427,12 @@ def test_a_batch_fix_beside_the_pipeline_fixes_is_judged_at_the_layout_they_make
     line = fix_line_of(str(L / "gpt3_126m.yaml"), *ENABLE, "trainer.num_nodes=16")
     assert line == ["model.pipeline_model_parallel_size=2",
                     "model.virtual_pipeline_model_parallel_size=2", "model.micro_batch_size=2"]
+
+
+def test_a_smaller_micro_batch_with_another_layout_before_another_global_batch():
+    """GPT-3 126M on 24 nodes (192 GPUs, micro batch 4, global 256): no layout fits with micro
+    batch 4 and no smaller one fits at PP 2 (DP 96), so the batch became 768; at PP 3 (DP 64)
+    micro batch 1 gives M = 4 with N = 4, and the batch stays 256."""
+    line = fix_line_of(str(L / "gpt3_126m.yaml"), *ENABLE, "trainer.num_nodes=24")
+    assert "model.micro_batch_size=1" in line, line
+    assert not any(o.startswith("model.global_batch_size") for o in line), line

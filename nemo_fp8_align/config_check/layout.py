@@ -26,7 +26,7 @@ from nemo_fp8_align.config_check.split_math import layer_split_error
 from nemo_fp8_align.core.schedule import InterleavedSchedule, ScheduleError
 
 __all__ = ["FIXED_WHY", "KEYS", "Fixed", "Layout", "layout_fix", "layout_overrides",
-           "layout_problem", "split_error"]
+           "layout_problem", "micro_batch_layout_fix", "split_error"]
 
 #: Layout variable -> the model key it is set by.
 KEYS = {"n": "microbatch_group_size_per_vp_stage", "first": "num_layers_in_first_pipeline_stage",
@@ -137,8 +137,9 @@ def _candidates(var: str, fixed: Fixed, cur: Layout) -> List[Any]:
         return sorted((v for v in values if v != old),
                       key=lambda v: (abs((v or 0) - (old or 0)), v is not None))
     # n: null (= PP) first, then counts near the current one
-    dp = fixed.dp(cur.pp)
-    top = (fixed.gbs // (fixed.mbs * dp)) if dp and fixed.mbs and fixed.gbs else 64
+    # N <= M; M grows as another PP shrinks DP, so bound N by the largest M (DP 1), not by the
+    # current PP's M (PP 1 on 192 GPUs has M < 2, and N = 4 at PP 3 was never tried)
+    top = (fixed.gbs // fixed.mbs) if fixed.mbs and fixed.gbs else 64
     values = [None] + list(range(2, min(top, 256) + 1))
     base = old if old is not None else cur.pp
     return sorted((v for v in values if v != old),
@@ -260,6 +261,19 @@ def layout_fix(ctx: CheckContext) -> Optional[Dict[str, Any]]:
             change = _cause_fix(ctx, *inputs)
         cache["layout_fix"] = change
     return cache["layout_fix"]
+
+
+def micro_batch_layout_fix(ctx: CheckContext, mbs: int) -> Optional[Dict[str, Any]]:
+    """{model key: new value} of the nearest layout that fits with micro batch ``mbs`` (which
+    keeps the global batch; the caller tries the smaller ones), None when none does."""
+    inputs = _inputs(ctx)
+    if inputs is None:
+        return None
+    fixed, cur = inputs
+    found = search(replace(fixed, mbs=mbs), cur)
+    return None if found is None else {
+        KEYS[var]: getattr(found, var) for var in _ORDER
+        if getattr(found, var) != getattr(cur, var)}
 
 
 def _tp_fits(ctx: CheckContext, tp: int) -> bool:

@@ -17,7 +17,8 @@ from omegaconf import DictConfig
 from nemo_fp8_align.core.schedule import InterleavedSchedule, ScheduleError
 from nemo_fp8_align.config_check.batch_fix import micro_batch_fix, nearest_microbatches
 from nemo_fp8_align.config_check.context import CheckContext
-from nemo_fp8_align.config_check.layout import FIXED_WHY, layout_fix, layout_overrides
+from nemo_fp8_align.config_check.layout import (FIXED_WHY, layout_fix, layout_overrides,
+                                                micro_batch_layout_fix)
 from nemo_fp8_align.config_check.reader import ABSENT, Violation, show_value
 from nemo_fp8_align.config_check.rules.parallel import expert_parallel_fix
 
@@ -205,6 +206,8 @@ def _batch_fallback(ctx: CheckContext, error: str, found: str, sizes: tuple) -> 
         judged = f" (judged at PP 2, which the plugin needs: DP {dp})"
     interleaved = pp >= 2
     smaller = micro_batch_fix(pp, vp, dp, mbs, gbs, n) if interleaved else None
+    if smaller is None and _micro_batch_with_layout(ctx, error, found, mbs):
+        return
     if smaller is not None:
         ctx.model.add("micro_batch_size", mbs, f"{error}; global_batch_size = {found}; "
                       f"{FIXED_WHY}, so the fix lowers micro_batch_size from {mbs} to "
@@ -223,6 +226,25 @@ def _batch_fallback(ctx: CheckContext, error: str, found: str, sizes: tuple) -> 
         f"{judged} (the nearest that fits, {abs(fixed - gbs)} samples per step "
         f"{'fewer' if fixed < gbs else 'more'}), which changes the training recipe: or train "
         "on fewer nodes", f"model.global_batch_size={fixed}"))
+
+
+def _micro_batch_with_layout(ctx: CheckContext, error: str, found: str, mbs: int) -> bool:
+    """A smaller micro batch together with another layout (the global batch kept), tried
+    before the global batch changes: the largest of the next 8 below ``mbs`` for which a
+    layout fits. Whether one was found (and recorded)."""
+    for smaller in range(mbs - 1, max(mbs - 9, 0), -1):
+        change = micro_batch_layout_fix(ctx, smaller)
+        if change is None:
+            continue
+        fix = " ".join([ctx.model.override("micro_batch_size", smaller, present=True),
+                        layout_overrides(ctx, change)]).strip()
+        ctx.violations.append(Violation(
+            "model.micro_batch_size", str(mbs), f"{error}; global_batch_size = {found}; "
+            f"{FIXED_WHY}, so the fix lowers micro_batch_size from {mbs} to {smaller} with the "
+            "layout that then fits, which keeps the global batch (the training recipe) in "
+            "more, smaller microbatches", fix))
+        return True
+    return False
 
 
 def _data_parallel_at(ctx: CheckContext, pp: int) -> Optional[int]:
