@@ -63,3 +63,22 @@ def test_a_rank_that_kept_its_error_and_exited_cleanly_is_reported(tmp_path):
     with pytest.raises(DemoRankError) as info:
         _run(tmp_path, ["ok", "error-exit-0"])
     assert sorted(info.value.reports) == [1]
+
+
+def _where(rank, world_size, port, out_dir):
+    write_result(out_dir, rank, {"env": os.environ.get("NEMO_FP8_ALIGN_TEST_VAR"),
+                                 "cwd": os.getcwd(), "preloaded": "megatron.core" in sys.modules})
+
+
+def test_ranks_start_in_the_callers_environment_and_directory(tmp_path, monkeypatch):
+    """The ranks are forked from a server started at the first call; each still sees the
+    environment and working directory of its own call, as a spawned rank would (a variable set
+    after the server started included), with megatron-core already imported there."""
+    spawn_and_wait(_where, 1, (str(tmp_path),), timeout_s=60.0)  # the server is up
+    monkeypatch.setenv("NEMO_FP8_ALIGN_TEST_VAR", "set after the server started")
+    monkeypatch.chdir(tmp_path)
+    codes = spawn_and_wait(_where, 2, (str(tmp_path),), timeout_s=60.0)
+    for result in read_results(str(tmp_path), codes):
+        assert result["env"] == "set after the server started"
+        assert result["cwd"] == str(tmp_path)
+        assert result["preloaded"] == (pytest.importorskip("megatron.core") is not None)

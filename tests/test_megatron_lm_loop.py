@@ -14,7 +14,7 @@ pytest.importorskip("megatron.training.models", reason="Megatron-LM's loop ships
 pytest.importorskip("omegaconf")
 
 from nemo_fp8_align.config import Policy  # noqa: E402
-from nemo_fp8_align.demo.launch import alignment_problems, differences  # noqa: E402
+from nemo_fp8_align.demo.launch import alignment_problems, differences, format_report  # noqa: E402
 from nemo_fp8_align.demo.launch_megatron_lm import run_megatron_lm_demo  # noqa: E402
 from nemo_fp8_align.demo.train import DemoOptions  # noqa: E402
 from nemo_fp8_align.errors import DemoRankError  # noqa: E402
@@ -70,6 +70,10 @@ def test_save_and_resume_through_megatron_lm_checkpointing_is_bit_identical():
     assert all(r["unlaunched_steps"] == [0, 2] for r in resumed.ranks)  # each job's first
     assert differences(resumed, whole) == []
     assert len(resumed.losses()) == 3
+    # the resumed job's one step ran without launches: the summary shows the last that had them
+    summary = format_report(resumed)
+    assert "chunk 1: aligned slot 2; built at slots r0:2 r1:2; 9 transposes" in summary
+    assert "(step 1, the last with all-gather launches" in summary
 
 
 def test_cli_demo_loop_megatron_lm(tmp_path):

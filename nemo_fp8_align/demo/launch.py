@@ -115,12 +115,19 @@ def differences(result: DemoResult, reference: DemoResult) -> List[str]:
 
 
 def format_report(result: DemoResult) -> str:
-    """A table of the last step: per chunk, the slot each pipeline rank built at."""
+    """A table of the last step with records: per chunk, the slot each pipeline rank built at.
+    (A step without all-gather launches has none: Megatron-LM's first iteration of a job, so the
+    only step of a job resumed one step before the end; its transposes are built at first use.)"""
     opts = result.options
     lines = [f"nemo_fp8_align demo: PP={opts.pp} VP={opts.vp} DP={opts.dp} M={opts.microbatches} "
              f"steps={opts.steps} policy={opts.policy.value}",
              "losses per step: " + ", ".join(f"{x:.6f}" for x in result.losses())]
-    last = [r for r in result.records if r["step"] == opts.steps - 1 and r["dp_rank"] == 0]
+    shown = max((r["step"] for r in result.records if r["dp_rank"] == 0),
+                default=opts.steps - 1)
+    if shown != opts.steps - 1:
+        lines.append(f"  (step {shown}, the last with all-gather launches: the steps after it ran "
+                     "without, their transposes built at first use)")
+    last = [r for r in result.records if r["step"] == shown and r["dp_rank"] == 0]
     for chunk in range(opts.vp):
         rows = [r for r in last if r["chunk"] == chunk]
         slots = " ".join(f"r{r['pp_rank']}:{r['slot']}" for r in rows)
