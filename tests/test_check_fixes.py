@@ -436,3 +436,11 @@ def test_a_smaller_micro_batch_with_another_layout_before_another_global_batch()
     line = fix_line_of(str(L / "gpt3_126m.yaml"), *ENABLE, "trainer.num_nodes=24")
     assert "model.micro_batch_size=1" in line, line
     assert not any(o.startswith("model.global_batch_size") for o in line), line
+
+
+def test_where_the_global_batch_must_change_the_nearest_over_smaller_micro_batches():
+    """GPT-3 126M on 100 nodes (800 GPUs, micro batch 4, global 256): no layout and no micro
+    batch keeps 256; with micro batch 1 the nearest batch that fits is 800 (M = 2 at DP 400),
+    nearer than 3200 with micro batch 4, where the fix went."""
+    line = fix_line_of(str(L / "gpt3_126m.yaml"), *ENABLE, "trainer.num_nodes=100")
+    assert "model.micro_batch_size=1" in line and "model.global_batch_size=800" in line, line

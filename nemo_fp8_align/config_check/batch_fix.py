@@ -13,11 +13,11 @@ message names both values. Pure arithmetic over the interleaved schedule's own r
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 from nemo_fp8_align.core.schedule import InterleavedSchedule, ScheduleError
 
-__all__ = ["micro_batch_fix", "nearest_microbatches", "schedule_fits"]
+__all__ = ["micro_batch_fix", "nearest_batch", "nearest_microbatches", "schedule_fits"]
 
 
 def schedule_fits(pp: int, vp: Optional[int], m: int, n: Optional[int]) -> bool:
@@ -58,3 +58,20 @@ def micro_batch_fix(pp: int, vp: Optional[int], dp: int, mbs: int, gbs: int,
         if gbs % (smaller * dp) == 0 and schedule_fits(pp, vp, gbs // (smaller * dp), n):
             return smaller
     return None
+
+
+def nearest_batch(pp: int, vp: Optional[int], dp: int, mbs: int, gbs: int,
+                  n: Optional[int]) -> Tuple[int, int]:
+    """(micro batch, global batch) with the global batch nearest ``gbs`` that fits, over
+    ``mbs`` and the 8 micro batches below it (a smaller micro batch makes the batch's steps
+    finer: 800 instead of 3200 for 256 on DP 400); on a tie the larger micro batch."""
+    best: Optional[Tuple[int, int]] = None
+    for micro in range(mbs, max(mbs - 9, 0), -1):
+        per = micro * dp
+        count = (nearest_microbatches(pp, vp, gbs / per, n) if pp >= 2
+                 else max(round(gbs / per), 1))
+        if count is None:
+            continue
+        if best is None or abs(count * per - gbs) < abs(best[1] - gbs):
+            best = (micro, count * per)
+    return best if best is not None else (mbs, max(round(gbs / (mbs * dp)), 1) * mbs * dp)

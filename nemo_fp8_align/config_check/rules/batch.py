@@ -15,7 +15,7 @@ from typing import Optional
 from omegaconf import DictConfig
 
 from nemo_fp8_align.core.schedule import InterleavedSchedule, ScheduleError
-from nemo_fp8_align.config_check.batch_fix import micro_batch_fix, nearest_microbatches
+from nemo_fp8_align.config_check.batch_fix import micro_batch_fix, nearest_batch
 from nemo_fp8_align.config_check.context import CheckContext
 from nemo_fp8_align.config_check.layout import (FIXED_WHY, layout_fix, layout_overrides,
                                                 micro_batch_layout_fix)
@@ -25,7 +25,7 @@ from nemo_fp8_align.config_check.rules.parallel import expert_parallel_fix
 __all__ = ["rule_batch_sizes", "rule_data_parallel_agrees", "rule_data_parallel_value",
            "rule_expert_world_size", "rule_fixed_microbatches", "rule_group_size",
            "rule_microbatches", "rule_telemetry_path", "rule_trainer_devices",
-           "rule_world_size", "valid_microbatches"]
+           "rule_world_size"]
 
 
 def rule_trainer_devices(ctx: CheckContext) -> None:
@@ -214,18 +214,17 @@ def _batch_fallback(ctx: CheckContext, error: str, found: str, sizes: tuple) -> 
                       f"{smaller}{judged}, which keeps the global batch (the training recipe) "
                       "in more, smaller microbatches", smaller)
         return
-    per_microbatch = mbs * dp
-    m = gbs / per_microbatch
-    valid = nearest_microbatches(pp, vp, m, n) if interleaved else max(round(m), 1)
-    if valid is None:
-        valid = valid_microbatches(pp, int(m), n)
-    fixed = valid * per_microbatch
+    micro, fixed = nearest_batch(pp, vp, dp, mbs, gbs, n)
+    also = ("" if micro == mbs else f" with micro_batch_size {micro} (was {mbs}, which "
+            "makes the batch's steps finer)")
+    fix = " ".join(([ctx.model.override("micro_batch_size", micro, present=True)]
+                    if micro != mbs else []) + [f"model.global_batch_size={fixed}"])
     ctx.violations.append(Violation(
         "model.global_batch_size", found, f"{error}; {FIXED_WHY}, and no smaller "
         f"micro_batch_size fits, so the fix changes the global batch from {gbs} to {fixed}"
-        f"{judged} (the nearest that fits, {abs(fixed - gbs)} samples per step "
+        f"{also}{judged} (the nearest that fits, {abs(fixed - gbs)} samples per step "
         f"{'fewer' if fixed < gbs else 'more'}), which changes the training recipe: or train "
-        "on fewer nodes", f"model.global_batch_size={fixed}"))
+        "on fewer nodes", fix))
 
 
 def _micro_batch_with_layout(ctx: CheckContext, error: str, found: str, mbs: int) -> bool:
@@ -261,12 +260,3 @@ def _schedule_error(pp: int, vp: int, m: int, n: Optional[int]) -> Optional[str]
     except ScheduleError as err:
         return str(err)
     return None
-
-
-def valid_microbatches(pp: int, m: int, n: Optional[int]) -> int:
-    """The smallest M' > M the interleaved schedule accepts with group size N (default PP):
-    M' >= N, and M' mod N either 0 or at least PP."""
-    group = pp if n is None or n < pp else n
-    candidate = max(m + 1, group)
-    rem = candidate % group
-    return candidate if rem == 0 or rem >= pp else candidate - rem + pp
