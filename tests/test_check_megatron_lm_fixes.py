@@ -167,3 +167,18 @@ def test_an_unquoted_step_schedule_is_fixed_by_quoting_it_not_by_dropping_its_en
     fixed = payload["fixed_argv"]
     at = fixed.index("--step-batch-size-schedule")
     assert fixed[at + 1] == "0:16 2.4B:320 4.8B:624 7.2B:928 9.6B:1232 12B:1536", fixed
+
+
+def test_script_flags_are_named_and_kept_by_the_fix_line():
+    """gpt-oss's --enable-gpt-oss and --export-force-local-attention are flags pretrain_gpt.py
+    adds itself (ModelOpt's arguments): the line used to drop them, breaking that script."""
+    argv = upstream("gptoss_02_train.args")
+    _, payload = as_json(8, argv)
+    assert "--enable-gpt-oss" in payload["fixed_argv"]
+    assert "--export-force-local-attention" in payload["fixed_argv"]
+    assert payload["fix_drop"] == [] or not any("gpt-oss" in d or "local-attention" in d
+                                                for d in payload["fix_drop"])
+    assert any(n.startswith("not read: --export-force-local-attention --enable-gpt-oss")
+               or n.startswith("not read: --enable-gpt-oss") for n in payload["notes"]), payload
+    status, out = check(payload["fix_world_size"] or 8, payload["fixed_argv"])
+    assert status == 0 and "note: not read: " in out, out

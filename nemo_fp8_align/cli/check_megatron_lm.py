@@ -46,15 +46,17 @@ def run_megatron_lm_check(args: argparse.Namespace, argv: List[str], out: TextIO
                                                 "unknown, pass --world-size)")
         if as_json:
             _emit(out, {"ok": True, "state": state, "world_size": world, "violations": [],
-                        "fix_overrides": [], "notes": _notes(world)})
+                        "fix_overrides": [], "notes": _notes(world, argv)})
         else:
             print(f"Megatron-LM arguments: {state}", file=out)
+            for note in _notes(world, argv)[world is None:]:  # the state says the first
+                print(f"note: {note}", file=out)
         return EXIT_OK
     line, fixed_argv, fixed_world = _fix_line(violations, argv, world)
     if as_json:
-        _emit(out, _payload(violations, line, fixed_argv, fixed_world, world))
+        _emit(out, _payload(violations, line, fixed_argv, fixed_world, world, argv))
     else:
-        _print_text(out, violations, line, world)
+        _print_text(out, violations, line, world, argv)
     return EXIT_INVALID
 
 
@@ -75,7 +77,7 @@ def _fix_line(violations: List[Any], argv: List[str], world: Optional[int]) -> A
 
 
 def _payload(violations: List[Any], line: Any, fixed_argv: List[str],
-             fixed_world: Optional[int], world: Optional[int]) -> Dict[str, Any]:
+             fixed_world: Optional[int], world: Optional[int], argv: List[str]) -> Dict[str, Any]:
     """The NeMo mode's keys; ``fix_overrides`` are the flags to set, as argument tokens."""
     import shlex
 
@@ -92,7 +94,7 @@ def _payload(violations: List[Any], line: Any, fixed_argv: List[str],
             "found_on_recheck": [_violation_dict(v, line) for v in line.later],
             "left": [] if line.passes else [_violation_dict(v, line)
                                             for v in (line.left or line.manual)],
-            "plugin_off": PLUGIN_OFF, "notes": _notes(world)}
+            "plugin_off": PLUGIN_OFF, "notes": _notes(world, argv)}
 
 
 def _violation_dict(v: Any, line: Any) -> Dict[str, str]:
@@ -102,13 +104,20 @@ def _violation_dict(v: Any, line: Any) -> Dict[str, str]:
             "fix": agreeing(v.fix, line)}
 
 
-def _notes(world: Optional[int]) -> List[str]:
-    if world is not None:
-        return []
-    return ["microbatch checks skipped: world size unknown, pass --world-size"]
+def _notes(world: Optional[int], argv: List[str]) -> List[str]:
+    from nemo_fp8_align.config_check.megatron_lm_parser import script_flags_given
+
+    notes = [] if world is not None else [
+        "microbatch checks skipped: world size unknown, pass --world-size"]
+    given = script_flags_given(argv)
+    if given:
+        notes.append(f"not read: {' '.join(given)} (pretrain_gpt.py adds them to Megatron-LM's "
+                     "parser itself: ModelOpt's arguments)")
+    return notes
 
 
-def _print_text(out: TextIO, violations: List[Any], line: Any, world: Optional[int]) -> None:
+def _print_text(out: TextIO, violations: List[Any], line: Any, world: Optional[int],
+                argv: List[str]) -> None:
     from nemo_fp8_align.config_check.fixes import agreeing
 
     print(f"Megatron-LM arguments: {len(violations)} setting(s) stop the aligned "
@@ -131,7 +140,7 @@ def _print_text(out: TextIO, violations: List[Any], line: Any, world: Optional[i
         print("Still to decide by hand (no combination of the fixes passes):", file=out)
         for v in line.left or line.manual:
             print(f"  - {v.key}: {v.expected} | {v.fix}", file=out)
-    for note in _notes(world):
+    for note in _notes(world, argv):
         print(f"note: {note}", file=out)
     print(f"Or {PLUGIN_OFF}.", file=out)
 

@@ -24,13 +24,20 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from nemo_fp8_align.config_check.reader import Violation
 
-__all__ = ["ArgvProblem", "MEGATRON_LM_VERSION", "flag_spec", "given_dests", "option_of",
-           "parse_argv", "spec_from_parser", "takes_value", "write_flag_table"]
+__all__ = ["ArgvProblem", "MEGATRON_LM_VERSION", "SCRIPT_FLAGS", "flag_spec", "given_dests",
+           "option_of", "parse_argv", "script_flags_given", "spec_from_parser", "takes_value",
+           "write_flag_table"]
 
 MEGATRON_LM_VERSION = "0.19.2"
 SPEC_FILE = Path(__file__).with_name("megatron_lm_flags.txt")
 
 #: Spellings users bring from NeMo or older Megatron-LM that are not Megatron-LM 0.19.2 flags.
+#: Flags that Megatron-LM's ``pretrain_gpt.py`` adds to the parser itself (its
+#: ``extra_args_provider``: ModelOpt's ``megatron/post_training/arguments.py``, which the wheel
+#: does not ship), as Megatron-LM's own gpt-oss example passes them: not read, not errors (a fix
+#: that dropped them would break that script); named in a note (:func:`script_flags_given`).
+SCRIPT_FLAGS = ("--enable-gpt-oss", "--export-force-local-attention")
+
 _MEANT = {
     "--virtual-pipeline-model-parallel-size": "--num-virtual-stages-per-pipeline-rank",
     "--num-layers-per-virtual-pipeline-stages": "--num-layers-per-virtual-pipeline-stage",
@@ -202,6 +209,8 @@ def _unknown(rest: Sequence[str], argv: Sequence[str] = ()) -> List[Violation]:
                 "flag Megatron-LM has", _stray_fix([token, *values], argv)))
             continue
         name = token.split("=", 1)[0]
+        if name in SCRIPT_FLAGS:
+            continue
         meant = _MEANT.get(name) or next(iter(difflib.get_close_matches(
             name, list(flag_spec()), n=1, cutoff=0.8)), None)
         hint = f"; did you mean {meant}?" if meant else ""
@@ -213,6 +222,11 @@ def _unknown(rest: Sequence[str], argv: Sequence[str] = ()) -> List[Violation]:
                                                               and " " not in meant else "")
                                               if meant else "")))
     return out
+
+
+def script_flags_given(argv: Sequence[str]) -> List[str]:
+    """The :data:`SCRIPT_FLAGS` in ``argv``, in order."""
+    return [t.split("=", 1)[0] for t in argv if t.split("=", 1)[0] in SCRIPT_FLAGS]
 
 
 def write_flag_table(read: Sequence[str], path: Path = SPEC_FILE) -> None:
