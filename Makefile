@@ -41,13 +41,20 @@ demo: install
 	$(VENV)/bin/nemo-fp8-align demo $(DEMO_ARGS)
 
 # megatron-core 0.17.1 and 0.18.2: their wheels' megatron/core (pure Python, ~2 MB each), read by
-# .venv-mcore019's Python ahead of its own 0.19.2 (MCORE_LINE_TESTS).
+# .venv-mcore019's Python ahead of its own 0.19.2 (MCORE_LINE_TESTS). 0.10.0 and 0.11.0 (the
+# NeMo Framework containers of late 2024 / early 2025): their Python 3.11 wheels' megatron/core,
+# read by .venv's Python ahead of its 0.12.3 (MCORE_OLD_LINE_TESTS).
 MCORE_LINES ?= 0.17.1 0.18.2
+MCORE_OLD_LINES ?= 0.10.0 0.11.0
 MCORE_TREES = .mcore-wheels
 
-$(MCORE_TREES)/.installed: $(VENV19)/.installed
+$(MCORE_TREES)/.installed: $(VENV19)/.installed $(VENV)/.installed
 	for v in $(MCORE_LINES); do \
 	  $(VENV19)/bin/pip download $(PIP_FLAGS) --no-deps --only-binary=:all: megatron-core==$$v -d $(MCORE_TREES) && \
+	  mkdir -p $(MCORE_TREES)/$$v && unzip -q -o $(MCORE_TREES)/megatron_core-$$v-*.whl 'megatron/core/*' -d $(MCORE_TREES)/$$v; \
+	done
+	for v in $(MCORE_OLD_LINES); do \
+	  $(VENV)/bin/pip download $(PIP_FLAGS) --no-deps --only-binary=:all: megatron-core==$$v -d $(MCORE_TREES) && \
 	  mkdir -p $(MCORE_TREES)/$$v && unzip -q -o $(MCORE_TREES)/megatron_core-$$v-*.whl 'megatron/core/*' -d $(MCORE_TREES)/$$v; \
 	done
 	touch $@
@@ -74,6 +81,10 @@ MCORE019_TESTS = tests/test_schedule.py tests/test_engine_mcore.py tests/test_fa
 # between them (0.18 post-processes forced all-gathers itself; the optimizer-step all-gather).
 MCORE_LINE_TESTS = tests/test_schedule.py tests/test_refusals.py tests/test_forced_sync.py \
 	tests/test_gather_with_optimizer.py
+# On 0.10.0 and 0.11.0: the engine on the real schedule and DDP, the fault battery, the no-hang
+# agreement, the entry points and the refusals.
+MCORE_OLD_LINE_TESTS = $(MCORE_LINE_TESTS) tests/test_engine_mcore.py tests/test_faults.py \
+	tests/test_no_hang.py tests/test_entry_points.py tests/test_api.py
 
 test: install install-mcore016 install-mcore019 $(MCORE_TREES)/.installed $(BRIDGE_WHEEL)/.installed
 	$(VENV)/bin/python -m pytest -q
@@ -85,6 +96,10 @@ test: install install-mcore016 install-mcore019 $(MCORE_TREES)/.installed $(BRID
 	for v in $(MCORE_LINES); do \
 	  PYTHONPATH=$(CURDIR)/$(MCORE_TREES)/$$v $(VENV19)/bin/python -m pytest -q -m "not nemo" \
 	    $(MCORE_LINE_TESTS) || exit 1; \
+	done
+	for v in $(MCORE_OLD_LINES); do \
+	  PYTHONPATH=$(CURDIR)/$(MCORE_TREES)/$$v $(VENV)/bin/python -m pytest -q -m "not nemo" \
+	    $(MCORE_OLD_LINE_TESTS) || exit 1; \
 	done
 	$(VENV19)/bin/python -m pytest -q $(MEGATRON_LM_TESTS) tests/test_doc_snippets.py \
 		-k "not test_block_runs_as_documented or megatron_lm_snippet or bridge_snippet"

@@ -31,8 +31,8 @@ def test_an_extra_for_each_optional_stack() -> None:
 
 def test_extras_pin_the_tested_versions() -> None:
     pins = {name_of(r): r for extra in EXTRAS.values() for r in extra}
-    # A range: every megatron-core line the project ran (0.12.3, 0.16.1, 0.17.1-0.19.2).
-    assert pins["megatron-core"] == "megatron-core>=0.12.3,<0.20"
+    # A range: every megatron-core line the project ran (0.10.0-0.12.3, 0.16.1, 0.17.1-0.19.2).
+    assert pins["megatron-core"] == "megatron-core>=0.10.0,<0.20"
     assert pins["transformer-engine"] == "transformer-engine[pytorch]==2.20.2"
     assert "1.3.2" in pins["hydra-core"] and "2.3.0" in pins["omegaconf"]
     # The nemo extra carries the CPU stack CI installs (requirements/cpu.txt), version for version.

@@ -20,6 +20,11 @@ def _valid_shapes(max_pp=4, max_vp=4, max_m=13):
 
 @pytest.mark.parametrize("pp,vp,m,n", list(_valid_shapes()))
 def test_forward_table_matches_megatron_core(pp, vp, m, n):
+    if not hasattr(schedules, "get_schedule_table"):
+        pytest.skip("megatron-core < 0.12 builds the interleaved order inside "
+                    "forward_backward_pipelining_with_interleaving (no get_schedule_table): the "
+                    "demo runs on that schedule judge the model there (test_engine_mcore; a chunk "
+                    "run out of the model's order raises StepMismatchError)")
     ours = InterleavedSchedule(pp, vp, m, n)
     assert list(ours.forward_table) == schedules.get_schedule_table(m, vp, n)
 

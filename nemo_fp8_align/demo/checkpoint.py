@@ -10,6 +10,7 @@ first iteration after a load does; both come back after that step's optimizer st
 
 from __future__ import annotations
 
+import inspect
 import os
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -72,7 +73,7 @@ def first_step_after_load(run: Any) -> Iterator[None]:
     """The first training step after a load, as Megatron-LM runs it (wrap forward, backward
     and optimizer step)."""
     for chunk in run.chunks:
-        chunk.disable_forward_pre_hook(param_sync=False)
+        _disable_pre_hook_without_sync(chunk)
     saved, run.config.param_sync_func = run.config.param_sync_func, None
     try:
         yield
@@ -80,3 +81,12 @@ def first_step_after_load(run: Any) -> Iterator[None]:
         for chunk in run.chunks:
             chunk.enable_forward_pre_hook()
         run.config.param_sync_func = saved
+
+
+def _disable_pre_hook_without_sync(chunk: Any) -> None:
+    """``disable_forward_pre_hook(param_sync=False)``; megatron-core 0.10 has no such argument
+    and always synchronises the parameters there (as its Megatron-LM did after a load)."""
+    if "param_sync" in inspect.signature(chunk.disable_forward_pre_hook).parameters:
+        chunk.disable_forward_pre_hook(param_sync=False)
+    else:
+        chunk.disable_forward_pre_hook()
