@@ -37,3 +37,24 @@ def test_current_stream_is_a_host_stand_in_and_undone():
     finally:
         compat.undo()
     assert torch.cuda.current_stream is original
+
+
+def test_the_demo_asks_for_a_group_size_only_where_megatron_core_has_one():
+    """megatron-core < 0.10's TransformerConfig has no ``microbatch_group_size_per_vp_stage``
+    (0.9.0's raised TypeError at the demo's config: seen); there the demo passes none, and a
+    ``--group-size`` is refused with the setting named."""
+    import dataclasses
+
+    from megatron.core.transformer import TransformerConfig
+
+    from nemo_fp8_align.demo.train import _group_size
+
+    assert _group_size(TransformerConfig, 3) == {"microbatch_group_size_per_vp_stage": 3}
+
+    @dataclasses.dataclass
+    class PreTenConfig:  # the field set that matters: no group size
+        num_layers: int = 0
+
+    assert _group_size(PreTenConfig, None) == {}
+    with pytest.raises(ValueError, match=r"--group-size 3: .*< 0.10.* leave --group-size out"):
+        _group_size(PreTenConfig, 3)

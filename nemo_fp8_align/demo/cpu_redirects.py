@@ -10,6 +10,7 @@ when CUDA is available: on a GPU nothing here may change behaviour. Verified on 
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Any, Callable, List, Tuple
 
 import torch
@@ -58,6 +59,19 @@ def _skip_empty(original: Callable[..., Any]) -> Callable[..., Any]:
     return quantize_param_shard
 
 
+def _init_without_apex_check(module: Any, original: Callable[..., Any]) -> Callable[..., Any]:
+    # megatron-core 0.9's DistributedOptimizer asserts Apex or TE in its constructor, though the
+    # class has torch-Adam branches (HAVE_APEX_OR_TE False) for everything after it, as later
+    # versions use on the CPU: the check is lifted for the constructor only.
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        module.HAVE_APEX_OR_TE = True
+        try:
+            original(self, *args, **kwargs)
+        finally:
+            module.HAVE_APEX_OR_TE = False
+    return __init__
+
+
 class _HostStream:
     """Stands in for ``torch.cuda.current_stream()`` on the CPU, where every op is synchronous:
     megatron-core 0.19's ``start_grad_sync`` asks for the current stream unconditionally (to wait
@@ -97,6 +111,10 @@ class CpuCompat:
                 continue
             if hasattr(module, "quantize_param_shard"):
                 self._patch(module, "quantize_param_shard", _skip_empty(module.quantize_param_shard))
+            cls = module.DistributedOptimizer
+            if getattr(module, "HAVE_APEX_OR_TE", True) is False \
+                    and "HAVE_APEX_OR_TE" in inspect.getsource(cls.__init__):
+                self._patch(cls, "__init__", _init_without_apex_check(module, cls.__init__))
         self._mode.__enter__()
         return self
 

@@ -7,6 +7,7 @@ launches the all-gathers itself; the aligner only adds the transposes at the ali
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import warnings
@@ -72,6 +73,18 @@ def bind_schedule_funcs(config: Any, chunks: List[Any]) -> None:
     config.finalize_model_grads_func = finalize_model_grads
 
 
+def _group_size(config_class: Any, group_size: Optional[int]) -> Dict[str, Any]:
+    """``microbatch_group_size_per_vp_stage`` where this megatron-core has it (0.10 on); before,
+    forwards run in groups of PP (the pre-0.10 order) and no other size can be asked for."""
+    if "microbatch_group_size_per_vp_stage" in {f.name for f in dataclasses.fields(config_class)}:
+        return {"microbatch_group_size_per_vp_stage": group_size}
+    if group_size is not None:
+        raise ValueError(f"--group-size {group_size}: this megatron-core (< 0.10) has no "
+                         "microbatch_group_size_per_vp_stage; its interleaved schedule runs "
+                         "forwards in groups of PP: leave --group-size out")
+    return {}
+
+
 def _build(opts: DemoOptions, pp_rank: int):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer import TransformerConfig
@@ -82,9 +95,9 @@ def _build(opts: DemoOptions, pp_rank: int):
         num_layers=opts.pp * opts.vp * opts.model.layers_per_chunk,
         hidden_size=opts.model.hidden_size, num_attention_heads=opts.model.num_heads,
         pipeline_model_parallel_size=opts.pp, virtual_pipeline_model_parallel_size=opts.vp,
-        microbatch_group_size_per_vp_stage=opts.group_size, pipeline_dtype=torch.float32,
-        params_dtype=torch.float32, use_cpu_initialization=True,
-        batch_p2p_comm=False)  # gloo pairs batched same-peer messages wrongly (STACK.md)
+        pipeline_dtype=torch.float32, params_dtype=torch.float32, use_cpu_initialization=True,
+        batch_p2p_comm=False,  # gloo pairs batched same-peer messages wrongly (STACK.md)
+        **_group_size(TransformerConfig, opts.group_size))
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=True, use_distributed_optimizer=True,
         overlap_param_gather=True, align_param_gather=True, bucket_size=20000)
