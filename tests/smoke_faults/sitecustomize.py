@@ -13,6 +13,8 @@ before NeMo starts. Nothing in the package imports this file.
   complete (the fault the plugin-on/off loss comparison must catch).
 * ``unchecked``: the reference FP8 GEMMs skip their provenance check (StaleFP8Error), so a
   stale FP8 copy is computed with and only the losses can show it.
+* ``verify_fails_on_one_rank``: the demo's one-rank error (a flipped transpose byte under
+  verification, on the last rank, in step 1): every rank must stop with the plugin's error.
 """
 
 import os
@@ -54,8 +56,14 @@ def _unchecked():
     ReferenceFP8Weight.check_provenance = lambda self, use: None
 
 
+def _verify_fails_on_one_rank():
+    from nemo_fp8_align.demo.faults import inject
+
+    inject("verify_fails_on_one_rank")  # the one-rank error of the demo's no-hang tests
+
+
 _FAULTS = {"deferred_all_gather": _deferred_all_gather, "no_wait": _no_wait,
-           "unchecked": _unchecked}
+           "unchecked": _unchecked, "verify_fails_on_one_rank": _verify_fails_on_one_rank}
 
 for _name in filter(None, os.environ.get("NEMO_FP8_ALIGN_SMOKE_FAULTS", "").split(",")):
     if _name not in _FAULTS:
