@@ -223,14 +223,27 @@ def test_smoke_nemo(tmp_path):
     assert missing_lines(shown, out.stdout, numbers=True, consecutive=True) == [], out.stdout
 
 
+#: How each NeMo entry point is launched: the example script with the mixin, and NeMo's stock flow
+#: with the plugin reached only through the Lightning entry point (autoload), as the smoke does.
+ENTRY_POINTS = {
+    "mixin": [os.path.join(ROOT, "examples", "megatron_gpt_pretraining.py"),
+              "--config-name", "megatron_gpt_cpu_smoke", "model.fp8_transpose_align.policy=aligned"],
+    "autoload": ["-m", "support.run_nemo_cpu",
+                 os.path.join(ROOT, "examples", "stock_megatron_gpt_pretraining.py"),
+                 "--config-name", "megatron_gpt_cpu", "exp_manager.name=null",
+                 "+model.fp8_transpose_align.policy=aligned"],
+}
+
+
 @pytest.mark.nemo
 @pytest.mark.slow
-def test_a_one_rank_error_stops_every_rank_in_nemos_fit(tmp_path):
-    """The no-hang guarantee on the NeMo mixin path (issue 24's matrix): the example script with
-    the mixin, PP=2 x DP=2, the demo's one-rank error (a flipped transpose byte under
-    verification on the last rank, in step 1). Every rank stops at that step's end with the
-    plugin's TransposeVerifyError, the faulty rank with what differed, the three others naming
-    it; no rank dies in gloo or waits for a lone peer."""
+@pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
+def test_a_one_rank_error_stops_every_rank_in_nemos_fit(tmp_path, entry):
+    """The no-hang guarantee on NeMo's entry points (issue 24's matrix), PP=2 x DP=2 under
+    torchrun, the demo's one-rank error (a flipped transpose byte under verification on the last
+    rank, in step 1). Every rank stops at that step's end with the plugin's TransposeVerifyError,
+    the faulty rank with what differed, the three others naming it; no rank dies in gloo or
+    waits for a lone peer."""
     pytest.importorskip("nemo.collections.nlp.models.language_modeling.megatron_gpt_model",
                         reason="needs nemo_toolkit 2.3.3 (MegatronGPTModel)")
     env = dict(os.environ, OMP_NUM_THREADS="1",
@@ -239,17 +252,17 @@ def test_a_one_rank_error_stops_every_rank_in_nemos_fit(tmp_path):
                                            os.path.join(ROOT, "tests")]))
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-         os.path.join(ROOT, "examples", "megatron_gpt_pretraining.py"),
-         "--config-name", "megatron_gpt_cpu_smoke", f"exp_manager.exp_dir={tmp_path}/exp",
-         f"report_dir={tmp_path}", "model.fp8_transpose_align.policy=aligned",
+         *ENTRY_POINTS[entry], f"exp_manager.exp_dir={tmp_path}/exp",
          "trainer.accelerator=cpu", "trainer.devices=4", "trainer.max_steps=3",
-         f"hydra.run.dir={tmp_path}/hydra"],
-        env=env, capture_output=True, text=True, timeout=900, check=False)
+         f"hydra.run.dir={tmp_path}/hydra"]
+        + ([f"report_dir={tmp_path}"] if entry == "mixin" else []),
+        env=env, capture_output=True, text=True, timeout=900, check=False, cwd=tmp_path)
     log = out.stdout + out.stderr
     assert out.returncode != 0, log[-3000:]
     own = "TransposeVerifyError: nemo_fp8_align verify: step 1, pipeline rank 1, model chunk 1"
     assert own in log, log[-3000:]
     for rank, (pp, dp) in enumerate([(0, 0), (0, 1), (1, 0)]):
         assert (f"TransposeVerifyError: nemo_fp8_align: rank {rank} (pipeline rank {pp}, "
-                f"data-parallel rank {dp}, step 1) found no problem of its own") in log, rank
+                f"data-parallel rank {dp}, step 1) found no problem of its own") in log, \
+            (rank, log[-3000:])
     assert "Connection closed" not in log and "Timed out" not in log, log[-3000:]
