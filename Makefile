@@ -105,7 +105,7 @@ test: install install-mcore016 install-mcore019 $(MCORE_TREES)/.installed $(BRID
 		-k "not test_block_runs_as_documented or megatron_lm_snippet or bridge_snippet"
 
 # Megatron-LM's own loop (megatron/training in the 0.19.2 wheel) and the chunk-level attachment:
-# ~10 minutes on 2 cores (4 demo jobs of 4 processes, and the 0.19 rebinding-loop demo).
+# ~1.5 minutes on 2 cores (4 demo jobs of 4 processes, and the 0.19 rebinding-loop demo).
 MEGATRON_LM_TESTS = tests/test_megatron_lm_loop.py tests/test_megatron_lm_mode.py
 
 test-mcore019: install-mcore019
