@@ -111,8 +111,8 @@ def _notes(world: Optional[int], argv: List[str]) -> List[str]:
         "microbatch checks skipped: world size unknown, pass --world-size"]
     given = script_flags_given(argv)
     if given:
-        notes.append(f"not read: {' '.join(given)} (pretrain_gpt.py adds them to Megatron-LM's "
-                     "parser itself: ModelOpt's arguments)")
+        notes.append(f"not read: {' '.join(given)} (Megatron-LM's GPT pretraining script adds "
+                     "them to its parser itself: ModelOpt's arguments)")
     return notes
 
 
