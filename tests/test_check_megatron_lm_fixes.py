@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import List, Tuple
 
+import pytest
+
 from nemo_fp8_align.cli.check import add_check_parser
 
 UPSTREAM = Path(__file__).parent / "data" / "upstream" / "megatron_lm"
@@ -182,3 +184,69 @@ def test_script_flags_are_named_and_kept_by_the_fix_line():
                or n.startswith("not read: --enable-gpt-oss") for n in payload["notes"]), payload
     status, out = check(payload["fix_world_size"] or 8, payload["fixed_argv"])
     assert status == 0 and "note: not read: " in out, out
+
+
+@pytest.mark.parametrize("vp_flag", ["--num-layers-per-virtual-pipeline-stage",
+                                     "--num-virtual-stages-per-pipeline-rank"])
+def test_no_layer_count_is_invented_where_none_is_given(vp_flag):
+    """Without --num-layers the line set '--num-layers 4' (PP * VP: a model the user never
+    chose) and passed; the layer count is the user's to give, and VP from layers per virtual
+    stage is unknown without it (no VP fix guessed either)."""
+    argv = " ".join(GOOD).replace("--num-layers-per-virtual-pipeline-stage", vp_flag).split()
+    argv = [a for a in argv if a not in ("--num-layers", "8")]
+    status, payload = as_json(4, argv)
+    assert status == 2 and payload["fix_passes"] is False, payload["fix_text"]
+    assert "--num-layers" not in payload["fix_overrides"], payload["fix_text"]
+    assert [v["key"] for v in payload["violations"]] == ["--num-layers"], payload
+    assert [v["key"] for v in payload["left"]] == ["--num-layers"]
+
+
+def test_left_is_empty_when_the_line_passes():
+    """Commit 032a14a: a line that passes leaves nothing to decide by hand, even where a
+    violation's own fix was a sentence (the line made it moot)."""
+    from nemo_fp8_align.cli.check_megatron_lm import _payload
+    from nemo_fp8_align.config_check.fixes import FixLine
+    from nemo_fp8_align.config_check.megatron_lm_edits import MEGATRON_LM
+    from nemo_fp8_align.config_check.reader import Violation
+
+    moot = Violation("--num-layers", "null", "an int >= 1", "--num-layers <the model's count>")
+    line = FixLine(overrides=["--num-layers 8"], passes=True, manual=[moot],
+                   spelling=MEGATRON_LM)
+    payload = _payload([moot], line, GOOD, 4, 4, GOOD)
+    assert payload["fix_passes"] is True and payload["left"] == []
+    line.passes = False
+    assert [v["key"] for v in _payload([moot], line, GOOD, 4, 4, GOOD)["left"]] == [
+        "--num-layers"]
+
+
+#: (virtual-pipeline flag, --num-layers, PP, world size, global batch, micro batch): layouts
+#: for which the line changed --num-layers (and the batch and the world) though a layout with
+#: a smaller micro batch fits the model, the batch and the world as given.
+KEPT_MODEL = [
+    ("--num-virtual-stages-per-pipeline-rank", 8, 3, 12, 16, 2),  # split: num_layers 8 -> 6
+    ("--num-layers-per-virtual-pipeline-stage", 12, 5, 16, 16, 2),  # world 16 -> 20, layers 10
+    ("--num-layers-per-virtual-pipeline-stage", 8, 5, 6, 16, 1),  # PP x VP x first x N at once
+    ("--num-virtual-stages-per-pipeline-rank", 30, 4, 16, 16, 2),  # layers 30 -> 32
+]
+
+
+@pytest.mark.parametrize("flag,layers,pp,world,gbs,mbs", KEPT_MODEL)
+def test_a_layout_with_a_smaller_micro_batch_comes_before_the_layer_count(
+        flag, layers, pp, world, gbs, mbs):
+    """Fix order (issue 25): the layout, then the micro batch with a layout, then the batch, the
+    world, and the layer count last. Each line keeps --num-layers, the global batch and the
+    world, gives VP in one flag only, and passes."""
+    per_stage = "--num-layers-per-virtual-pipeline-stage"
+    stages = "--num-virtual-stages-per-pipeline-rank"
+    argv = " ".join(GOOD).replace(f"{per_stage} 2", f"{flag} 2").split()
+    for name, value in (("--num-layers", layers), ("--pipeline-model-parallel-size", pp),
+                        ("--global-batch-size", gbs), ("--micro-batch-size", mbs)):
+        argv[argv.index(name) + 1] = str(value)
+    status, payload = as_json(world, argv)
+    assert status == 2 and payload["fix_passes"] is True, payload["fix_text"]
+    for kept in ("--num-layers", "--global-batch-size"):
+        assert kept not in payload["fix_overrides"], payload["fix_text"]
+    assert payload["fix_world_size"] is None, payload["fix_text"]
+    fixed = payload["fixed_argv"]
+    assert (per_stage in fixed) + (stages in fixed) == 1, payload["fix_text"]
+    assert check(world, fixed)[0] == 0

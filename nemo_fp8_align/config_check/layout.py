@@ -26,7 +26,8 @@ from nemo_fp8_align.config_check.split_math import layer_split_error
 from nemo_fp8_align.core.schedule import InterleavedSchedule, ScheduleError
 
 __all__ = ["FIXED_WHY", "KEYS", "Fixed", "Layout", "layout_fix", "layout_overrides",
-           "layout_problem", "micro_batch_layout_fix", "split_error"]
+           "layout_problem", "micro_batch_layout_fix", "smaller_micro_batch_layout",
+           "split_error"]
 
 #: Layout variable -> the model key it is set by.
 KEYS = {"n": "microbatch_group_size_per_vp_stage", "first": "num_layers_in_first_pipeline_stage",
@@ -38,7 +39,7 @@ _ORDER = tuple(KEYS)
 FIXED_WHY = ("the search (up to three of PP, VP, the first/last stage split and the group size "
              "N, nearest values first) found no layout that fits with the model, the batch and "
              "the node count held")
-_MAX_CHANGED = 3
+_MAX_CHANGED = 4
 _MAX_TRIED = 40_000  # candidate layouts per search: a suggestion is never worth a hang
 
 
@@ -179,7 +180,7 @@ def _distance(cur: Layout, lay: Layout) -> int:
 
 def _layouts(fixed: Fixed, cur: Layout, changed: Sequence[str]) -> Iterator[Layout]:
     # Several at once: only the nearest values of each (a suggestion is never worth a hang).
-    width = {1: None, 2: 24, 3: 4}[len(changed)]
+    width = {1: None, 2: 24, 3: 4, 4: 4}[len(changed)]
     pools = [_candidates(var, fixed, cur)[:width] for var in changed]
     base = {var: getattr(cur, var) for var in _ORDER}
     for values in itertools.product(*pools):
@@ -274,6 +275,24 @@ def micro_batch_layout_fix(ctx: CheckContext, mbs: int) -> Optional[Dict[str, An
     return None if found is None else {
         KEYS[var]: getattr(found, var) for var in _ORDER
         if getattr(found, var) != getattr(cur, var)}
+
+
+def smaller_micro_batch_layout(ctx: CheckContext) -> Optional[Tuple[int, Dict[str, Any]]]:
+    """(micro batch, {model key: new value}): the largest of the next 8 micro batches below the
+    given one with which a layout fits (the model and the global batch kept), or None. Tried
+    where no layout fits as given, before the global batch or the layer count change; shared by
+    the layer-split and the microbatch rules so that their fixes agree. Computed once."""
+    cache = ctx.cache
+    if "smaller_micro_batch_layout" not in cache:
+        mbs = ctx.model.peek_int("micro_batch_size")
+        found = None
+        for smaller in range(mbs - 1, max(mbs - 9, 0), -1) if mbs else ():
+            change = micro_batch_layout_fix(ctx, smaller)
+            if change is not None:
+                found = (smaller, change)
+                break
+        cache["smaller_micro_batch_layout"] = found
+    return cache["smaller_micro_batch_layout"]
 
 
 def _tp_fits(ctx: CheckContext, tp: int) -> bool:

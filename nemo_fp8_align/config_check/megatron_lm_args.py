@@ -197,9 +197,15 @@ def megatron_lm_violations(args: Mapping[str, Any], world_size: Optional[int] = 
     out: List[Violation] = list(args.get(PARSE_PROBLEMS, ()))
     out += megatron_lm_only(args, world_size)
     cfg = megatron_lm_config(args, world_size)
+    # Layers per virtual stage without --num-layers give no VP: the --num-layers violation is
+    # the one to fix (a VP fix would guess the model's layer count).
+    vp_unknown = (args.get("num_layers") is None
+                  and args.get("num_layers_per_virtual_pipeline_stage") is not None)
     for v in find_violations(cfg, dialect="megatron_lm"):
         if step_schedule(args) is not None and v.key == "model.global_batch_size":
             continue  # every entry of the schedule is checked by megatron_lm_rules
+        if vp_unknown and v.key == "model.virtual_pipeline_model_parallel_size":
+            continue
         v = _translate(args, v, world_size)
         if not any(v.key == o.key and v.fix == o.fix for o in out):  # fp8 and its format
             out.append(v)

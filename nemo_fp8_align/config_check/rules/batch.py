@@ -18,7 +18,7 @@ from nemo_fp8_align.core.schedule import InterleavedSchedule, ScheduleError
 from nemo_fp8_align.config_check.batch_fix import micro_batch_fix, nearest_batch
 from nemo_fp8_align.config_check.context import CheckContext
 from nemo_fp8_align.config_check.layout import (FIXED_WHY, layout_fix, layout_overrides,
-                                                micro_batch_layout_fix)
+                                                smaller_micro_batch_layout)
 from nemo_fp8_align.config_check.reader import ABSENT, Violation, show_value
 from nemo_fp8_align.config_check.rules.parallel import expert_parallel_fix
 
@@ -63,6 +63,16 @@ def rule_world_size(ctx: CheckContext) -> None:
         key = cause or ("pipeline_model_parallel_size" if "pipeline_model_parallel_size"
                         in change else next(iter(change)))
         ctx.model.add(key, ctx.model.get(key), why, fix=layout_overrides(ctx, change))
+        return
+    smaller_layout = smaller_micro_batch_layout(ctx)
+    if smaller_layout is not None:  # before the node count: the cluster and the batch kept
+        mbs, change = smaller_layout
+        fix = " ".join([ctx.model.override("micro_batch_size", mbs, present=True),
+                        layout_overrides(ctx, change)])
+        ctx.model.add("pipeline_model_parallel_size", ctx.pp(), f"{why}; {FIXED_WHY}, so "
+                      f"the fix lowers micro_batch_size to {mbs} with the layout that then "
+                      "fits, which keeps the node count and the global batch (in more, "
+                      "smaller microbatches)", fix=fix)
         return
     step = mp // gcd(devices, mp)  # num_nodes must be a multiple of this
     fixed = -(-nodes // step) * step
@@ -229,21 +239,20 @@ def _batch_fallback(ctx: CheckContext, error: str, found: str, sizes: tuple) -> 
 
 def _micro_batch_with_layout(ctx: CheckContext, error: str, found: str, mbs: int) -> bool:
     """A smaller micro batch together with another layout (the global batch kept), tried
-    before the global batch changes: the largest of the next 8 below ``mbs`` for which a
-    layout fits. Whether one was found (and recorded)."""
-    for smaller in range(mbs - 1, max(mbs - 9, 0), -1):
-        change = micro_batch_layout_fix(ctx, smaller)
-        if change is None:
-            continue
-        fix = " ".join([ctx.model.override("micro_batch_size", smaller, present=True),
-                        layout_overrides(ctx, change)]).strip()
-        ctx.violations.append(Violation(
-            "model.micro_batch_size", str(mbs), f"{error}; global_batch_size = {found}; "
-            f"{FIXED_WHY}, so the fix lowers micro_batch_size from {mbs} to {smaller} with the "
-            "layout that then fits, which keeps the global batch (the training recipe) in "
-            "more, smaller microbatches", fix))
-        return True
-    return False
+    before the global batch changes (:func:`~..layout.smaller_micro_batch_layout`). Whether
+    one was found (and recorded)."""
+    smaller_layout = smaller_micro_batch_layout(ctx)
+    if smaller_layout is None:
+        return False
+    smaller, change = smaller_layout
+    fix = " ".join([ctx.model.override("micro_batch_size", smaller, present=True),
+                    layout_overrides(ctx, change)]).strip()
+    ctx.violations.append(Violation(
+        "model.micro_batch_size", str(mbs), f"{error}; global_batch_size = {found}; "
+        f"{FIXED_WHY}, so the fix lowers micro_batch_size from {mbs} to {smaller} with the "
+        "layout that then fits, which keeps the global batch (the training recipe) in "
+        "more, smaller microbatches", fix))
+    return True
 
 
 def _data_parallel_at(ctx: CheckContext, pp: int) -> Optional[int]:

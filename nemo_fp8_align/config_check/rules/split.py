@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Any, Callable, List, Optional, Tuple
 
 from nemo_fp8_align.config_check.context import CheckContext
-from nemo_fp8_align.config_check.layout import FIXED_WHY, layout_fix, layout_overrides
+from nemo_fp8_align.config_check.layout import (FIXED_WHY, layout_fix, layout_overrides,
+                                                smaller_micro_batch_layout)
 from nemo_fp8_align.config_check.reader import ABSENT
 from nemo_fp8_align.config_check.split_math import _FIRST, _LAST, divisors, layer_split_error
 
@@ -23,12 +24,12 @@ _EMB, _LOSS = "account_for_embedding_in_pipeline_split", "account_for_loss_in_pi
 
 
 def rule_num_layers(ctx: CheckContext) -> None:
-    """NeMo reads cfg.num_layers unconditionally."""
+    """NeMo reads cfg.num_layers unconditionally. A missing or unusable count is the model's to
+    give: the fix never invents one (PP * VP would pass the check and build another model)."""
     layers = ctx.model.get("num_layers")
     if type(layers) is int and layers >= 1:
         return
-    pp, vp = ctx.pp(), ctx.vp()
-    fix = pp * vp if pp and vp else "<the model's layer count>"
+    fix: Any = "<the model's layer count>"
     if isinstance(layers, str) and layers.strip().isdigit() and int(layers) >= 1:
         fix = int(layers)  # right number, wrong type
     ctx.model.add("num_layers", layers, "an int >= 1 (transformer layers)", fix)
@@ -113,6 +114,16 @@ def _no_layout_fits(ctx: CheckContext, key: str, why: str, split: Tuple[Any, ...
         return
     if vp_fix is not None:
         ctx.model.add("virtual_pipeline_model_parallel_size", vp, why, vp_fix)
+        return
+    smaller_layout = smaller_micro_batch_layout(ctx)
+    if smaller_layout is not None:  # the model kept: a smaller micro batch with a layout
+        mbs, change = smaller_layout
+        fix = " ".join([ctx.model.override("micro_batch_size", mbs, present=True),
+                        layout_overrides(ctx, change)])
+        ctx.model.add("num_layers", layers, f"{why}; {FIXED_WHY}, so the fix lowers "
+                      f"micro_batch_size to {mbs} with the layout that then fits, which keeps "
+                      "the model and the global batch (in more, smaller microbatches)",
+                      fix=fix)
         return
     fix = _num_layers_fix(*split, ctx.nemo)
     if fix is None and vp and emb != loss and ctx.nemo:
