@@ -114,7 +114,7 @@ def test_json_has_the_nemo_keys_valid_or_not():
 
 def test_without_a_passing_combination_it_says_so_and_lists_the_hints():
     """A recipe is never a fix: no edit passes, and no line is claimed to."""
-    argv = GOOD + ["--fp8-recipe", "mxfp8", "--no-align-param-gather"]
+    argv = GOOD + ["--fp8-recipe", "custom", "--no-align-param-gather"]
     status, out = check(4, argv)
     assert status == 2 and "re-checked: the arguments pass" not in out, out
     assert "These changes fix part of it (re-checked):\n  drop --no-align-param-gather" in out

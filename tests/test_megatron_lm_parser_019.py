@@ -32,3 +32,48 @@ def test_layout_stages_and_layers_as_megatron_core_reads_them(layout):
     stages = PipelineParallelLayerLayout.parse_str_to_list(layout)
     decoder = sum(str(layer).endswith("decoder") for stage in stages for layer in stage)
     assert layout_stages(layout) == (len(stages), decoder)
+
+
+def _recipe_config_error(q):
+    """What megatron-core 0.19.2's own config classes say about the recipe settings ``q`` (the
+    recipe table's names): the error message, or None when all of them accept it."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer import TransformerConfig
+
+    try:
+        TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=2,
+                          fp8=q.get("fp8"), fp8_recipe=q.get("fp8_recipe") or "delayed",
+                          fp8_param=bool(q.get("fp8_param")), fp4=q.get("fp4"),
+                          fp4_param=bool(q.get("fp4_param")),
+                          fp8_output_proj=bool(q.get("fp8_output_proj")))
+        DistributedDataParallelConfig(fp8_param_gather=bool(q.get("fp8_param")),
+                                      reuse_grad_buf_for_mxfp8_param_ag=bool(q.get("reuse")))
+        OptimizerConfig(fp8_recipe=q.get("fp8_recipe"), reuse_grad_buf_for_mxfp8_param_ag=bool(
+            q.get("reuse")), overlap_param_gather_with_optimizer_step=bool(
+                q.get("gather_with_step")))
+    except (AssertionError, ValueError) as err:
+        return str(err) or type(err).__name__
+    return None
+
+
+@pytest.mark.parametrize("q,rejected", [
+    ({"fp8": "e4m3", "fp8_recipe": "blockwise", "fp8_param": True}, False),
+    ({"fp8": "e4m3", "fp8_recipe": "mxfp8", "fp8_param": True, "reuse": True}, False),
+    ({"fp4": "e2m1", "fp4_param": True}, False),
+    ({"fp8": "e4m3", "fp8_recipe": "mxfp8", "reuse": True}, True),
+    ({"fp8": "e4m3", "fp8_recipe": "mxfp8", "fp8_param": True, "reuse": True,
+      "gather_with_step": True}, True),
+    ({"fp8": "hybrid", "fp4": "e2m1"}, True),
+    ({"fp8": "hybrid", "fp4_param": True}, True),
+    ({"fp8": "hybrid", "fp8_recipe": "blockwise", "fp8_output_proj": True}, True),
+])
+def test_the_recipe_rejections_are_megatron_cores(q, rejected):
+    """The recipe table's rejections (config_check/recipes.py) against megatron-core 0.19.2's
+    TransformerConfig, DistributedDataParallelConfig and OptimizerConfig: the check names a
+    combination exactly where megatron-core raises."""
+    from nemo_fp8_align.config_check.recipes import rejected as named_by_the_check
+
+    named = named_by_the_check(q, megatron_lm=True)
+    assert (_recipe_config_error(q) is not None) is rejected, _recipe_config_error(q)
+    assert bool(named) is rejected, named

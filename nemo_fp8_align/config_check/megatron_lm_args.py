@@ -22,8 +22,8 @@ from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence
 
 from nemo_fp8_align.config_check.megatron_lm_parser import parse_argv
 from nemo_fp8_align.config_check.megatron_lm_rules import (
-    PARSE_PROBLEMS, implicit_global_batch, megatron_lm_only, nearest_world, recipe_not_supported,
-    step_schedule, vp_flag, vp_of, vp_spelling)
+    PARSE_PROBLEMS, implicit_global_batch, megatron_lm_only, nearest_world, step_schedule,
+    vp_flag, vp_of, vp_spelling)
 from nemo_fp8_align.config_check.reader import Violation
 
 __all__ = ["FLAGS", "READ_DESTS", "megatron_lm_config", "megatron_lm_violations",
@@ -156,8 +156,14 @@ def megatron_lm_config(args: Mapping[str, Any], world_size: Optional[int] = None
     model: Dict[str, Any] = {}
     for key, f in FLAGS.items():
         _put(model, key, get(f.dest, f.default))
-    fmt = get("fp8")
+    fmt, fp4 = get("fp8"), get("fp4") is not None
     schedule = step_schedule(args)
+    if fp4 and fmt is None:
+        # NVFP4 in place of FP8: what the FP8 rules ask of the format and the gathered weights
+        # is the recipe table's to ask of FP4 (megatron_lm_rules), and megatron-core reads no
+        # FP8 recipe then
+        fmt = "hybrid"
+        model.update(fp8_params=True, fp8_recipe=None)
     model.update(fp8=fmt is not None, fp8_hybrid=fmt == "hybrid", fp8_e4m3=fmt == "e4m3",
                  transformer_engine=get("transformer_impl", "transformer_engine")
                  == "transformer_engine",
@@ -215,8 +221,6 @@ def megatron_lm_violations(args: Mapping[str, Any], world_size: Optional[int] = 
 def _translate(args: Mapping[str, Any], v: Violation, world: Optional[int]) -> Violation:
     v = Violation(v.key, v.found, _megatron_terms(v.expected), v.fix)
     key = v.key[len("model."):] if v.key.startswith("model.") else v.key
-    if key == "fp8_recipe":
-        return recipe_not_supported(args)
     if key == "trainer.num_nodes" and world is not None:
         return _world_size(args, v, world)
     if key in FLAGS:

@@ -14,9 +14,10 @@ from typing import Any, List, Mapping, Optional, Tuple, Union
 
 from nemo_fp8_align.config_check.reader import Violation
 from nemo_fp8_align.config_check.batch_fix import nearest_microbatches, schedule_fits
+from nemo_fp8_align.config_check.recipes import MCORE_MEGATRON_LM, SETTINGS, findings, recipe_of
 
 __all__ = ["PARSE_PROBLEMS", "implicit_global_batch", "layout_stages", "megatron_lm_only",
-           "nearest_world", "recipe_not_supported", "step_schedule", "vp_flag", "vp_of",
+           "nearest_world", "step_schedule", "vp_flag", "vp_of",
            "vp_spelling"]
 
 #: Key of :func:`parse_megatron_lm_argv`'s result holding what Megatron-LM's parser stops on.
@@ -27,7 +28,6 @@ PER_STAGE, STAGES, LAYOUT = ("--num-layers-per-virtual-pipeline-stage",
 _VP_DESTS = ((PER_STAGE, "num_layers_per_virtual_pipeline_stage"),
              (STAGES, "num_virtual_stages_per_pipeline_rank"),
              (LAYOUT, "pipeline_model_parallel_layout"))
-_PER_TENSOR = ("delayed", "tensorwise")
 
 
 def _int(value: Any) -> Optional[int]:
@@ -174,16 +174,6 @@ def nearest_world(args: Mapping[str, Any], world: int) -> Optional[int]:
                  and _batch_fits(args, w, mp)), None)
 
 
-def recipe_not_supported(args: Mapping[str, Any]) -> Violation:
-    recipe = args.get("fp8_recipe")
-    return Violation("--fp8-recipe", repr(recipe), "a per-tensor FP8 recipe ("
-                     f"{', '.join(_PER_TENSOR)}): --fp8-recipe {recipe} is not supported by "
-                     "this plugin",
-                     f"none that keeps --fp8-recipe {recipe}: train without the plugin (do not "
-                     "attach it), or choose a per-tensor recipe yourself, which changes the "
-                     "training numerics")
-
-
 def megatron_lm_only(args: Mapping[str, Any], world: Optional[int]) -> List[Violation]:
     """Every Megatron-LM-only violation, in the order Megatron-LM validates."""
     out: List[Violation] = []
@@ -217,8 +207,9 @@ def megatron_lm_only(args: Mapping[str, Any], world: Optional[int]) -> List[Viol
                              f"P2P communication when interleaving (PP = {pp}; Megatron-LM "
                              "asserts it)", "drop --no-overlap-p2p-communication"))
     out += _batch_schedule(args, world, vp, pp)
-    out += _fp4(args)
-    if args.get("overlap_param_gather_with_optimizer_step"):
+    out += [v for v in _recipes(args) if v not in out]
+    if args.get("overlap_param_gather_with_optimizer_step") and not any(
+            v.key == "--overlap-param-gather-with-optimizer-step" for v in out):
         # The chunk-level attachment opens a step at the schedule's launch of chunk 0, which
         # the optimizer step dispatches instead here (force_dispatch): not run in this mode.
         out.append(Violation("--overlap-param-gather-with-optimizer-step", "set",
@@ -238,20 +229,32 @@ def keep_dest(flag: str) -> str:
     return dict(_VP_DESTS)[flag]
 
 
-def _fp4(args: Mapping[str, Any]) -> List[Violation]:
+#: Megatron-LM's dest of each setting of the recipe table (config_check/recipes.py).
+_RECIPE_DESTS = {"fp8": "fp8", "fp8_recipe": "fp8_recipe", "fp8_param": "fp8_param_gather",
+                 "reuse": "reuse_grad_buf_for_mxfp8_param_ag", "fp4": "fp4",
+                 "fp4_recipe": "fp4_recipe", "fp4_param": "fp4_param_gather",
+                 "fp8_output_proj": "fp8_output_proj",
+                 "gather_with_step": "overlap_param_gather_with_optimizer_step",
+                 "cpu_offload": "optimizer_cpu_offload"}
+
+
+def _recipes(args: Mapping[str, Any]) -> List[Violation]:
+    """The recipe table's rows (the NeMo mode's too) on Megatron-LM's flags, for megatron-core
+    0.19.2: what it rejects, what the plugin needs of FP4, and its verdict on the recipe (never
+    a recipe change as the fix)."""
+    q = {name: args.get(dest) for name, dest in _RECIPE_DESTS.items()}
+    flags = {name: s.flag for name, s in SETTINGS.items()}
     out = []
-    if args.get("fp4") is not None and args.get("fp8") is not None:
-        out.append(Violation("--fp4-format", repr(args["fp4"]), "not with --fp8-format "
-                             "(Megatron-LM raises '--fp4-format and --fp8-format cannot be used "
-                             "simultaneously')", "drop --fp4-format"))
-    elif args.get("fp4") is not None:
-        out.append(Violation("--fp4-format", repr(args["fp4"]), "FP8 training (--fp8-format): "
-                             "FP4 (NVFP4) is not supported by this plugin",
-                             "none that keeps FP4: train without the plugin (do not attach it)"))
-    if args.get("fp4_param_gather") and args.get("fp4") is None:
-        out.append(Violation("--fp4-param-gather", "set", "only with --fp4-format (Megatron-LM "
-                             "raises '--fp4-param-gather must be used together with "
-                             "--fp4-format')", "drop --fp4-param-gather"))
+    for f in findings(q, MCORE_MEGATRON_LM, megatron_lm=True):
+        flag, value = flags[f.setting], q[f.setting]
+        found = "set" if value is True else repr(value if value is not None else
+                                                 recipe_of(q) if "recipe" in f.setting else None)
+        kind = f.fix[0]
+        fix = (f"none that keeps {flag} {recipe_of(q)}: train without the plugin (do not "
+               "attach it)" if kind == "off" else f.fix[1].format(**flags)
+               if kind == "manual" else f"drop {flags[f.fix[1]]}" if kind == "drop"
+               else flags[f.fix[1]])
+        out.append(Violation(flag, found, f.why.format(**flags), fix))
     return out
 
 

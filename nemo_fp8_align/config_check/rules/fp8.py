@@ -4,8 +4,11 @@ NeMo 2.3.3 / megatron-core 0.12.3 enforce on them. One function per rule, ``rule
 
 from __future__ import annotations
 
+from typing import Any
+
 from nemo_fp8_align.config_check.context import CheckContext
-from nemo_fp8_align.config_check.reader import ABSENT
+from nemo_fp8_align.config_check.reader import ABSENT, UNRESOLVED
+from nemo_fp8_align.config_check.recipes import MCORE_NEMO, SETTINGS, findings
 
 __all__ = ["APEX_OPTIM", "MCORE_OPTIM", "PER_TENSOR_RECIPES", "SUPPORTED_OPTIMIZERS",
            "rule_align_param_gather", "rule_apex_current_scaling", "rule_gather_with_optimizer", "rule_bf16_edge_layers", "rule_fp8_format",
@@ -46,20 +49,42 @@ def rule_fp8_format(ctx: CheckContext) -> None:
 
 
 def rule_fp8_recipe(ctx: CheckContext) -> None:
-    """A per-tensor recipe (absent: megatron-core's default, delayed). Any other recipe is not
-    supported by this plugin; changing it would change the training numerics, so it is never
-    offered as a fix: the way out is training without the plugin (megatron-core 0.12.3 also
-    raises 'MXFP8 currently does not support fp8_param')."""
+    """The recipe rows of :mod:`nemo_fp8_align.config_check.recipes` (the table both modes
+    share) on NeMo's keys, for NeMo 2.3.3's megatron-core 0.12.3: per-tensor recipes are
+    aligned; any other is "not supported by this plugin" with the plugin's off switch as the
+    way out (a recipe change would change the training numerics, so it is never the fix); and
+    the combinations megatron-core rejects. Megatron-LM mode runs the same rows on its flags
+    (megatron_lm_rules)."""
+    if not ctx.nemo:
+        return
     for node in _RECIPE_NODES:
-        key = node + "fp8_recipe"
-        recipe = ctx.model.get(key)
-        if recipe is ABSENT or recipe in PER_TENSOR_RECIPES:
-            continue
-        ctx.model.add(key, recipe, "a per-tensor FP8 recipe, one of: "
-                      + ", ".join(PER_TENSOR_RECIPES) + f"; fp8_recipe={recipe} is not "
-                      "supported by this plugin", fix=f"none that keeps fp8_recipe={recipe}: "
-                      "turn the plugin off, or choose a per-tensor recipe yourself (a change "
-                      "of the training numerics)")
+        q = {name: _value(ctx, node + s.nemo) for name, s in SETTINGS.items()}
+        # NeMo's switch (fp8_hybrid / fp8_e4m3 give the format); the plugin needs FP8 or FP4,
+        # so the recipe is judged as if it were on (rule_fp8_enabled asks for it)
+        q["fp8"] = _value(ctx, "fp8") or not q["fp4"]
+        for f in findings(q, MCORE_NEMO, megatron_lm=False):
+            key = node + SETTINGS[f.setting].nemo
+            found, why = ctx.model.get(key), _spelt(f.why, node)
+            if f.fix[0] == "off":
+                ctx.model.add(key, found, why, fix=f"none that keeps "
+                              f"{SETTINGS[f.setting].nemo}={found}: turn the plugin off")
+            elif f.fix[0] == "manual":
+                ctx.model.add(key, found, why, fix=_spelt(f.fix[1], node))
+            elif f.fix[0] == "drop":
+                ctx.model.add(node + SETTINGS[f.fix[1]].nemo, found, why, False)
+            else:
+                target = node + SETTINGS[f.fix[1]].nemo
+                ctx.model.add(key, found, why, fix=ctx.model.override(
+                    target, f.fix[2], present=ctx.model.get(target) is not ABSENT))
+
+
+def _value(ctx: CheckContext, key: str) -> Any:
+    value = ctx.model.get(key)
+    return None if value is ABSENT or value is UNRESOLVED else value
+
+
+def _spelt(text: str, node: str) -> str:
+    return text.format(**{name: node + s.nemo for name, s in SETTINGS.items()})
 
 
 def rule_transpose_cache(ctx: CheckContext) -> None:
@@ -118,11 +143,12 @@ def rule_apex_current_scaling(ctx: CheckContext) -> None:
     recipes = [ctx.model.get(node + "fp8_recipe") for node in _RECIPE_NODES]
     recipe = next((r for r in reversed(recipes) if r is not ABSENT), "delayed")
     if recipe == "tensorwise":
-        ctx.model.add("fp8_recipe", recipe, "delayed with optim.name=distributed_fused_adam "
+        # the recipe is the user's (the training numerics): the fix is the optimizer, which
+        # the plugin supports either way (its rule then asks for align_param_gather)
+        ctx.model.add("optim.name", APEX_OPTIM, f"{MCORE_OPTIM} with fp8_recipe=tensorwise "
                       "(NeMo 2.3.3's distributed Adam fails at its first step on FP8 parameters "
                       "with current scaling: 'Float8CurrentScalingQuantizer' object has no "
-                      f"attribute 'scale'), or optim.name={MCORE_OPTIM} with "
-                      "optim.align_param_gather=True", "delayed")
+                      f"attribute 'scale'), with optim.align_param_gather=True", MCORE_OPTIM)
 
 
 def rule_gather_with_optimizer(ctx: CheckContext) -> None:
