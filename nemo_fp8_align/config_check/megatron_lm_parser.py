@@ -157,16 +157,40 @@ def parse_argv(argv: Sequence[str]) -> Tuple[Dict[str, Any], List[Violation]]:
     Megatron-LM 0.19.2 does not have, and the first value its parser rejects, as violations
     naming the flag."""
     problems: List[Violation] = []
-    try:
-        known, rest = _parser().parse_known_args(list(argv))
-        args = vars(known)
-    except ArgvProblem as err:
-        problems.append(_parse_problem(str(err)))
-        args = {row["dest"]: row["default"] for row in flag_spec().values()}
-        rest = []
+    remaining = list(argv)
+    for _ in range(len(argv) + 1):
+        try:
+            known, rest = _parser().parse_known_args(remaining)
+            args = vars(known)
+            break
+        except ArgvProblem as err:
+            problems.append(_parse_problem(str(err)))
+            # Megatron-LM's parser stops here; the check reads on without that flag, so the
+            # settings given after it are judged as given (not as Megatron-LM's defaults)
+            shorter = _without_flag(remaining, problems[-1].key)
+            if shorter == remaining:
+                args, rest = {row["dest"]: row["default"] for row in flag_spec().values()}, []
+                break
+            remaining = shorter
     problems += _unknown(rest, argv)
     args["_is_global_batch_size_explicitly_specified"] = args.get("global_batch_size") is not None
     return args, problems
+
+
+def _without_flag(argv: List[str], flag: str) -> List[str]:
+    """``argv`` without ``flag`` (as ``--flag value ...`` or ``--flag=value``) and the values
+    after it up to the next flag."""
+    out: List[str] = []
+    skipping = False
+    for token in argv:
+        if token == flag or token.startswith(flag + "="):
+            skipping = token == flag
+            continue
+        if skipping and not token.startswith("--"):
+            continue
+        skipping = False
+        out.append(token)
+    return out
 
 
 def _parse_problem(message: str) -> Violation:

@@ -220,8 +220,32 @@ def megatron_lm_only(args: Mapping[str, Any], world: Optional[int]) -> List[Viol
                        ("--use-torch-fsdp2", "use_torch_fsdp2")):
         if args.get(dest):
             out.append(Violation(flag, "set", "megatron-core's DistributedDataParallel (the "
-                                 "plugin finishes its bucket groups' all-gathers)",
+                                 "plugin finishes its bucket groups' all-gathers; FSDP is not "
+                                 "supported by this plugin: Megatron-FSDP's start_param_sync "
+                                 "is a no-op); the fix trains with the distributed optimizer, "
+                                 "which shards only the optimizer state, so each GPU holds "
+                                 "more (the full parameters and gradients of its model-parallel "
+                                 "part): or do not attach the plugin",
                                  f"drop {flag}; --use-distributed-optimizer"))
+    return out + _fsdp_only(args)
+
+
+def _fsdp_only(args: Mapping[str, Any]) -> List[Violation]:
+    """Megatron-FSDP's own flags that Megatron-LM asserts on without it (left behind when the
+    FSDP fix drops --use-megatron-fsdp: the line must still start Megatron-LM)."""
+    if args.get("use_megatron_fsdp"):
+        return []
+    out = []
+    if args.get("ckpt_format") == "fsdp_dtensor":
+        out.append(Violation("--ckpt-format", "'fsdp_dtensor'", "a format other than "
+                             "fsdp_dtensor without --use-megatron-fsdp (Megatron-LM asserts "
+                             "'--ckpt-format fsdp_dtensor is only tested with Megatron FSDP')",
+                             "--ckpt-format torch_dist"))
+    if args.get("fsdp_manual_registration"):
+        out.append(Violation("--fsdp-manual-registration", "set", "not set without "
+                             "--use-megatron-fsdp (Megatron-LM asserts 'FSDP manual "
+                             "registration is only supported with Megatron FSDP')",
+                             "drop --fsdp-manual-registration"))
     return out
 
 

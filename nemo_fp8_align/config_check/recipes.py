@@ -10,7 +10,7 @@ grad-buffer reuse; nothing without it) and NVFP4 (its transpose) where megatron-
 Megatron-LM mode's is megatron-core 0.19.2. A recipe is never a fix: a recipe the plugin does not
 align is "not supported by this plugin", with the switch that turns the plugin off.
 
-The rejections are read from megatron-core 0.19.2: ``megatron/training/arguments.py``
+The rejections are read from megatron-core 0.19.2: ``megatron.training.arguments``
 (``validate_args``), ``TransformerConfig.__post_init__``, ``DistributedDataParallelConfig`` and
 ``OptimizerConfig``. Pure functions of plain values; nothing here imports megatron-core.
 """
