@@ -150,3 +150,18 @@ def test_nemo_mode_says_not_supported_on_megatron_core_0_12_with_the_off_switch(
 def test_nemo_mode_runs_the_same_rejections_on_its_keys(model, key, fix):
     found = [v for v in find_violations(_nemo(**model)) if v.key == key]
     assert [v.fix for v in found] == [fix], find_violations(_nemo(**model))
+
+
+def test_a_recipe_row_in_the_refusal_table_is_reported_once(monkeypatch):
+    """integrations/refusals.py may grow recipe rows (the runtime refusal at attach); the check
+    reports a setting the recipe table already named once, not twice with two fixes."""
+    from nemo_fp8_align.config_check.rules import refused
+    from nemo_fp8_align.integrations.refusals import REFUSALS, Refusal
+
+    row = Refusal("custom_recipe", "TransformerConfig.fp8_recipe", "every version",
+                  lambda s: getattr(s.config, "fp8_recipe", None) == "custom" or None,
+                  "a quantizer factory's post-processing is unknown", "do not attach the "
+                  "plugin", "delayed")
+    monkeypatch.setattr(refused, "REFUSALS", REFUSALS + (row,))
+    found = [v for v in find_violations(_nemo(fp8_recipe="custom")) if v.key == "model.fp8_recipe"]
+    assert len(found) == 1 and found[0].fix.endswith("turn the plugin off"), found

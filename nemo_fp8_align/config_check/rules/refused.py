@@ -39,7 +39,9 @@ class _ModelConfig:
 def rule_refusals(ctx: CheckContext) -> None:
     """Every row of the refusal table that fires on the model config, in table order."""
     setup = Setup(config=_ModelConfig(ctx.model))
+    reported = {v.key for v in ctx.model.violations}
     for row in REFUSALS:
-        if row.value(setup) is not None:
-            ctx.model.add(row.field, ctx.model.get(row.field), f"{row.fix} ({row.why})",
-                          row.nemo_fix)
+        if row.value(setup) is None or ctx.model.prefix + row.field in reported:
+            continue  # a setting the recipe table (rules/fp8.py) already reported: one entry
+        ctx.model.add(row.field, ctx.model.get(row.field), f"{row.fix} ({row.why})",
+                      row.nemo_fix)
