@@ -131,7 +131,7 @@ def _nemo(**model):
 @pytest.mark.parametrize("model,key,why", [
     ({"fp8_recipe": "blockwise"}, "model.fp8_recipe", "has no blockwise recipe"),
     ({"fp8_recipe": "mxfp8"}, "model.fp8_recipe", "MXFP8 currently does not support"),
-    ({"fp4": "e2m1", "fp4_param": True, "fp8": False}, "model.fp4_recipe", "has no FP4"),
+    ({"fp4": "e2m1", "fp4_param": True, "fp8": False}, "model.fp4", "has no FP4"),
 ])
 def test_nemo_mode_says_not_supported_on_megatron_core_0_12_with_the_off_switch(model, key, why):
     found = [v for v in find_violations(_nemo(**model)) if v.key == key]

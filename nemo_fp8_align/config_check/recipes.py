@@ -105,9 +105,11 @@ def _version(v: Tuple[int, int]) -> str:
 def _support(q: Mapping[str, Any], mcore: Tuple[int, int]) -> List[Finding]:
     """The plugin's own verdict on the recipe (never a recipe change as the fix)."""
     name = recipe_of(q)
-    setting = "fp4_recipe" if q.get("fp4") else "fp8_recipe"
-    if name is None:
-        return []
+    if name is None or (q.get("fp4") and q.get("fp8")):
+        return []  # no recipe, or FP4 and FP8 at once: which one is the user's to say first
+    # the setting the user gave (an FP4 recipe left to its default is named by its format)
+    setting = ("fp4_recipe" if q.get("fp4_recipe") else "fp4") if q.get("fp4") else (
+        "fp8_recipe" if q.get("fp8_recipe") else "fp8")
     recipe = _BY_NAME.get(name)
     if recipe is None:  # custom (a quantizer factory) or a name megatron-core does not have
         return [Finding(setting, f"the {name!r} recipe is not supported by this plugin (its "
@@ -115,14 +117,14 @@ def _support(q: Mapping[str, Any], mcore: Tuple[int, int]) -> List[Finding]:
                         ("off",))]
     if mcore >= recipe.since:
         return []
-    stack = {"blockwise": "megatron-core 0.12.3 (NeMo 2.3.3's) has no blockwise recipe",
-             "mxfp8": "megatron-core 0.12.3 (NeMo 2.3.3's) raises 'MXFP8 currently does not "
-                      "support fp8_param'",
-             "nvfp4": "megatron-core 0.12.3 (NeMo 2.3.3's) has no FP4"}.get(name, "")
-    return [Finding(setting, f"{name} is not supported by this plugin on megatron-core "
-                    f"{_version(mcore)} ({stack}); the plugin aligns its {recipe.post} from "
-                    f"megatron-core {_version(recipe.since)} on (Megatron-LM or "
-                    "Megatron-Bridge)", ("off",))]
+    stack = "NeMo 2.3.3's megatron-core 0.12.3" if mcore == MCORE_NEMO else (
+        f"megatron-core {_version(mcore)}")
+    why = {"blockwise": "it has no blockwise recipe",
+           "mxfp8": "it raises 'MXFP8 currently does not support fp8_param'",
+           "nvfp4": "it has no FP4"}.get(name, "its DDP has no _post_param_sync")
+    return [Finding(setting, f"{name} is not supported by this plugin on {stack} ({why}); the "
+                    f"plugin aligns its {recipe.post} from megatron-core "
+                    f"{_version(recipe.since)} on (Megatron-LM or Megatron-Bridge)", ("off",))]
 
 
 def rejected(q: Mapping[str, Any], megatron_lm: bool) -> List[Finding]:
