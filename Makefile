@@ -41,22 +41,32 @@ demo: install
 	$(VENV)/bin/nemo-fp8-align demo $(DEMO_ARGS)
 
 # megatron-core 0.17.1 and 0.18.2: their wheels' megatron/core (pure Python, ~2 MB each), read by
-# .venv-mcore019's Python ahead of its own 0.19.2 (MCORE_LINE_TESTS). 0.10.0 and 0.11.0 (the
-# NeMo Framework containers of late 2024 / early 2025): their Python 3.11 wheels' megatron/core,
-# read by .venv's Python ahead of its 0.12.3 (MCORE_OLD_LINE_TESTS).
+# .venv-mcore019's Python ahead of its own 0.19.2 (MCORE_LINE_TESTS). 0.9.0, 0.10.0 and 0.11.0
+# (the NeMo Framework containers 24.09 to early 2025): their Python 3.11 wheels' megatron/core,
+# read by .venv's Python ahead of its 0.12.3 (MCORE_OLD_LINE_TESTS). 0.7.0 and 0.8.0 (24.05,
+# 24.07), whose all-gather the plugin refuses (the optimizer's, not the chunks'): the same, plus
+# setuptools < 70's pkg_resources, which they import (MCORE_REFUSED_LINE_TESTS).
 MCORE_LINES ?= 0.17.1 0.18.2
-MCORE_OLD_LINES ?= 0.10.0 0.11.0
+MCORE_OLD_LINES ?= 0.9.0 0.10.0 0.11.0
+MCORE_REFUSED_LINES ?= 0.7.0 0.8.0
 MCORE_TREES = .mcore-wheels
+OLD_TREES = $(foreach v,$(MCORE_OLD_LINES) $(MCORE_REFUSED_LINES),$(MCORE_TREES)/$(v)/.unpacked)
 
 $(MCORE_TREES)/.installed: $(VENV19)/.installed $(VENV)/.installed
 	for v in $(MCORE_LINES); do \
 	  $(VENV19)/bin/pip download $(PIP_FLAGS) --no-deps --only-binary=:all: megatron-core==$$v -d $(MCORE_TREES) && \
 	  mkdir -p $(MCORE_TREES)/$$v && unzip -q -o $(MCORE_TREES)/megatron_core-$$v-*.whl 'megatron/core/*' -d $(MCORE_TREES)/$$v; \
 	done
-	for v in $(MCORE_OLD_LINES); do \
-	  $(VENV)/bin/pip download $(PIP_FLAGS) --no-deps --only-binary=:all: megatron-core==$$v -d $(MCORE_TREES) && \
-	  mkdir -p $(MCORE_TREES)/$$v && unzip -q -o $(MCORE_TREES)/megatron_core-$$v-*.whl 'megatron/core/*' -d $(MCORE_TREES)/$$v; \
-	done
+	touch $@
+
+# One stamp per old version, so a checkout that unpacked some already fetches only the others.
+$(MCORE_TREES)/%/.unpacked: | $(VENV)/.installed
+	$(VENV)/bin/pip download $(PIP_FLAGS) --no-deps --only-binary=:all: megatron-core==$* -d $(MCORE_TREES)
+	mkdir -p $(MCORE_TREES)/$* && unzip -q -o $(MCORE_TREES)/megatron_core-$*-*.whl 'megatron/core/*' -d $(MCORE_TREES)/$*
+	if grep -rqs 'from pkg_resources' $(MCORE_TREES)/$*/megatron/core; then \
+	  $(VENV)/bin/pip download $(PIP_FLAGS) --no-deps --only-binary=:all: 'setuptools<70' -d $(MCORE_TREES)/setuptools && \
+	  unzip -q -o $(MCORE_TREES)/setuptools/setuptools-*.whl 'pkg_resources/*' -d $(MCORE_TREES)/$*; \
+	fi
 	touch $@
 
 # megatron-bridge 0.6.2's training/callbacks.py (standard library only), which
@@ -81,12 +91,14 @@ MCORE019_TESTS = tests/test_schedule.py tests/test_engine_mcore.py tests/test_fa
 # between them (0.18 post-processes forced all-gathers itself; the optimizer-step all-gather).
 MCORE_LINE_TESTS = tests/test_schedule.py tests/test_refusals.py tests/test_forced_sync.py \
 	tests/test_gather_with_optimizer.py
-# On 0.10.0 and 0.11.0: the engine on the real schedule and DDP, the fault battery, the no-hang
-# agreement, the entry points and the refusals.
+# On 0.9.0, 0.10.0 and 0.11.0: the engine on the real schedule and DDP, the fault battery, the
+# no-hang agreement, the entry points and the refusals (0.9.0: the pre-0.10 legacy order).
 MCORE_OLD_LINE_TESTS = $(MCORE_LINE_TESTS) tests/test_engine_mcore.py tests/test_faults.py \
-	tests/test_no_hang.py tests/test_entry_points.py tests/test_api.py
+	tests/test_no_hang.py tests/test_entry_points.py tests/test_api.py tests/test_mcore_versions.py
+# On 0.7.0 and 0.8.0: the schedule model against their own schedule, and the refusal.
+MCORE_REFUSED_LINE_TESTS = tests/test_schedule.py tests/test_mcore_versions.py
 
-test: install install-mcore016 install-mcore019 $(MCORE_TREES)/.installed $(BRIDGE_WHEEL)/.installed
+test: install install-mcore016 install-mcore019 $(MCORE_TREES)/.installed $(OLD_TREES) $(BRIDGE_WHEEL)/.installed
 	$(VENV)/bin/python -m pytest -q
 	$(VENV16)/bin/python -m pytest -q -m "not nemo" tests/test_schedule.py tests/test_engine_mcore.py \
 		tests/test_refusals.py tests/test_api.py tests/test_pipeline_step_time_mps.py \
@@ -100,6 +112,10 @@ test: install install-mcore016 install-mcore019 $(MCORE_TREES)/.installed $(BRID
 	for v in $(MCORE_OLD_LINES); do \
 	  PYTHONPATH=$(CURDIR)/$(MCORE_TREES)/$$v $(VENV)/bin/python -m pytest -q -m "not nemo" \
 	    $(MCORE_OLD_LINE_TESTS) || exit 1; \
+	done
+	for v in $(MCORE_REFUSED_LINES); do \
+	  PYTHONPATH=$(CURDIR)/$(MCORE_TREES)/$$v $(VENV)/bin/python -m pytest -q -m "not nemo" \
+	    $(MCORE_REFUSED_LINE_TESTS) || exit 1; \
 	done
 	$(VENV19)/bin/python -m pytest -q $(MEGATRON_LM_TESTS) tests/test_doc_snippets.py \
 		-k "not test_block_runs_as_documented or megatron_lm_snippet or bridge_snippet"
