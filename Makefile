@@ -82,6 +82,19 @@ $(BRIDGE_WHEEL)/.installed: $(VENV)/.installed
 	  'megatron/bridge/training/callbacks.py' -d $(BRIDGE_WHEEL)
 	touch $@
 
+# Transformer Engine's released Python source (the wheels are pure Python, ~0.4-1.2 MB each), read
+# with ast by tests/test_te_api_source.py against the backend's per-version calls: TE 1.9 - 1.13
+# (1.9.0's wheel is empty: 1.9.0.post1) and one version of each 2.x API generation boundary.
+TE_SOURCE_VERSIONS ?= 1.9.0.post1 1.10.0 1.11.0 1.12.0 1.13.0 2.1.0 2.9.0 2.10.0 2.20.2
+TE_TREES = .te-wheels
+
+$(TE_TREES)/.installed: | $(VENV)/.installed
+	for v in $(TE_SOURCE_VERSIONS); do \
+	  $(VENV)/bin/pip download $(PIP_FLAGS) --no-deps --only-binary=:all: transformer_engine==$$v -d $(TE_TREES) && \
+	  mkdir -p $(TE_TREES)/$$v && unzip -q -o $(TE_TREES)/transformer_engine-$$v-py3-none-any.whl 'transformer_engine/pytorch/*' -d $(TE_TREES)/$$v || exit 1; \
+	done
+	touch $@
+
 MCORE019_TESTS = tests/test_schedule.py tests/test_engine_mcore.py tests/test_faults.py \
 	tests/test_refusals.py tests/test_api.py tests/test_cpu_compat.py tests/test_gather_with_optimizer.py \
 	tests/test_groups.py tests/test_forced_sync.py tests/test_no_hang.py tests/test_entry_points.py tests/test_bridge_callback.py \
@@ -98,7 +111,7 @@ MCORE_OLD_LINE_TESTS = $(MCORE_LINE_TESTS) tests/test_engine_mcore.py tests/test
 # On 0.7.0 and 0.8.0: the schedule model against their own schedule, and the refusal.
 MCORE_REFUSED_LINE_TESTS = tests/test_schedule.py tests/test_mcore_versions.py
 
-test: install install-mcore016 install-mcore019 $(MCORE_TREES)/.installed $(OLD_TREES) $(BRIDGE_WHEEL)/.installed
+test: install install-mcore016 install-mcore019 $(MCORE_TREES)/.installed $(OLD_TREES) $(BRIDGE_WHEEL)/.installed $(TE_TREES)/.installed
 	$(VENV)/bin/python -m pytest -q
 	$(VENV16)/bin/python -m pytest -q -m "not nemo" tests/test_schedule.py tests/test_engine_mcore.py \
 		tests/test_refusals.py tests/test_api.py tests/test_pipeline_step_time_mps.py \
