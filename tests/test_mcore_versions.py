@@ -70,3 +70,25 @@ def test_demo_spells_the_pre_010_rules_for_this_version(flags, want):
     proc = _demo("--pp", "2", "--vp", "2", *flags)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert want.format(v=mcore_version.installed_version()) in proc.stderr
+
+
+@pytest.mark.skipif(OPTIMIZER_OWNED, reason="no overlap_param_gather in this version's "
+                    "DistributedDataParallelConfig (refused above)")
+def test_a_chunk_without_overlap_param_gather_is_refused_with_the_nemo_20_fix():
+    """Found on NeMo 2.0.0 (megatron-core 0.9.0): it sets DDP's overlap_param_gather from
+    model.optim.overlap_param_gather but binds the schedule's start_param_sync from
+    overlap_param_sync; megatron-core's finish_param_sync then asserted inside the aligner.
+    The chunk here is a holder of megatron-core's own DistributedDataParallelConfig (the one
+    attribute read), not a DDP instance: a DDP needs process groups."""
+    from types import SimpleNamespace
+
+    from nemo_fp8_align.sync.mcore import McoreParamSync
+
+    def chunk(overlap):
+        return SimpleNamespace(bucket_groups=[], ddp_config=DistributedDataParallelConfig(
+            use_distributed_optimizer=True, overlap_param_gather=overlap))
+
+    McoreParamSync([chunk(True), chunk(True)])
+    with pytest.raises(UnsupportedSetupError, match="model chunk 1: DistributedDataParallelConfig"
+                       r".overlap_param_gather=False.*model.optim.overlap_param_gather=true"):
+        McoreParamSync([chunk(True), chunk(False)])
