@@ -10,7 +10,7 @@ PY312 ?= $(shell ls "$$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12 2
 PIP_FLAGS ?= -q --disable-pip-version-check
 DEMO_ARGS ?= --pp 2 --vp 2 --dp 2 --microbatches 4 --steps 3 --policy aligned --telemetry telemetry.jsonl
 
-.PHONY: install install-mcore016 install-mcore019 demo test test-mcore019 smoke
+.PHONY: install install-mcore016 install-mcore019 demo test test-mcore019 smoke smoke-nemo2x
 
 $(VENV)/.installed: requirements/cpu.txt requirements/nodeps.txt requirements/constraints.txt pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -142,3 +142,10 @@ test-mcore019: install-mcore019
 
 smoke: install
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH bash validation/smoke_nemo.sh
+
+# NeMo 2.0-2.2 with their containers' megatron-core, on the CPU (by hand, not in `make test`:
+# ~3 minutes a version; benchmarks/results/nemo_2x_cpu.md). Fetches into .nemo2x/.
+smoke-nemo2x: install
+	bash validation/smoke_nemo_2x.sh 2.0.0 0.9.0
+	bash validation/smoke_nemo_2x.sh 2.1.0 0.10.0
+	bash validation/smoke_nemo_2x.sh 2.2.1 0.11.0
