@@ -10,7 +10,7 @@ PY312 ?= $(shell ls "$$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12 2
 PIP_FLAGS ?= -q --disable-pip-version-check
 DEMO_ARGS ?= --pp 2 --vp 2 --dp 2 --microbatches 4 --steps 3 --policy aligned --telemetry telemetry.jsonl
 
-.PHONY: install install-mcore016 install-mcore019 demo test test-mcore019 smoke
+.PHONY: install install-mcore016 install-mcore019 demo test test-mcore019 smoke smoke-nemo2x
 
 $(VENV)/.installed: requirements/cpu.txt requirements/nodeps.txt requirements/constraints.txt pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -41,22 +41,32 @@ demo: install
 	$(VENV)/bin/nemo-fp8-align demo $(DEMO_ARGS)
 
 # megatron-core 0.17.1 and 0.18.2: their wheels' megatron/core (pure Python, ~2 MB each), read by
-# .venv-mcore019's Python ahead of its own 0.19.2 (MCORE_LINE_TESTS). 0.10.0 and 0.11.0 (the
-# NeMo Framework containers of late 2024 / early 2025): their Python 3.11 wheels' megatron/core,
-# read by .venv's Python ahead of its 0.12.3 (MCORE_OLD_LINE_TESTS).
+# .venv-mcore019's Python ahead of its own 0.19.2 (MCORE_LINE_TESTS). 0.9.0, 0.10.0 and 0.11.0
+# (the NeMo Framework containers 24.09 to early 2025): their Python 3.11 wheels' megatron/core,
+# read by .venv's Python ahead of its 0.12.3 (MCORE_OLD_LINE_TESTS). 0.7.0 and 0.8.0 (24.05,
+# 24.07), whose all-gather the plugin refuses (the optimizer's, not the chunks'): the same, plus
+# setuptools < 70's pkg_resources, which they import (MCORE_REFUSED_LINE_TESTS).
 MCORE_LINES ?= 0.17.1 0.18.2
-MCORE_OLD_LINES ?= 0.10.0 0.11.0
+MCORE_OLD_LINES ?= 0.9.0 0.10.0 0.11.0
+MCORE_REFUSED_LINES ?= 0.7.0 0.8.0
 MCORE_TREES = .mcore-wheels
+OLD_TREES = $(foreach v,$(MCORE_OLD_LINES) $(MCORE_REFUSED_LINES),$(MCORE_TREES)/$(v)/.unpacked)
 
 $(MCORE_TREES)/.installed: $(VENV19)/.installed $(VENV)/.installed
 	for v in $(MCORE_LINES); do \
 	  $(VENV19)/bin/pip download $(PIP_FLAGS) --no-deps --only-binary=:all: megatron-core==$$v -d $(MCORE_TREES) && \
 	  mkdir -p $(MCORE_TREES)/$$v && unzip -q -o $(MCORE_TREES)/megatron_core-$$v-*.whl 'megatron/core/*' -d $(MCORE_TREES)/$$v; \
 	done
-	for v in $(MCORE_OLD_LINES); do \
-	  $(VENV)/bin/pip download $(PIP_FLAGS) --no-deps --only-binary=:all: megatron-core==$$v -d $(MCORE_TREES) && \
-	  mkdir -p $(MCORE_TREES)/$$v && unzip -q -o $(MCORE_TREES)/megatron_core-$$v-*.whl 'megatron/core/*' -d $(MCORE_TREES)/$$v; \
-	done
+	touch $@
+
+# One stamp per old version, so a checkout that unpacked some already fetches only the others.
+$(MCORE_TREES)/%/.unpacked: | $(VENV)/.installed
+	$(VENV)/bin/pip download $(PIP_FLAGS) --no-deps --only-binary=:all: megatron-core==$* -d $(MCORE_TREES)
+	mkdir -p $(MCORE_TREES)/$* && unzip -q -o $(MCORE_TREES)/megatron_core-$*-*.whl 'megatron/core/*' -d $(MCORE_TREES)/$*
+	if grep -rqs 'from pkg_resources' $(MCORE_TREES)/$*/megatron/core; then \
+	  $(VENV)/bin/pip download $(PIP_FLAGS) --no-deps --only-binary=:all: 'setuptools<70' -d $(MCORE_TREES)/setuptools && \
+	  unzip -q -o $(MCORE_TREES)/setuptools/setuptools-*.whl 'pkg_resources/*' -d $(MCORE_TREES)/$*; \
+	fi
 	touch $@
 
 # megatron-bridge 0.6.2's training/callbacks.py (standard library only), which
@@ -72,6 +82,19 @@ $(BRIDGE_WHEEL)/.installed: $(VENV)/.installed
 	  'megatron/bridge/training/callbacks.py' -d $(BRIDGE_WHEEL)
 	touch $@
 
+# Transformer Engine's released Python source (the wheels are pure Python, ~0.4-1.2 MB each), read
+# with ast by tests/test_te_api_source.py against the backend's per-version calls: TE 1.9 - 1.13
+# (1.9.0's wheel is empty: 1.9.0.post1) and one version of each 2.x API generation boundary.
+TE_SOURCE_VERSIONS ?= 1.9.0.post1 1.10.0 1.11.0 1.12.0 1.13.0 2.1.0 2.9.0 2.10.0 2.20.2
+TE_TREES = .te-wheels
+
+$(TE_TREES)/.installed: | $(VENV)/.installed
+	for v in $(TE_SOURCE_VERSIONS); do \
+	  $(VENV)/bin/pip download $(PIP_FLAGS) --no-deps --only-binary=:all: transformer_engine==$$v -d $(TE_TREES) && \
+	  mkdir -p $(TE_TREES)/$$v && unzip -q -o $(TE_TREES)/transformer_engine-$$v-py3-none-any.whl 'transformer_engine/pytorch/*' -d $(TE_TREES)/$$v || exit 1; \
+	done
+	touch $@
+
 MCORE019_TESTS = tests/test_schedule.py tests/test_engine_mcore.py tests/test_faults.py \
 	tests/test_refusals.py tests/test_api.py tests/test_cpu_compat.py tests/test_gather_with_optimizer.py \
 	tests/test_groups.py tests/test_forced_sync.py tests/test_no_hang.py tests/test_entry_points.py tests/test_bridge_callback.py \
@@ -81,12 +104,14 @@ MCORE019_TESTS = tests/test_schedule.py tests/test_engine_mcore.py tests/test_fa
 # between them (0.18 post-processes forced all-gathers itself; the optimizer-step all-gather).
 MCORE_LINE_TESTS = tests/test_schedule.py tests/test_refusals.py tests/test_forced_sync.py \
 	tests/test_gather_with_optimizer.py
-# On 0.10.0 and 0.11.0: the engine on the real schedule and DDP, the fault battery, the no-hang
-# agreement, the entry points and the refusals.
+# On 0.9.0, 0.10.0 and 0.11.0: the engine on the real schedule and DDP, the fault battery, the
+# no-hang agreement, the entry points and the refusals (0.9.0: the pre-0.10 legacy order).
 MCORE_OLD_LINE_TESTS = $(MCORE_LINE_TESTS) tests/test_engine_mcore.py tests/test_faults.py \
-	tests/test_no_hang.py tests/test_entry_points.py tests/test_api.py
+	tests/test_no_hang.py tests/test_entry_points.py tests/test_api.py tests/test_mcore_versions.py
+# On 0.7.0 and 0.8.0: the schedule model against their own schedule, and the refusal.
+MCORE_REFUSED_LINE_TESTS = tests/test_schedule.py tests/test_mcore_versions.py
 
-test: install install-mcore016 install-mcore019 $(MCORE_TREES)/.installed $(BRIDGE_WHEEL)/.installed
+test: install install-mcore016 install-mcore019 $(MCORE_TREES)/.installed $(OLD_TREES) $(BRIDGE_WHEEL)/.installed $(TE_TREES)/.installed
 	$(VENV)/bin/python -m pytest -q
 	$(VENV16)/bin/python -m pytest -q -m "not nemo" tests/test_schedule.py tests/test_engine_mcore.py \
 		tests/test_refusals.py tests/test_api.py tests/test_pipeline_step_time_mps.py \
@@ -101,6 +126,10 @@ test: install install-mcore016 install-mcore019 $(MCORE_TREES)/.installed $(BRID
 	  PYTHONPATH=$(CURDIR)/$(MCORE_TREES)/$$v $(VENV)/bin/python -m pytest -q -m "not nemo" \
 	    $(MCORE_OLD_LINE_TESTS) || exit 1; \
 	done
+	for v in $(MCORE_REFUSED_LINES); do \
+	  PYTHONPATH=$(CURDIR)/$(MCORE_TREES)/$$v $(VENV)/bin/python -m pytest -q -m "not nemo" \
+	    $(MCORE_REFUSED_LINE_TESTS) || exit 1; \
+	done
 	$(VENV19)/bin/python -m pytest -q $(MEGATRON_LM_TESTS) tests/test_doc_snippets.py \
 		-k "not test_block_runs_as_documented or megatron_lm_snippet or bridge_snippet"
 
@@ -113,3 +142,10 @@ test-mcore019: install-mcore019
 
 smoke: install
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH bash validation/smoke_nemo.sh
+
+# NeMo 2.0-2.2 with their containers' megatron-core, on the CPU (by hand, not in `make test`:
+# ~3 minutes a version; benchmarks/results/nemo_2x_cpu.md). Fetches into .nemo2x/.
+smoke-nemo2x: install
+	bash validation/smoke_nemo_2x.sh 2.0.0 0.9.0
+	bash validation/smoke_nemo_2x.sh 2.1.0 0.10.0
+	bash validation/smoke_nemo_2x.sh 2.2.1 0.11.0

@@ -12,6 +12,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
+from support.configs import has_group_size  # noqa: E402
 from support.demo_runs import demo  # noqa: E402
 
 from nemo_fp8_align.demo.launch import alignment_problems, differences  # noqa: E402
@@ -98,12 +99,25 @@ def test_pp4_vp2_last_chunk_included():
     assert sorted(r["vmid"] for r in last if r["step"] == 0) == [1, 2, 3, 4]
 
 
+def _vp3_shape():
+    """PP 2, VP 3 (chunk 2's all-gather is launched in the loop, not before it): M=5 with N=3
+    (a last group of 2 >= PP microbatches) where megatron-core has N (0.10 on); before, M=4
+    in the legacy order (groups of PP, M a multiple of PP)."""
+    from nemo_fp8_align.core.schedule import InterleavedSchedule
+
+    if has_group_size():
+        return dict(m=5, n=3), InterleavedSchedule(2, 3, 5, 3)
+    return dict(m=4, n=None), InterleavedSchedule(2, 3, 4, legacy_order=True)
+
+
 def test_vp3_group_size_and_remainder_group():
-    # M=5, N=3: a last group of 2 (>= PP) microbatches; chunk 2's all-gather is launched in
-    # the loop, not before it.
-    result = demo(2, 3, 1, 5, "aligned", n=3)
+    shape, model = _vp3_shape()
+    result = demo(2, 3, 1, shape["m"], "aligned", n=shape["n"])
     assert alignment_problems(result) == []
-    assert {(r["chunk"], r["slot"]) for r in result.records} == {(0, 0), (1, 3), (2, 6)}
+    want = {(0, 0), (1, 3), (2, 6)} if has_group_size() else {(0, 0), (1, 2), (2, 4)}
+    assert {(c, model.aligned_slot(c)) for c in range(3)} == want
+    assert {(r["chunk"], r["slot"]) for r in result.records} == want
+    assert all(r["legacy_order"] == (not has_group_size()) for r in result.records)
 
 
 def test_cli_demo_writes_telemetry_and_exits_zero(tmp_path):
@@ -129,10 +143,10 @@ def test_real_schedule_launches_where_the_model_says():
     (its call of param_sync_func, timestamped by the wrapper) comes after exactly as many of
     the rank's forwards as the schedule model's param_sync_launch_vmid says, and before the
     chunk's transposes."""
-    from nemo_fp8_align.core.schedule import AT_START, InterleavedSchedule
+    from nemo_fp8_align.core.schedule import AT_START
 
-    result = demo(2, 3, 1, 5, "aligned", n=3)
-    model = InterleavedSchedule(2, 3, 5, 3)
+    shape, model = _vp3_shape()
+    result = demo(2, 3, 1, shape["m"], "aligned", n=shape["n"])
     for rank in result.ranks:
         for rec in (r for r in result.records if r["pp_rank"] == rank["pp_rank"]):
             starts = [f[2] for f in rank["evidence"]["forwards"] if f[0] == rec["step"]]

@@ -6,7 +6,7 @@ import itertools
 import pytest
 
 from nemo_fp8_align.core.schedule import AT_START, InterleavedSchedule, ScheduleError
-from support.configs import model_config
+from support.configs import has_group_size, model_config
 
 schedules = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
 
@@ -125,8 +125,8 @@ def _megatron_accepts(monkeypatch, pp, m, n):
     monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_rank", lambda *a, **k: 0)
     monkeypatch.setattr(parallel_state, "get_virtual_pipeline_model_parallel_world_size",
                         lambda *a, **k: 2)
-    config = model_config(pp, 2, overlap_p2p_comm=False, batch_p2p_comm=False,
-                          microbatch_group_size_per_vp_stage=n)
+    group = {"microbatch_group_size_per_vp_stage": n} if n is not None else {}
+    config = model_config(pp, 2, overlap_p2p_comm=False, batch_p2p_comm=False, **group)
     kwargs, early_reads = {}, 0
     if "pg_collection" in inspect.signature(
             schedules.forward_backward_pipelining_with_interleaving).parameters:
@@ -151,7 +151,8 @@ def _megatron_accepts(monkeypatch, pp, m, n):
     except _Reached:
         return True
     except (ValueError, RuntimeError) as err:
-        if "micro-batch" in str(err) or "M (the total micro-batches)" in str(err):
+        if any(text in str(err) for text in ("micro-batch", "M (the total micro-batches)",
+                                             "not divisible by pipeline-model-parallel-size")):
             return False
         raise
     finally:
@@ -161,6 +162,16 @@ def _megatron_accepts(monkeypatch, pp, m, n):
 
 @pytest.mark.parametrize("pp", [2, 3, 4])
 def test_validation_agrees_with_megatron_core_itself(monkeypatch, pp):
+    if not has_group_size():
+        # megatron-core < 0.10: no N; M must be a multiple of PP (the legacy order's rule).
+        for m in range(1, 13):
+            try:
+                InterleavedSchedule(pp, 2, m, legacy_order=True)
+                ours = True
+            except ScheduleError:
+                ours = False
+            assert ours == _megatron_accepts(monkeypatch, pp, m, None), (pp, m)
+        return
     for m, n in itertools.product(range(1, 10), range(1, 10)):
         try:
             InterleavedSchedule(pp, 2, m, n)
@@ -171,17 +182,18 @@ def test_validation_agrees_with_megatron_core_itself(monkeypatch, pp):
 
 
 def test_schedule_for_picks_the_order_of_the_installed_config():
-    from types import SimpleNamespace
-
+    """The installed megatron-core's own TransformerConfig decides the order: grouped by N from
+    0.10 on, the legacy order (groups of PP, M a multiple of PP) before (make test runs this on
+    0.7.0, 0.8.0 and 0.9.0 too)."""
     from nemo_fp8_align.integrations.megatron_core import schedule_for
 
+    if not has_group_size():
+        old = schedule_for(model_config(2, 2), pp=2, vp=2, num_microbatches=6)
+        assert old.legacy_order and old.n == 2
+        with pytest.raises(ScheduleError, match="not a multiple"):
+            schedule_for(model_config(2, 2), pp=2, vp=2, num_microbatches=5)
+        return
     new = schedule_for(model_config(2, 2, microbatch_group_size_per_vp_stage=3), pp=2, vp=2,
                        num_microbatches=6)
     assert new.n == 3 and not new.legacy_order
     assert schedule_for(model_config(2, 2), pp=2, vp=2, num_microbatches=6).n == 2  # None: PP
-    # megatron-core < 0.10's TransformerConfig has no such field; no such version is installed
-    # here, so an object without it stands in for it.
-    old = schedule_for(SimpleNamespace(), pp=2, vp=2, num_microbatches=6)
-    assert old.legacy_order
-    with pytest.raises(ScheduleError, match="not a multiple"):
-        schedule_for(SimpleNamespace(), pp=2, vp=2, num_microbatches=5)

@@ -43,7 +43,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from nemo_fp8_align.backends.te_api import (GEN_1_6, GEN_1_8, GEN_2_0, GEN_2_10, NEVER_TRANSPOSE,
+from nemo_fp8_align.backends.te_api import (BUILD_CALLS, FP8_ATTR_KEYS, FP8_ATTRS, GEN_1_6,
+                                             GEN_1_8, GEN_2_0, GEN_2_10, NEVER_TRANSPOSE,
                                              TE_INSTALL_HINT, api_generation, load_te_api,
                                              parse_te_version)
 from nemo_fp8_align.kernels import multi_transpose_
@@ -101,12 +102,7 @@ class TEBackend:
     # ------------------------------------------------------------------ construction helpers
 
     def _check_api(self) -> None:
-        need = {
-            GEN_1_6: ("transpose_2d", "_reset_caches"),
-            GEN_1_8: ("transpose_2d",),
-            GEN_2_0: ("_create_transpose",),
-            GEN_2_10: (),
-        }[self.generation]
+        need = tuple(dict.fromkeys(name for name, _ in BUILD_CALLS[self.generation]))
         missing = [m for m in need if not hasattr(self.float8_cls, m)]
         if self.generation == GEN_2_10 and getattr(self.api, "post_all_gather_processing", None) is None:
             missing.append("transformer_engine.pytorch.tensor.utils.post_all_gather_processing")
@@ -132,8 +128,8 @@ class TEBackend:
         except AttributeError:
             d = {}
         if self.generation in (GEN_1_6, GEN_1_8):
-            attrs = d.get("_fp8_attrs")
-            key = {"_transpose": "transpose", "_transpose_invalid": "transpose_invalid"}.get(name)
+            attrs = d.get(FP8_ATTRS)
+            key = FP8_ATTR_KEYS.get(name)
             if isinstance(attrs, dict) and key is not None and key in attrs:
                 return attrs[key]
         if name in d:
@@ -259,9 +255,9 @@ class TEBackend:
         for w in weights:
             if self._classify(w) is not None:
                 continue
-            attrs = self._peek(w, "_fp8_attrs", None) if self.generation in (GEN_1_6, GEN_1_8) else None
+            attrs = self._peek(w, FP8_ATTRS, None) if self.generation in (GEN_1_6, GEN_1_8) else None
             if isinstance(attrs, dict):  # TE 1.x keeps the flag in _fp8_attrs
-                attrs["transpose_invalid"] = True
+                attrs[FP8_ATTR_KEYS["_transpose_invalid"]] = True
             else:
                 object.__setattr__(w, "_transpose_invalid", True)
         return self.build_transposes(weights)
@@ -272,16 +268,10 @@ class TEBackend:
         if self.generation == GEN_2_10:
             # One call for the chunk; TE builds each Float8Tensor's transpose (_create_transpose).
             self.api.post_all_gather_processing(list(stale))
-        elif self.generation == GEN_2_0:
-            for w in stale:
-                w._create_transpose()
-        elif self.generation == GEN_1_8:
-            for w in stale:
-                w.transpose_2d(force_compute=True, fill_cache=True)
-        else:  # GEN_1_6
-            for w in stale:
-                w._reset_caches()
-                w.transpose_2d(cache=True)
+            return
+        for w in stale:  # e.g. TE 1.8 - 1.13: w.transpose_2d(force_compute=True, fill_cache=True)
+            for name, kwargs in BUILD_CALLS[self.generation]:
+                getattr(w, name)(**kwargs)
 
     def _build_with_kernel(self, stale: List[Any]) -> None:
         """Our multi-tensor kernel writes every transpose of the chunk in one launch."""

@@ -24,7 +24,9 @@ def watch_te_builds(backend: Any, on_built: Callable[[Any], None]) -> Callable[[
     from nemo_fp8_align.core.class_patch import observe_method
 
     cls = backend.float8_cls
-    name = "_create_transpose" if backend.generation.startswith("2.") else "transpose_2d"
+    from nemo_fp8_align.backends.te_api import BUILD_METHOD
+
+    name = BUILD_METHOD[backend.generation]
     undos: List[Callable[[], None]] = []
     if getattr(cls, name, None) is not None:
         def built(tensor: Any, args: tuple, kwargs: dict, before: Any, out: Any) -> None:

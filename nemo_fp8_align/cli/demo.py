@@ -82,6 +82,9 @@ def demo_input_problem(args: argparse.Namespace) -> Optional[str]:
     if m < pp:
         return (f"--microbatches {m}: the interleaved schedule needs at least --pp = {pp} "
                 f"microbatches per step; pass --microbatches {pp}")
+    legacy = legacy_schedule_problem(args)
+    if legacy is not None:
+        return legacy
     group = pp if n is None else n
     if not pp <= group <= m:
         return (f"--group-size {n}: megatron-core needs --pp <= N <= --microbatches, here "
@@ -140,6 +143,35 @@ def _faults() -> Any:
         return None
 
 
+def version_problem(args: argparse.Namespace) -> Optional[str]:
+    """Why the installed megatron-core cannot run the demo (None: it can): 0.7/0.8's all-gather
+    is the optimizer's (refused)."""
+    from nemo_fp8_align.integrations import mcore_version
+
+    return mcore_version.gather_problem()
+
+
+def legacy_schedule_problem(args: argparse.Namespace) -> Optional[str]:
+    """megatron-core < 0.10's own schedule rules (no N; M a multiple of PP), spelled for the
+    installed version; None where they hold, or megatron-core is newer or not installed (the
+    missing dependency is reported on its own)."""
+    from nemo_fp8_align.cli.deps import _importable
+
+    if not _importable("megatron.core"):
+        return None
+    from nemo_fp8_align.integrations import mcore_version
+
+    if mcore_version.has_group_size():
+        return None
+    if args.group_size is not None:
+        return (f"--group-size {args.group_size}: megatron-core "
+                f"{mcore_version.installed_version()} (before 0.10) has no "
+                "microbatch_group_size_per_vp_stage; its interleaved schedule runs forwards in "
+                "groups of PP: leave --group-size out")
+    multiple = mcore_version.pp_multiple_problem(args.pp, args.microbatches)
+    return None if multiple is None else f"--microbatches {args.microbatches}: {multiple}"
+
+
 def loop_problem(loop: str) -> Optional[str]:
     """Why ``--loop megatron-lm`` cannot run here (None when it can)."""
     if loop != "megatron-lm":
@@ -174,7 +206,7 @@ def telemetry_path_problem(path: Optional[str]) -> Optional[str]:
 
 def run_demo_command(args: argparse.Namespace) -> int:
     problem = (demo_input_problem(args) or missing_dependency("demo", DEMO_NEEDS)
-               or loop_problem(getattr(args, "loop", LOOPS[0])))
+               or loop_problem(getattr(args, "loop", LOOPS[0])) or version_problem(args))
     if problem is not None:
         print(f"nemo-fp8-align demo: error: {problem}", file=sys.stderr)
         return EXIT_BAD_INPUT

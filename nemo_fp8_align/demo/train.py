@@ -295,12 +295,21 @@ def _settled_params(chunk: Any) -> List[torch.Tensor]:
         return [b.param_data for b in chunk.buffers]
     out = []
     for group in chunk.bucket_groups:
-        n, r = group.intra_distributed_optimizer_instance_size, \
-            group.intra_distributed_optimizer_instance_rank
+        n, r = _shard_of(group)
         for bucket in group.buckets:
             size = bucket.param_data.numel() // n
             out.append(bucket.param_data.view(-1)[r * size:(r + 1) * size])
     return out
+
+
+def _shard_of(group: Any) -> tuple:
+    """(ranks sharing the bucket, this rank's index among them). megatron-core 0.9 shards over
+    the whole data-parallel group (``data_parallel_*``); 0.10 on over one distributed-optimizer
+    instance (``intra_distributed_optimizer_instance_*``)."""
+    if hasattr(group, "intra_distributed_optimizer_instance_size"):
+        return (group.intra_distributed_optimizer_instance_size,
+                group.intra_distributed_optimizer_instance_rank)
+    return group.data_parallel_world_size, group.data_parallel_rank
 
 
 def _quiet_cpu_warnings() -> None:

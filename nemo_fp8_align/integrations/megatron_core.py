@@ -122,6 +122,7 @@ def align_fp8_transposes(
     try:
         with agreed(label=f"rank {_global_rank()} (attaching nemo_fp8_align)", group=group):
             config = config if config is not None else model[0].config
+            _refuse_optimizer_owned_gather()
             refuse_unsupported(Setup(config=config, chunks=model))
             check_telemetry_path(align_config.telemetry_path)
             if backend is None:  # an inactive plugin imports nothing
@@ -149,6 +150,16 @@ def align_fp8_transposes(
             aligner.detach()
         raise
     return aligner
+
+
+def _refuse_optimizer_owned_gather() -> None:
+    """megatron-core 0.7/0.8: the all-gather is the optimizer's, not the chunks' (refused)."""
+    from nemo_fp8_align.errors import UnsupportedSetupError
+    from nemo_fp8_align.integrations.mcore_version import gather_problem
+
+    problem = gather_problem()
+    if problem is not None:
+        raise UnsupportedSetupError(problem)
 
 
 def _global_rank() -> int:

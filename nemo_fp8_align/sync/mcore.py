@@ -23,6 +23,25 @@ from typing import Any, List, Sequence
 __all__ = ["McoreParamSync"]
 
 
+def _check_overlapped(chunk: int, ddp_config: Any) -> None:
+    """Without ``overlap_param_gather`` the chunk's all-gather runs synchronously inside
+    ``start_param_sync`` (nothing in flight to align) and megatron-core's
+    ``finish_param_sync`` asserts it (0.9 on). NeMo 2.0.0 sets it from
+    ``model.optim.overlap_param_gather`` while binding the schedule's ``start_param_sync`` from
+    ``overlap_param_sync`` (2.1 on: both from ``overlap_param_sync``): seen on NeMo 2.0.0."""
+    from nemo_fp8_align.errors import UnsupportedSetupError
+
+    if ddp_config is None or getattr(ddp_config, "overlap_param_gather", True):
+        return
+    raise UnsupportedSetupError(
+        f"model chunk {chunk}: DistributedDataParallelConfig.overlap_param_gather=False: its "
+        "parameter all-gather runs synchronously in start_param_sync, so there is nothing to "
+        "align. Fix: DistributedDataParallelConfig(overlap_param_gather=True, "
+        "align_param_gather=True); in NeMo model.optim.overlap_param_sync=true and "
+        "model.optim.align_param_gather=true (NeMo 2.0.0 reads this setting from "
+        "model.optim.overlap_param_gather: set model.optim.overlap_param_gather=true too)")
+
+
 class McoreParamSync:
     """:class:`~nemo_fp8_align.core.aligner.ChunkParamSync` over megatron-core DDP chunks."""
 
@@ -34,6 +53,7 @@ class McoreParamSync:
                     "DistributedDataParallel (no 'bucket_groups'): wrap each chunk in "
                     "megatron.core.distributed.DistributedDataParallel with "
                     "overlap_param_gather=True and use_distributed_optimizer=True")
+            _check_overlapped(i, getattr(chunk, "ddp_config", None))
         self._chunks = list(ddp_chunks)
 
     def bucket_groups(self, chunk: int) -> List[Any]:

@@ -1,7 +1,19 @@
 """megatron-core's real config classes as the tests need them (issue 18: no test builds a
 SimpleNamespace where a real config class exists)."""
 
+import dataclasses
+
 import torch
+
+
+def has_group_size() -> bool:
+    """Whether the installed megatron-core's TransformerConfig has
+    ``microbatch_group_size_per_vp_stage`` (0.10 on); before it, the interleaved schedule runs
+    forwards in groups of PP (the schedule model's ``legacy_order``)."""
+    from megatron.core.transformer import TransformerConfig
+
+    return "microbatch_group_size_per_vp_stage" in {f.name for f in
+                                                    dataclasses.fields(TransformerConfig)}
 
 
 def model_config(pp=1, vp=None, **fields):

@@ -203,8 +203,10 @@ class NemoCpuCompat:
         def build_tokenizer(model: Any) -> None:
             if model._cfg.tokenizer.library != "null":
                 return original_build(model)
-            from nemo.collections.common.tokenizers.null_tokenizer import NullTokenizer
-
+            try:
+                from nemo.collections.common.tokenizers.null_tokenizer import NullTokenizer
+            except ModuleNotFoundError:  # NeMo < 2.3 (2.0-2.2 are smoke-run by hand)
+                NullTokenizer = _SyntheticIds
             model.tokenizer = NullTokenizer(model._cfg.tokenizer.vocab_size)
             return None
 
@@ -286,3 +288,15 @@ def enable_nemo_cpu_compat(*, reference_fp8: bool = True,
         _ACTIVE = NemoCpuCompat(reference_fp8=reference_fp8,
                                 check_provenance=check_provenance).apply()
     return _ACTIVE
+
+
+class _SyntheticIds:
+    """Mock data's tokenizer where NeMo has no NullTokenizer (before 2.3): synthetic ids only,
+    ``vocab_size`` ids plus one end-of-document id."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = int(vocab_size) + 1
+        self.eod = self.eos_id = int(vocab_size)
+        self.pad_id = self.bos_id = -1
+        # megatron-core's datasets describe their tokenizer by this (json in their cache key).
+        self.unique_identifiers = {"class": "_SyntheticIds", "vocab_size": self.vocab_size}

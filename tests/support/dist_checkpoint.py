@@ -133,6 +133,8 @@ def _keep_torch_adam_step_out_of_the_state_copy(patch: Patch) -> None:
     if distrib_optimizer.HAVE_APEX_OR_TE:
         return
     cls = distrib_optimizer.DistributedOptimizer
+    if not hasattr(cls, "_set_main_param_and_optimizer_states"):
+        return  # megatron-core < 0.12 (NeMo 2.0-2.2's): no such per-parameter state copy
     original = cls._set_main_param_and_optimizer_states
 
     def set_main_param_and_optimizer_states(self: Any, model_param: Any, tensors: Any) -> Any:

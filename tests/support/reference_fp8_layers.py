@@ -73,11 +73,14 @@ class _ReferenceFP8GEMM:
 
     def _fp8_gemm(self, input: torch.Tensor, weight: torch.Tensor,  # noqa: A002 - mcore's name
                   bias: Optional[torch.Tensor], gradient_accumulation_fusion: bool,
-                  allreduce_dgrad: bool, sequence_parallel: bool,
-                  grad_output_buffer: Any = None, wgrad_deferral_limit: Any = None) -> torch.Tensor:
+                  sequence_parallel: bool, allreduce_dgrad: bool = False,
+                  grad_output_buffer: Any = None, wgrad_deferral_limit: Any = None,
+                  async_grad_allreduce: bool = False) -> torch.Tensor:
+        # async_grad_allreduce: megatron-core < 0.10's name for allreduce_dgrad (NeMo 2.0).
         unsupported = {"gradient_accumulation_fusion": gradient_accumulation_fusion,
                        "sequence_parallel": sequence_parallel,
-                       "tensor_model_parallel_size > 1 (allreduce_dgrad)": allreduce_dgrad,
+                       "tensor_model_parallel_size > 1 (allreduce_dgrad)":
+                           allreduce_dgrad or async_grad_allreduce,
                        "defer_embedding_wgrad_compute": grad_output_buffer is not None}
         bad = [k for k, v in unsupported.items() if v]
         if bad:
