@@ -22,10 +22,11 @@ def test_features_are_read_from_megatron_core_itself():
     f = mcore_features()
     assert f.post_processes == (MCORE >= Version("0.16"))
     assert f.post_param_sync == (MCORE >= Version("0.18"))
+    assert f.fp4_param_gather == (MCORE >= Version("0.17"))
 
 
 @pytest.mark.parametrize("kind,since", [(TRANSPOSE, "0"), (COLUMNWISE, "0.16"),
-                                        (NVFP4_TRANSPOSE, "0.18"), (REQUANTIZE, "0.18")])
+                                        (NVFP4_TRANSPOSE, "0.17"), (REQUANTIZE, "0.18")])
 def test_each_kind_is_aligned_exactly_where_megatron_core_post_processes_it(kind, since):
     refused = recipe_refusals([kind], mcore_features())
     assert bool(refused) == (MCORE < Version(since))

@@ -58,7 +58,7 @@ def add_demo_parser(sub: "argparse._SubParsersAction") -> None:
                    "delayed / tensorwise (per-tensor FP8, the plugin's transposes; default), "
                    "blockwise (2D block scales: column-wise copy), nvfp4 (packed FP4: 2D "
                    "transpose), both rebuilt by megatron-core's own post-processing "
-                   "(megatron-core >= 0.16 / >= 0.18)")
+                   "(megatron-core >= 0.16 / >= 0.17)")
     p.add_argument("--loop", choices=LOOPS, default=LOOPS[0],
                    help="'schedule': the demo's own loop around megatron-core's schedule "
                         "(default); 'megatron-lm': Megatron-LM's own pretrain/train() "

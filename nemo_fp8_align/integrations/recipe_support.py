@@ -14,8 +14,10 @@ transpose          every version (the plugin's backend builds it where megatron-
 columnwise         >= 0.16: ``finish_param_sync`` calls ``post_all_gather_processing`` after its
                    wait (TE's ``_create_columnwise``); after a forced all-gather on 0.16 / 0.17
                    the plugin's watch asks TE's ``post_all_gather_processing`` again
-nvfp4-transpose    >= 0.18: ``_post_param_sync`` hands NVFP4 params to it (``is_nvfp4tensor``);
-                   0.17 has ``fp4_param_gather`` but post-processes ``is_float8tensor`` params only
+nvfp4-transpose    >= 0.17 (``fp4_param_gather``): ``finish_param_sync`` hands every
+                   ``is_float8tensor`` parameter to it, TE 2's ``QuantizedTensor`` NVFP4
+                   included (>= 0.18 names ``is_nvfp4tensor`` too); forced all-gathers on 0.17
+                   as for columnwise
 requantize         >= 0.18: ``_post_param_sync`` re-quantizes after every all-gather, forced ones
                    too; on 0.16 / 0.17 a forced all-gather leaves the MXFP8 params un-requantized
                    and only megatron-core's code could redo it
@@ -45,20 +47,31 @@ _OFF = "or do not attach the plugin (policy=off)"
 class McoreFeatures:
     """What the installed megatron-core does after a parameter all-gather."""
 
-    def __init__(self, post_processes: bool, post_param_sync: bool, version: str) -> None:
+    def __init__(self, post_processes: bool, post_param_sync: bool, version: str,
+                 fp4_param_gather: bool = False) -> None:
         self.post_processes = post_processes  # >= 0.16: post_all_gather_processing in finish
         self.post_param_sync = post_param_sync  # >= 0.18: _post_param_sync, forced syncs too
+        self.fp4_param_gather = fp4_param_gather  # >= 0.17: NVFP4 parameters gathered as such
         self.version = version
 
 
 def mcore_features() -> McoreFeatures:
     """Probe the installed megatron-core (by what its module holds, not its version string)."""
+    import dataclasses
+
     import megatron.core
+    from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.distributed import param_and_grad_buffer as pgb
 
+    fields = {f.name for f in dataclasses.fields(DistributedDataParallelConfig)}
     return McoreFeatures(hasattr(pgb, "post_all_gather_processing"),
                          callable(getattr(pgb._ParamAndGradBucketGroup, "_post_param_sync", None)),
-                         getattr(megatron.core, "__version__", "?"))
+                         getattr(megatron.core, "__version__", "?"),
+                         fp4_param_gather="fp4_param_gather" in fields)
+
+
+#: The first megatron-core version that aligns each block-scaled kind (module docstring).
+SINCE = {COLUMNWISE: "0.16", NVFP4_TRANSPOSE: "0.17", REQUANTIZE: "0.18"}
 
 
 def _need(kind: str, features: Optional[McoreFeatures], path: str) -> Optional[str]:
@@ -68,23 +81,25 @@ def _need(kind: str, features: Optional[McoreFeatures], path: str) -> Optional[s
     what = {COLUMNWISE: "blockwise FP8 (its column-wise copy)",
             NVFP4_TRANSPOSE: "NVFP4 (its 2D transpose)",
             REQUANTIZE: "MXFP8 with reuse_grad_buf_for_mxfp8_param_ag (its re-quantization)"}[kind]
+    fix = f"Fix: megatron-core >= {SINCE[kind]}, {_OFF}"
     if features is None:
         return (f"{what}: on {path} the plugin would have to build it itself, and it never "
                 "byte-transposes block-scaled data; nothing places TE's own post-processing "
-                f"there. Fix: megatron-core's DDP with its distributed optimizer (>= 0.18), {_OFF}")
-    need_018 = kind in (NVFP4_TRANSPOSE, REQUANTIZE)
-    if kind == COLUMNWISE and not features.post_processes:
+                f"there. Fix: megatron-core's DDP with its distributed optimizer "
+                f"(>= {SINCE[kind]}), {_OFF}")
+    if not features.post_processes:
         return (f"{what}: megatron-core {features.version} runs no post-all-gather processing "
-                "(>= 0.16 does, in finish_param_sync), so TE builds it at each rank's first use "
-                f"and the plugin never byte-transposes block-scaled data. Fix: megatron-core "
-                f">= 0.16, {_OFF}")
-    if need_018 and not features.post_param_sync:
-        why = ("a forced synchronous all-gather (evaluation, checkpoint save) leaves the MXFP8 "
-               "parameters un-requantized, which only megatron-core's code could redo"
-               if kind == REQUANTIZE else "its finish_param_sync post-processes Float8 "
-               "parameters only")
-        return (f"{what}: on megatron-core {features.version} {why} (>= 0.18 runs "
-                f"_post_param_sync). Fix: megatron-core >= 0.18, {_OFF}")
+                "(>= 0.16 does, in finish_param_sync), so it is built at each rank's first use "
+                f"and the plugin never byte-transposes block-scaled data. {fix}")
+    if kind == NVFP4_TRANSPOSE and not features.fp4_param_gather:
+        return (f"{what}: megatron-core {features.version} has no fp4_param_gather, so NVFP4 "
+                "parameters are neither gathered nor post-processed as NVFP4 (>= 0.17 does "
+                f"both). {fix}")
+    if kind == REQUANTIZE and not features.post_param_sync:
+        return (f"{what}: on megatron-core {features.version} a forced synchronous all-gather "
+                "(evaluation, checkpoint save) leaves the MXFP8 parameters un-requantized, "
+                "which only megatron-core's code could redo (>= 0.18 runs _post_param_sync "
+                f"after it). {fix}")
     return None
 
 
