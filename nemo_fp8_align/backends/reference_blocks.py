@@ -24,10 +24,12 @@ from typing import Optional
 
 import torch
 
-from nemo_fp8_align.backends.recipes import COLUMNWISE, NVFP4_TRANSPOSE
-from nemo_fp8_align.backends.reference import FP8_E4M3_MAX, ReferenceFP8Weight
+from nemo_fp8_align.backends.recipes import COLUMNWISE, NVFP4_TRANSPOSE, REQUANTIZE
+from nemo_fp8_align.backends.reference import FP8_E4M3_MAX, ReferenceFP8Weight, bytes_digest
+from nemo_fp8_align.errors import StaleFP8Error
 
-__all__ = ["ReferenceBlockwiseWeight", "ReferenceNVFP4Weight", "REFERENCE_WEIGHTS"]
+__all__ = ["ReferenceBlockwiseWeight", "ReferenceNVFP4Weight", "ReferenceMXFP8Weight",
+           "REFERENCE_WEIGHTS"]
 
 #: The E2M1 magnitudes (FP4): code 0-7, bit 3 is the sign.
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -146,6 +148,83 @@ class ReferenceNVFP4Weight(_BlockScaled):
         return _decode(_unpack(self.transpose)) * _expand(self.columnwise_scale_inv, self.BLOCK)
 
 
+def _mx_cast(values: torch.Tensor) -> tuple:
+    """MXFP8 along rows: one power-of-two scale per 32 consecutive values of a row."""
+    rows, cols = values.shape
+    blocks = values.reshape(rows, cols // 32, 32)
+    amax = blocks.abs().amax(dim=-1).clamp(min=1e-12)
+    scale = torch.exp2(torch.floor(torch.log2(FP8_E4M3_MAX / amax)))
+    q = (blocks * scale.unsqueeze(-1)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return q.reshape(rows, cols).to(torch.float8_e4m3fn), 1.0 / scale
+
+
+class ReferenceMXFP8Weight(ReferenceFP8Weight):
+    """MXFP8 with megatron-core's grad-buffer reuse: its DDP parameter is a BF16 view of the
+    parameter buffer that megatron-core zeroes right after re-quantizing (as it zeroes the
+    shared grad buffer), so the FP8 copies are built only from the values megatron-core hands
+    over after the all-gather (:meth:`stage`), never from the parameter: row-wise (32-value
+    blocks along rows) and column-wise (32-value blocks along columns, stored transposed) are
+    both quantized from those values, the column-wise one is no transpose of the row-wise bytes.
+    A copy read before megatron-core re-quantized it this step raises :class:`StaleFP8Error`."""
+
+    kind = REQUANTIZE
+    byte_transposed = False
+    #: The DDP parameter's dtype: megatron-core gathers MXFP8 weights' values in BF16.
+    param_dtype = torch.bfloat16
+
+    def __init__(self, source: torch.nn.Parameter, **kwargs) -> None:
+        super().__init__(source, **kwargs)
+        out_f, in_f = source.shape
+        _blocks(out_f, in_f, 32, self.name)
+        self.scale_inv = torch.ones((out_f, in_f // 32), dtype=torch.float32, device=source.device)
+        self.columnwise_scale_inv = torch.ones((in_f, out_f // 32), dtype=torch.float32,
+                                               device=source.device)
+        self._staged = None
+
+    def stage(self, values: torch.Tensor) -> None:
+        """megatron-core's ``copy_tensor_to_quantized_param(param, values)``: the gathered
+        high-precision values, quantized by the next build."""
+        self._staged = values.detach().reshape(self.source.shape).float().clone()
+
+    def quantize(self) -> None:
+        if self._staged is None:
+            raise StaleFP8Error(
+                f"MXFP8 weight {self.name!r}: read before megatron-core re-quantized it after "
+                "this step's all-gather (its parameter holds no values to quantize from)")
+        self.data, self.scale_inv = _mx_cast(self._staged)
+        self.data_valid = True
+        self.data_source = bytes_digest(self._staged)
+
+    def build_columnwise(self) -> None:
+        col, scale_inv = _mx_cast(self._staged.t().contiguous())
+        self.transpose, self.columnwise_scale_inv = col, scale_inv
+        self.transpose_source = self.data_source
+        self._staged = None  # megatron-core zeroes the gathered values next
+
+    def check_provenance(self, use: str) -> None:
+        """The copies were built from the values gathered this step (the parameter itself is
+        zeroed by then): ``data_valid`` is cleared by every optimizer step and set only by the
+        re-quantization, whose values :meth:`stage` received."""
+        if not self.data_valid:
+            raise StaleFP8Error(f"MXFP8 weight {self.name!r}: {use} reads a copy not "
+                                "re-quantized since the last optimizer step")
+
+    def columnwise_mismatch(self) -> Optional[str]:
+        return None if self.transpose_source == self.data_source else \
+            "column-wise copy quantized from other values than the row-wise one"
+
+    def dequantized(self) -> torch.Tensor:
+        return (self.data.float().reshape(self.data.shape[0], -1, 32)
+                * self.scale_inv.unsqueeze(-1)).reshape(self.data.shape)
+
+    def dequantized_transpose(self) -> torch.Tensor:
+        self.require_valid_transpose()
+        t = self.transpose
+        return (t.float().reshape(t.shape[0], -1, 32)
+                * self.columnwise_scale_inv.unsqueeze(-1)).reshape(t.shape)
+
+
 #: The demo's ``--recipe`` -> its reference weight class (delayed and tensorwise: per tensor).
 REFERENCE_WEIGHTS = {"delayed": ReferenceFP8Weight, "tensorwise": ReferenceFP8Weight,
-                     "blockwise": ReferenceBlockwiseWeight, "nvfp4": ReferenceNVFP4Weight}
+                     "blockwise": ReferenceBlockwiseWeight, "nvfp4": ReferenceNVFP4Weight,
+                     "mxfp8": ReferenceMXFP8Weight}

@@ -82,6 +82,9 @@ class ReferenceFP8Linear(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.empty(out_features, in_features))
         torch.nn.init.normal_(self.weight, std=init_std)
         self.backend = backend
+        dtype = getattr(weight_cls, "param_dtype", None)
+        if dtype is not None:  # MXFP8: the DDP parameter holds the gathered BF16 values
+            self.weight.data = self.weight.data.to(dtype)
         self.fp8_weight = weight_cls(self.weight, name=name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ __all__ = ["EXIT_BAD_INPUT", "add_demo_parser", "demo_input_problem", "telemetry
 
 EXIT_BAD_INPUT = 2
 LOOPS = ("schedule", "megatron-lm")
-RECIPES = ("delayed", "tensorwise", "blockwise", "nvfp4")
+RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8", "nvfp4")
 
 
 def add_demo_parser(sub: "argparse._SubParsersAction") -> None:
@@ -56,9 +56,10 @@ def add_demo_parser(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--recipe", choices=RECIPES, default=RECIPES[0],
                    help="the quantized-weight recipe the reference weights stand in for: "
                    "delayed / tensorwise (per-tensor FP8, the plugin's transposes; default), "
-                   "blockwise (2D block scales: column-wise copy), nvfp4 (packed FP4: 2D "
-                   "transpose), both rebuilt by megatron-core's own post-processing "
-                   "(megatron-core >= 0.16 / >= 0.17)")
+                   "blockwise (2D block scales: column-wise copy; megatron-core >= 0.16), "
+                   "mxfp8 (grad-buffer reuse: re-quantized from the gathered BF16; >= 0.19 "
+                   "here), nvfp4 (packed FP4: 2D transpose; >= 0.17), each done by "
+                   "megatron-core's own post-processing")
     p.add_argument("--loop", choices=LOOPS, default=LOOPS[0],
                    help="'schedule': the demo's own loop around megatron-core's schedule "
                         "(default); 'megatron-lm': Megatron-LM's own pretrain/train() "
@@ -142,9 +143,16 @@ def recipe_problem(args: argparse.Namespace) -> Optional[str]:
         from nemo_fp8_align.integrations.recipe_support import mcore_features, recipe_refusals
         from nemo_fp8_align.backends.recipes import RECIPE_KIND
         refused = recipe_refusals([RECIPE_KIND[recipe]], mcore_features())
+        from megatron.core.distributed import param_and_grad_buffer as pgb
     except ImportError:
         return None  # the missing dependency is reported on its own
-    return f"--recipe {recipe}: {refused[0]}" if refused else None
+    if refused:
+        return f"--recipe {recipe}: {refused[0]}"
+    if recipe == "mxfp8" and not hasattr(pgb, "copy_tensor_to_quantized_param"):
+        return ("--recipe mxfp8: the demo hands megatron-core's re-quantization to its reference "
+                "weights through copy_tensor_to_quantized_param (megatron-core >= 0.19; 0.18 "
+                "copies with the TE tensor's own copy_); run it on 0.19")
+    return None
 
 
 def _mcore_post_processes() -> bool:

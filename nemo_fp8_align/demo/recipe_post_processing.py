@@ -1,4 +1,4 @@
-"""``demo --recipe blockwise|nvfp4``: the reference weights' post-all-gather work, run by
+"""``demo --recipe blockwise|nvfp4|mxfp8``: the reference weights' post-all-gather work, run by
 megatron-core's own post-processing code path, as it runs Transformer Engine's.
 
 megatron-core (>= 0.16) decides *when* to post-process: in ``finish_param_sync`` after it waited
@@ -14,6 +14,13 @@ column-wise copy: :class:`~nemo_fp8_align.backends.reference.ReferenceBackend`'s
 calls ``finish_param_sync`` and when) is megatron-core's code, unchanged. Installed after the
 DDP chunks are built (their buffers laid out as for plain parameters), undone on close; the
 demo's CPU runs only.
+
+MXFP8 (``DistributedDataParallelConfig(fp8_param_gather=True,
+reuse_grad_buf_for_mxfp8_param_ag=True)``, megatron-core >= 0.19): ``_post_param_sync`` takes its
+grad-buffer-reuse branch: for every bucket whose parameters all pass the predicate (the MXFP8
+weights' BF16 parameters sit in a buffer of their own), ``copy_tensor_to_quantized_param(param,
+gathered values)``, pointed here at the reference weight (stage the values, re-quantize both
+copies), then megatron-core zeroes the bucket's parameter buffer itself.
 
 The weights keep their column-wise copy flagged valid across a new cast, as TE's do under
 ``manual_post_all_gather_processing=True``: without the post-processing the backward would read
@@ -61,10 +68,23 @@ def route_post_processing(weights: Sequence[Any], backend: Any) -> Callable[[], 
         if others:
             original_post(others)
 
+    original_copy = getattr(pgb, "copy_tensor_to_quantized_param", None)
+
+    def copy_tensor_to_quantized_param(param: Any, src: Any) -> None:
+        weight = by_param.get(id(param))
+        if weight is None:
+            return original_copy(param, src)
+        weight.stage(src)
+        backend.rebuild_transposes([weight])
+
     setattr(pgb, name, quantized)
     pgb.post_all_gather_processing = post_all_gather_processing
+    if original_copy is not None:
+        pgb.copy_tensor_to_quantized_param = copy_tensor_to_quantized_param
 
     def undo() -> None:
         setattr(pgb, name, original_predicate)
         pgb.post_all_gather_processing = original_post
+        if original_copy is not None:
+            pgb.copy_tensor_to_quantized_param = original_copy
     return undo

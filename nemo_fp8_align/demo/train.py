@@ -98,9 +98,11 @@ def _build(opts: DemoOptions, pp_rank: int):
         pipeline_dtype=torch.float32, params_dtype=torch.float32, use_cpu_initialization=True,
         batch_p2p_comm=False,  # gloo pairs batched same-peer messages wrongly (STACK.md)
         **_group_size(TransformerConfig, opts.group_size))
+    mxfp8 = dict(fp8_param_gather=True, reuse_grad_buf_for_mxfp8_param_ag=True) \
+        if opts.recipe == "mxfp8" else {}  # the grad-buffer-reuse branch of _post_param_sync
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=True, use_distributed_optimizer=True,
-        overlap_param_gather=True, align_param_gather=True, bucket_size=20000)
+        overlap_param_gather=True, align_param_gather=True, bucket_size=20000, **mxfp8)
     backend = ReferenceBackend(check_provenance=opts.check_provenance)
     chunks = []
     for c in range(opts.vp):
