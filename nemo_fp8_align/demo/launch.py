@@ -132,6 +132,10 @@ def format_report(result: DemoResult) -> str:
         rows = [r for r in last if r["chunk"] == chunk]
         slots = " ".join(f"r{r['pp_rank']}:{r['slot']}" for r in rows)
         built = sum(r["transposed"] for r in rows)
+        kind = rows[0].get("kind", "transpose") if rows else "transpose"
+        done = (f"{built} transposes" if kind == "transpose" else
+                f"{sum(r['valid'] for r in rows)} weights post-processed ({kind}, by "
+                "megatron-core's post-processing)")
         lines.append(f"  chunk {chunk}: aligned slot {rows[0]['aligned_slot'] if rows else '-'}; "
-                     f"built at slots {slots}; {built} transposes (all pp ranks, dp rank 0)")
+                     f"built at slots {slots}; {done} (all pp ranks, dp rank 0)")
     return "\n".join(lines)
