@@ -11,7 +11,7 @@
 # verify: the plugin's verify mode on real TE (probe --verify-only; one mcore run, verify every step)
 # apex1mb: the Apex path with bucket_cap_mb=1, so both data-parallel shards hold real parameters
 # blockwise: TE Float8BlockScaling (Float8BlockwiseQTensor weights) on megatron-core 0.19.2
-#   (.h200/mc19/), then on 0.16.1 while time is left
+#   (.h200/mc19/), again with verify mode every step, then on 0.16.1 while time is left
 #
 # .h200/ (44 MiB; `echo /.h200/ >> .git/info/exclude`) is made on the CPU machine:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -105,6 +105,8 @@ if [ "$WHAT" = blockwise ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site19 "$H"/mc19/megatron_core-*.whl
   PYTHONPATH=/tmp/site19:$PYTHONPATH run mcore019_dp2_blockwise 200 python3 validation/real_stack_mcore.py --dp 2 --recipe blockwise
   grep -E "Traceback|Error" /tmp/rs/mcore019_dp2_blockwise.log | cut -c1-400 | head -8
+  # The plugin's verify mode on real blockwise weights: column-wise bytes and scales vs row-wise
+  left 380 && PYTHONPATH=/tmp/site19:$PYTHONPATH run mcore019_dp2_blockwise_verify 120 python3 validation/real_stack_mcore.py --dp 2 --recipe blockwise --steps 3 --verify-every 1
   left 400 && run mcore016_dp2_blockwise 150 python3 validation/real_stack_mcore.py --dp 2 --recipe blockwise
   finish
 fi
