@@ -63,3 +63,20 @@ def test_lazy_is_megatron_core_alone_and_every_policy_is_bit_identical(recipe):
     assert differences(lazy, off) == []
     assert differences(aligned, off) == []
     assert aligned.losses() and aligned.losses() == off.losses()
+
+
+def test_blockwise_after_forced_all_gathers_equals_the_plugin_off():
+    """Evaluations with a forced all-gather between steps and the optimizer step dispatching
+    chunk 0's all-gather (Megatron-LM's evaluate): megatron-core 0.16 / 0.17 post-process no
+    forced all-gather, so the plugin's watch asks the backend to rebuild the column-wise copies;
+    from 0.18 megatron-core does it. Either way no backward reads a stale copy (the provenance
+    check would raise) and the bytes equal the plugin off without evaluations. Seen failing on
+    0.16.1 with the watch's rebuild removed (a stale column-wise copy read)."""
+    refused = recipe_problem(argparse.Namespace(recipe="blockwise", loop="schedule"))
+    if refused:
+        pytest.skip(refused)
+    run = demo(*SHAPE, "aligned", steps=3, eval_after_each_step=True, eval_forced_sync=True,
+               gather_with_optimizer=True, recipe="blockwise")
+    assert alignment_problems(run) == []
+    off = demo(*SHAPE, "off", steps=3, gather_with_optimizer=True, recipe="blockwise")
+    assert differences(run, off) == []

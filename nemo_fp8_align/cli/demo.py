@@ -242,7 +242,8 @@ def run_demo_command(args: argparse.Namespace) -> int:
         print(f"FAILED: {problem}", file=sys.stderr)
     if not problems and opts.policy is Policy.OFF:
         print("OK: every FP8 weight was transposed once per step (plugin off: no telemetry).")
-    elif not problems and opts.manual_post_processing:
+    elif not problems and (opts.manual_post_processing or (
+            opts.recipe not in ("delayed", "tensorwise") and opts.eval_after_each_step)):
         print("OK: no GEMM read a stale FP8 copy (megatron-core built the transposes); every "
               "chunk's all-gather finished at the same slot on every pipeline rank.")
     elif not problems:

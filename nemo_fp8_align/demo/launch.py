@@ -75,9 +75,13 @@ def alignment_problems(result: DemoResult) -> List[str]:
     each all-gather it waits for and, on >= 0.18 or through the plugin's watch, after forced
     ones (so also between steps): build counts and places are then megatron-core's, not the
     plugin's; what must hold is that no GEMM read a stale copy (the provenance check raises)
-    and the records' slots."""
+    and the records' slots. The same holds for ``demo --recipe blockwise|mxfp8|nvfp4`` with
+    evaluations between steps."""
     opts, problems = result.options, []
-    manual = opts.manual_post_processing
+    # Block-scaled recipes are post-processed by megatron-core too; only with evaluations does
+    # that also happen between steps (after their forced all-gathers), outside any step's count.
+    manual = opts.manual_post_processing or (
+        opts.recipe not in ("delayed", "tensorwise") and opts.eval_after_each_step)
     for r in ([] if manual else result.ranks):
         for step, builds in enumerate(r["builds_per_step"]):
             if any(b != 1 for b in builds):
