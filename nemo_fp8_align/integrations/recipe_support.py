@@ -5,7 +5,7 @@ The plugin never does a block-scaled recipe's work itself: its aligned finish ca
 (DESIGN 5c; kinds in :mod:`nemo_fp8_align.backends.recipes`). So a recipe can be aligned exactly
 where megatron-core post-processes after the wait, *and* after every all-gather the plugin cannot
 redo itself (the forced synchronous ones of evaluation and checkpointing). Read in megatron-core's
-``param_and_grad_buffer.py`` (0.12.3, 0.16.1, 0.17.1, 0.18.2, 0.19.2):
+``distributed.param_and_grad_buffer`` module (0.12.3, 0.16.1, 0.17.1, 0.18.2, 0.19.2):
 
 =================  ==========================================================================
 kind               aligned on
