@@ -359,3 +359,20 @@ def test_weights_of_picks_quantized_parameters_only():
     chunk = types.SimpleNamespace(parameters=lambda: iter([weights[0], torch.zeros(2), mx,
                                                            weights[1]]))
     assert backend.weights_of(chunk) == [weights[0], mx, weights[1]]
+
+
+def test_the_build_watch_sees_tes_columnwise_builds_whoever_calls_them():
+    """megatron-core's post-processing calls TE's post_all_gather_processing, which calls
+    _create_columnwise: the watch reports each such build (the observed slot of a blockwise
+    chunk). Seen failing with the column-wise watch left out of watch_te_builds."""
+    _, te, _, backend = te_setup(GEN_2_10)
+    bw = Float8BlockwiseQTensor(random_bytes((32, 48), 5))
+    seen = []
+    undo = backend.watch_builds(seen.append)
+    try:
+        te.post_all_gather_processing([bw])  # as megatron-core calls it, not the plugin
+    finally:
+        undo()
+    assert seen == [bw]
+    te.post_all_gather_processing([bw])
+    assert seen == [bw]  # undone: no longer observed
