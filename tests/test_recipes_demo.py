@@ -9,7 +9,7 @@ checks: aligned slots equal on every rank and observed there (through megatron-c
 not the aligner's counter), lazy = megatron-core alone, losses/gradients/parameters
 bit-identical across aligned, lazy and off. Refused below megatron-core 0.16 (blockwise) /
 0.17 (nvfp4) / 0.18 (mxfp8; the demo's MXFP8 needs 0.19): skipped there with the reason.
-About 25 s on 2 cores.
+About 14 s on 2 cores (up to 40 s when they are busy).
 """
 
 import pytest
