@@ -98,12 +98,12 @@ $(TE_TREES)/.installed: | $(VENV)/.installed
 MCORE019_TESTS = tests/test_schedule.py tests/test_engine_mcore.py tests/test_faults.py \
 	tests/test_refusals.py tests/test_api.py tests/test_cpu_compat.py tests/test_gather_with_optimizer.py \
 	tests/test_groups.py tests/test_forced_sync.py tests/test_no_hang.py tests/test_entry_points.py tests/test_bridge_callback.py \
-	tests/test_megatron_lm_parser_019.py
+	tests/test_megatron_lm_parser_019.py tests/test_recipe_support.py tests/test_recipes_demo.py
 
 # On 0.17.1 and 0.18.2: the schedule tables, the refusal rows, and the two paths that changed
 # between them (0.18 post-processes forced all-gathers itself; the optimizer-step all-gather).
 MCORE_LINE_TESTS = tests/test_schedule.py tests/test_refusals.py tests/test_forced_sync.py \
-	tests/test_gather_with_optimizer.py
+	tests/test_gather_with_optimizer.py tests/test_recipe_support.py
 # On 0.9.0, 0.10.0 and 0.11.0: the engine on the real schedule and DDP, the fault battery, the
 # no-hang agreement, the entry points and the refusals (0.9.0: the pre-0.10 legacy order).
 MCORE_OLD_LINE_TESTS = $(MCORE_LINE_TESTS) tests/test_engine_mcore.py tests/test_faults.py \
@@ -116,7 +116,8 @@ test: install install-mcore016 install-mcore019 $(MCORE_TREES)/.installed $(OLD_
 	$(VENV16)/bin/python -m pytest -q -m "not nemo" tests/test_schedule.py tests/test_engine_mcore.py \
 		tests/test_refusals.py tests/test_api.py tests/test_pipeline_step_time_mps.py \
 		tests/test_groups.py tests/test_forced_sync.py tests/test_gather_with_optimizer.py \
-		tests/test_no_hang.py tests/test_entry_points.py
+		tests/test_no_hang.py tests/test_entry_points.py tests/test_recipe_support.py \
+		tests/test_recipes_demo.py
 	$(VENV19)/bin/python -m pytest -q -m "not nemo" $(MCORE019_TESTS)
 	for v in $(MCORE_LINES); do \
 	  PYTHONPATH=$(CURDIR)/$(MCORE_TREES)/$$v $(VENV19)/bin/python -m pytest -q -m "not nemo" \

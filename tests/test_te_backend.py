@@ -217,19 +217,47 @@ def test_hopper_needs_transpose(gen):
     assert needed and "TN" in reason
 
 
-def test_mxfp8_blockwise_nvfp4_and_plain_tensors_are_skipped_with_reason():
+def test_block_scaled_weights_go_to_tes_post_processing_never_to_a_byte_transpose():
+    """Blockwise and NVFP4 weights' column-wise copies are TE's work (its
+    post_all_gather_processing); MXFP8's is megatron-core's re-quantization (nothing built
+    here); plain tensors are skipped with the reason. Seen failing with the blockwise weights
+    sent to the byte-transpose path (their ``_classify`` reason came back)."""
     cls, te, weights, backend = te_setup(GEN_2_10)
-    others = [MXFP8Tensor(random_bytes((32, 32), 1)), Float8BlockwiseQTensor(random_bytes((32, 32), 2)),
-              NVFP4Tensor(random_bytes((32, 32), 3)), torch.zeros(4, 4)]
-    assert backend.build_transposes(others + weights) == len(weights)
-    assert te.pag_calls == [[id(w) for w in weights]]  # skipped tensors never reach TE
+    mx, bw, fp4 = (MXFP8Tensor(random_bytes((32, 48), 1)),
+                   Float8BlockwiseQTensor(random_bytes((32, 48), 2)),
+                   NVFP4Tensor(random_bytes((32, 48), 3)))
+    others = [mx, bw, fp4, torch.zeros(4, 4)]
+    assert [backend.kind_of(w) for w in others[:3]] == ["requantize", "columnwise",
+                                                       "nvfp4-transpose"]
+    assert backend.build_transposes(others + weights) == len(weights) + 2
+    assert [id(bw), id(fp4)] in te.pag_calls  # TE's own function, not the plugin's kernel
+    assert not any(id(mx) in call for call in te.pag_calls)
+    assert mx._columnwise_data is None and not backend.has_valid_transpose(mx)
+    assert backend.has_valid_transpose(bw) and backend.has_valid_transpose(fp4)
+    assert backend.transpose_mismatch(bw) is None
+    bw._rowwise_data[0, 1] ^= 1  # new row-wise bytes, column-wise copy not rebuilt: stale
+    assert "column-wise bytes differ" in backend.transpose_mismatch(bw)
+    bw._create_columnwise()
+    bw._rowwise_scale_inv[0, 1] += 1
+    assert "block scales differ" in backend.transpose_mismatch(bw)
     reasons = list(backend.skipped)
-    assert any("MXFP8" in r for r in reasons)
-    assert any("blockwise" in r for r in reasons)
-    assert any("NVFP4" in r for r in reasons)
     assert any("Tensor is not a Transformer Engine Float8Tensor" in r for r in reasons)
-    for o in others[:3]:
-        assert o._columnwise_data is None  # untouched
+    assert not any("blockwise" in r or "NVFP4" in r for r in reasons)
+
+
+def test_block_scaled_weights_keep_the_engine_on_where_fp8_needs_no_transpose():
+    """Datacenter Blackwell: per-tensor FP8 needs no transpose, a blockwise weight still needs
+    its column-wise copy after every all-gather."""
+    te = te_module(TE210Float8Tensor, "2.20.2", non_tn=True)
+    backend = TEBackend(te_module=te)
+    assert not backend.transpose_needed()[0]
+
+    class Chunk(torch.nn.Module):
+        def parameters(self):
+            return iter([Float8BlockwiseQTensor(random_bytes((32, 32), 4))])
+    assert len(backend.weights_of(Chunk())) == 1
+    needed, reason = backend.transpose_needed()
+    assert needed and "column-wise copy" in reason
 
 
 def test_columnwise_only_float8_is_skipped():
@@ -324,10 +352,27 @@ def test_describe():
     assert d["name"] == "te-2.20" and d["transpose_needed"] and d["transposes_built"] == len(weights)
 
 
-def test_weights_of_picks_float8_parameters_only():
+def test_weights_of_picks_quantized_parameters_only():
     cls, _, weights, backend = te_setup(GEN_2_10)
     mx = MXFP8Tensor.__new__(MXFP8Tensor)
     # A chunk's parameters(): the TE stand-ins are plain objects, which a torch Module refuses.
     chunk = types.SimpleNamespace(parameters=lambda: iter([weights[0], torch.zeros(2), mx,
                                                            weights[1]]))
-    assert backend.weights_of(chunk) == [weights[0], weights[1]]
+    assert backend.weights_of(chunk) == [weights[0], mx, weights[1]]
+
+
+def test_the_build_watch_sees_tes_columnwise_builds_whoever_calls_them():
+    """megatron-core's post-processing calls TE's post_all_gather_processing, which calls
+    _create_columnwise: the watch reports each such build (the observed slot of a blockwise
+    chunk). Seen failing with the column-wise watch left out of watch_te_builds."""
+    _, te, _, backend = te_setup(GEN_2_10)
+    bw = Float8BlockwiseQTensor(random_bytes((32, 48), 5))
+    seen = []
+    undo = backend.watch_builds(seen.append)
+    try:
+        te.post_all_gather_processing([bw])  # as megatron-core calls it, not the plugin
+    finally:
+        undo()
+    assert seen == [bw]
+    te.post_all_gather_processing([bw])
+    assert seen == [bw]  # undone: no longer observed

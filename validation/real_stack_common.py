@@ -82,6 +82,13 @@ class TransposeWatch:
         self._wrap(build_owner, "_create_transpose", "build")
         self._wrap(Float8Tensor, "_reset_caches", "reset")
         self._wrap(Float8Tensor, "remove_caches", "reset")
+        try:  # blockwise FP8 (TE >= 2.x storage layout): its column-wise copy is the "transpose"
+            from transformer_engine.pytorch.tensor.storage.float8_blockwise_tensor_storage import (
+                Float8BlockwiseQTensorStorage)
+        except ImportError:
+            Float8BlockwiseQTensorStorage = None
+        if Float8BlockwiseQTensorStorage is not None:
+            self._wrap(Float8BlockwiseQTensorStorage, "_create_columnwise", "build")
         return self
 
     def _wrap(self, cls: Any, name: str, kind: str) -> None:
@@ -95,8 +102,9 @@ class TransposeWatch:
                          "step": watch.step, "phase": watch.phase, "t": time.monotonic()}
                 watch.events.append(event)
             out = original(tensor, *args, **kwargs)
-            if event is not None and kind == "build":  # where the transpose lives (CUDA graphs
-                t = getattr(tensor, "_transpose", None)  # replay a fixed address)
+            if event is not None and kind == "build":  # where the transpose (blockwise: the
+                # column-wise copy) lives: CUDA graphs replay a fixed address
+                t = getattr(tensor, "_transpose", getattr(tensor, "_columnwise_data", None))
                 event["ptr"] = None if t is None else t.data_ptr()
             return out
 

@@ -41,7 +41,9 @@ class Opts:
     dp: int = 2
     microbatches: int = 4
     steps: int = 5
-    recipe: str = "delayed"  # megatron-core fp8_recipe: delayed | tensorwise (current scaling)
+    #: megatron-core fp8_recipe: delayed | tensorwise (current scaling) | blockwise (TE
+    #: Float8BlockScaling: Float8BlockwiseQTensor weights, 128x128 blocks)
+    recipe: str = "delayed"
     hidden: int = 256
     layers_per_chunk: int = 1
     seq: int = 64
@@ -413,14 +415,20 @@ def judge(o: Opts, out_dir: str) -> Dict[str, Any]:
                   common.compare_policies(good))
     if not o.cpu_dry_run:
         types = sorted({t for runs in ranks.values() for r in runs for t in r.get("weight_types", [])})
-        check("TE weights are Float8Tensor", [] if types == ["Float8Tensor"] else [f"types {types}"])
+        want = "Float8BlockwiseQTensor" if o.recipe == "blockwise" else "Float8Tensor"
+        check(f"TE weights are {want}", [] if types == [want] else [f"types {types}"])
+        kinds = sorted({rec.get("kind") for runs in ranks.values() for r in runs
+                        for rec in r.get("records", [])})
+        want_kind = "columnwise" if o.recipe == "blockwise" else "transpose"
+        check(f"records say kind {want_kind}", [] if kinds in ([], [want_kind]) else
+              [f"kinds {kinds}"])
     summary = {"opts": asdict(o), "checks": checks,
                "passed": sum(c["ok"] for c in checks), "failed": sum(not c["ok"] for c in checks)}
     first = next(iter(ranks.values()), [])
     summary["losses"] = {r["policy"]: r["losses"] for r in
                          (runs for runs in ranks.values()) for r in r if r.get("losses")}
     summary["example_records"] = [
-        {k: rec[k] for k in ("step", "chunk", "pp_rank", "dp_rank", "policy", "slot",
+        {k: rec.get(k) for k in ("step", "chunk", "pp_rank", "dp_rank", "policy", "kind", "slot",
                              "aligned_slot", "transposed", "valid", "weights", "after_all_gather")}
         for runs in ranks.values() for r in runs if r["policy"] in ("aligned", "lazy")
         for rec in r.get("records", []) if rec["step"] == 1]
@@ -441,7 +449,7 @@ def main(runner: Any = None, description: str = __doc__) -> int:
     ap.add_argument("--vp", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--microbatches", type=int, default=4)
-    ap.add_argument("--recipe", default="delayed", choices=["delayed", "tensorwise"])
+    ap.add_argument("--recipe", default="delayed", choices=["delayed", "tensorwise", "blockwise"])
     ap.add_argument("--cpu-dry-run", action="store_true")
     ap.add_argument("--verify-every", type=int, default=0,
                     help="the plugin's verify_every_n_steps (0: off)")

@@ -10,6 +10,8 @@
 # graphs: tests/test_cuda_graphs_gpu.py (while TE builds), validation/te_cuda_graph_probe.py, one mcore run
 # verify: the plugin's verify mode on real TE (probe --verify-only; one mcore run, verify every step)
 # apex1mb: the Apex path with bucket_cap_mb=1, so both data-parallel shards hold real parameters
+# blockwise: TE Float8BlockScaling (Float8BlockwiseQTensor weights) on megatron-core 0.19.2
+#   (.h200/mc19/), again with verify mode every step, then on 0.16.1 while time is left
 #
 # .h200/ (44 MiB; `echo /.h200/ >> .git/info/exclude`) is made on the CPU machine:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -25,7 +27,7 @@ set -o pipefail
 export PYTHONUNBUFFERED=1 NVTE_ALLOW_NONDETERMINISTIC_ALGO=0
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/rs
 REPO=$PWD; H=$REPO/.h200; T0=$(date +%s); WHAT=${1:-all}
-case $WHAT in mcore|graphs|verify|forcedsync) TE_ONLY=1;; *) TE_ONLY=0;; esac  # no Apex build: all cores to TE
+case $WHAT in mcore|graphs|verify|forcedsync|blockwise) TE_ONLY=1;; *) TE_ONLY=0;; esac  # no Apex build: all cores to TE
 el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
   "$H"/tecore/*.whl "$H"/transformer_engine-2.20.2-py3-none-any.whl "$H"/megatron_core-*.whl \
@@ -97,6 +99,15 @@ if [ "$WHAT" = forcedsync ]; then
   PYTHONPATH=/tmp/site19:$PYTHONPATH run mcore019_eval_gwo 200 python3 validation/real_stack_mcore.py $EV
   grep "^INFO" /tmp/rs/mcore019_eval_gwo.log | cut -c1-400
   left 430 && run mcore016_dp2_delayed 150 python3 validation/real_stack_mcore.py --dp 2 --recipe delayed
+  finish
+fi
+if [ "$WHAT" = blockwise ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site19 "$H"/mc19/megatron_core-*.whl
+  PYTHONPATH=/tmp/site19:$PYTHONPATH run mcore019_dp2_blockwise 200 python3 validation/real_stack_mcore.py --dp 2 --recipe blockwise
+  grep -E "Traceback|Error" /tmp/rs/mcore019_dp2_blockwise.log | cut -c1-400 | head -8
+  # The plugin's verify mode on real blockwise weights: column-wise bytes and scales vs row-wise
+  left 380 && PYTHONPATH=/tmp/site19:$PYTHONPATH run mcore019_dp2_blockwise_verify 120 python3 validation/real_stack_mcore.py --dp 2 --recipe blockwise --steps 3 --verify-every 1
+  left 400 && run mcore016_dp2_blockwise 150 python3 validation/real_stack_mcore.py --dp 2 --recipe blockwise
   finish
 fi
 if [ "$WHAT" = apex1mb ]; then

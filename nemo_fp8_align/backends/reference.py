@@ -33,6 +33,10 @@ def bytes_digest(t: torch.Tensor) -> bytes:
 class ReferenceFP8Weight:
     """FP8 (e4m3) copy of a 2-D high-precision parameter, plus its cached transpose.
 
+    ``kind`` names its post-all-gather work (:mod:`~nemo_fp8_align.backends.recipes`); the
+    block-scaled reference weights of :mod:`~nemo_fp8_align.backends.reference_blocks` derive
+    from this class.
+
     ``data`` is ``[out, in]`` as the forward GEMM reads it; ``transpose`` is ``[in, out]``
     contiguous, as the backward data-gradient GEMM needs it on Hopper (TN layout only).
     Both are valid from :meth:`quantize` / a backend build until :meth:`data_changed`, which the
@@ -45,6 +49,11 @@ class ReferenceFP8Weight:
     bytes (:meth:`ReferenceBackend.rebuild_transposes`, megatron-core's post-all-gather
     processing for TE) replaces it. A backward that reads it before then reads old weights.
     """
+
+    kind = "transpose"
+    #: The column-wise copy is ``data``'s bytes transposed (one batched kernel for the chunk);
+    #: False: :meth:`build_columnwise` builds it (NVFP4's nibble repacking).
+    byte_transposed = True
 
     def __init__(self, source: torch.nn.Parameter, *, name: str = "",
                  manual_post_processing: bool = False) -> None:
@@ -81,15 +90,32 @@ class ReferenceFP8Weight:
     @torch.no_grad()
     def quantize(self) -> None:
         """Cast the current source values to FP8 with a per-tensor scale from their amax."""
-        src = self.source.detach().float()
-        amax = src.abs().max().clamp(min=1e-12)
-        scale = FP8_E4M3_MAX / amax
-        self.data.copy_((src * scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn))
-        self.scale_inv.copy_(1.0 / scale)
+        self._cast(self.source.detach().float())
         self.data_valid = True
         if not self.manual_post_processing:
             self.transpose_valid = False
         self.data_source = bytes_digest(self.source)
+
+    def _cast(self, src: torch.Tensor) -> None:
+        amax = src.abs().max().clamp(min=1e-12)
+        scale = FP8_E4M3_MAX / amax
+        self.data.copy_((src * scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn))
+        self.scale_inv.copy_(1.0 / scale)
+
+    def finish_columnwise(self) -> None:
+        """After the byte transpose of ``data``: whatever else the column-wise copy needs
+        (block scales transposed, for blockwise); nothing for a per-tensor scale."""
+
+    def build_columnwise(self) -> None:
+        """The column-wise copy of a weight that is not ``byte_transposed``."""
+        raise NotImplementedError(type(self).__name__)
+
+    def columnwise_mismatch(self) -> Optional[str]:
+        """``None`` when ``transpose`` holds ``data`` transposed (bytes, and scales where
+        there are several)."""
+        if not torch.equal(self.transpose.view(torch.uint8), self.data.view(torch.uint8).t()):
+            return "transpose bytes differ from the FP8 data transposed"
+        return None
 
     def check_provenance(self, use: str) -> None:
         """Raise :class:`StaleFP8Error` unless what ``use`` reads was built from the source
@@ -112,13 +138,17 @@ class ReferenceFP8Weight:
 
     def dequantized_transpose(self) -> torch.Tensor:
         """``transpose`` as float32 ``[in, out]``; raises if the cache is stale."""
+        self.require_valid_transpose()
+        return self.transpose.float() * self.scale_inv
+
+    def require_valid_transpose(self) -> None:
+        """Raise unless the transpose cache is valid (a stale one read by a backward)."""
         if not self.transpose_valid:
             raise RuntimeError(
                 f"FP8 weight {self.name!r}: transpose cache used while stale. Something "
                 "invalidated it between its build and this backward (a transpose must stay "
                 "valid from its build to the step's last backward)."
             )
-        return self.transpose.float() * self.scale_inv
 
 
 class ReferenceBackend:
@@ -138,11 +168,15 @@ class ReferenceBackend:
     def has_valid_transpose(self, weight: ReferenceFP8Weight) -> bool:
         return weight.transpose_valid
 
+    def kind_of(self, weight: ReferenceFP8Weight) -> str:
+        return weight.kind
+
     def transpose_mismatch(self, weight: ReferenceFP8Weight) -> Optional[str]:
         if not weight.transpose_valid:
             return "transpose cache invalid"
-        if not torch.equal(weight.transpose.view(torch.uint8), weight.data.view(torch.uint8).t()):
-            return "transpose bytes differ from the FP8 data transposed"
+        why = weight.columnwise_mismatch()
+        if why is not None:
+            return why
         if weight.transpose_source != bytes_digest(weight.source):
             return "built from parameter bytes that are not the current ones"
         return None
@@ -159,9 +193,11 @@ class ReferenceBackend:
             if not w.data_valid:
                 w.quantize()
         # One batched call for the whole chunk: one kernel launch on CUDA.
-        multi_transpose_([w.data for w in stale], [w.transpose for w in stale],
+        flat = [w for w in stale if w.byte_transposed]
+        multi_transpose_([w.data for w in flat], [w.transpose for w in flat],
                          use_triton=self.use_triton_kernel)
         for w in stale:
+            w.finish_columnwise() if w.byte_transposed else w.build_columnwise()
             w.transpose_valid = True
             w.transposes_built += 1
             w.transpose_source = w.data_source

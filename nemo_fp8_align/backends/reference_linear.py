@@ -20,8 +20,11 @@ from nemo_fp8_align.backends.reference import ReferenceBackend, ReferenceFP8Weig
 __all__ = ["ReferenceFP8Linear"]
 
 
-def _fp8_tensor_cores(x: torch.Tensor) -> bool:
-    return x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9)
+def _fp8_tensor_cores(x: torch.Tensor, w: ReferenceFP8Weight) -> bool:
+    """A real FP8 GEMM: per-tensor weights on sm_89+ (block-scaled reference weights compute on
+    their dequantized values everywhere: they model the layout work, not the GEMM)."""
+    return (w.kind == "transpose" and x.is_cuda
+            and torch.cuda.get_device_capability(x.device) >= (8, 9))
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype):
@@ -48,7 +51,7 @@ class _FP8LinearFn(torch.autograd.Function):
         ctx.fp8_weight, ctx.check = fp8_weight, check
         if check:
             fp8_weight.check_provenance("forward")
-        if _fp8_tensor_cores(x):  # TN: data [out, in] row-major, its .t() is column-major
+        if _fp8_tensor_cores(x, fp8_weight):  # TN: data [out, in] row-major, its .t() is column-major
             return _scaled_mm(x, torch.float8_e4m3fn, fp8_weight.data.t(),
                               fp8_weight.scale_inv, x.dtype)
         return x @ fp8_weight.dequantized().t().to(x.dtype)
@@ -59,7 +62,7 @@ class _FP8LinearFn(torch.autograd.Function):
         w = ctx.fp8_weight
         if ctx.check and w.transpose_valid:
             w.check_provenance("backward")
-        if _fp8_tensor_cores(dy):  # TN again: only the cached transpose [in, out] fits
+        if _fp8_tensor_cores(dy, w):  # TN again: only the cached transpose [in, out] fits
             if not w.transpose_valid:
                 w.dequantized_transpose()  # raises the stale-cache error
             dx = _scaled_mm(dy, torch.float8_e5m2, w.transpose.t(), w.scale_inv, dy.dtype)
@@ -73,12 +76,16 @@ class ReferenceFP8Linear(torch.nn.Module):
     """``y = x W^T`` through FP8 weights; no bias (GPT linears here run bias-free)."""
 
     def __init__(self, in_features: int, out_features: int, *, backend: ReferenceBackend,
-                 name: str = "", init_std: float = 0.02) -> None:
+                 name: str = "", init_std: float = 0.02,
+                 weight_cls: type = ReferenceFP8Weight) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(torch.empty(out_features, in_features))
         torch.nn.init.normal_(self.weight, std=init_std)
         self.backend = backend
-        self.fp8_weight = ReferenceFP8Weight(self.weight, name=name)
+        dtype = getattr(weight_cls, "param_dtype", None)
+        if dtype is not None:  # MXFP8: the DDP parameter holds the gathered BF16 values
+            self.weight.data = self.weight.data.to(dtype)
+        self.fp8_weight = weight_cls(self.weight, name=name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and not self.fp8_weight.transpose_valid:

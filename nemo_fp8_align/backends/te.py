@@ -26,8 +26,10 @@ processing the count is 0, which makes a second transpose visible in telemetry.
 ``transpose_needed()`` is ``(False, reason)`` where TE says FP8 GEMMs accept non-TN layouts
 (``is_non_tn_fp8_gemm_supported()`` from TE 2.3, ``non_tn_fp8_gemm_supported()`` in 2.0 - 2.2:
 datacenter Blackwell and newer); TE 1.x always transposes. MXFP8, blockwise-FP8 and NVFP4
-tensors are never byte-transposed: their scales run along one axis, and TE keeps its own
-column-wise copy; they are skipped with the reason (see :attr:`TEBackend.skipped`).
+tensors are never byte-transposed by this backend: their scales run along one axis, so their
+column-wise copy is TE's or megatron-core's work (:mod:`nemo_fp8_align.backends.te_blocks`,
+kinds in :mod:`nemo_fp8_align.backends.recipes`); the backend lists them, reads whether the
+copy is present and, where one is missing, asks TE's own ``post_all_gather_processing``.
 
 Optional, off by default (``te_kernel_writes_transpose``): our multi-tensor kernel writes a
 chunk's transposes into the ``_transpose`` buffers in one launch (bit-exact against TE's own
@@ -47,6 +49,8 @@ from nemo_fp8_align.backends.te_api import (BUILD_CALLS, FP8_ATTR_KEYS, FP8_ATTR
                                              GEN_1_8, GEN_2_0, GEN_2_10, NEVER_TRANSPOSE,
                                              TE_INSTALL_HINT, api_generation, load_te_api,
                                              parse_te_version)
+from nemo_fp8_align.backends import te_blocks
+from nemo_fp8_align.backends.recipes import TRANSPOSE
 from nemo_fp8_align.kernels import multi_transpose_
 
 __all__ = ["TEBackend", "make_backend", "load_te_api", "parse_te_version", "api_generation",
@@ -98,6 +102,7 @@ class TEBackend:
         #: Transposes this backend built over its life (telemetry, tests).
         self.transposes_built = 0
         self._needed: Optional[Tuple[bool, str]] = None
+        self._blocks_listed = False
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -160,15 +165,32 @@ class TEBackend:
         return f"{wtype.__name__} is not a Transformer Engine Float8Tensor"
 
     def weights_of(self, module: Any) -> List[Any]:
-        """The ``Float8Tensor`` parameters of ``module`` (e.g. one model chunk), in order.
+        """The quantized parameters of ``module`` (e.g. one model chunk), in order:
+        ``Float8Tensor`` and TE's block-scaled ones (blockwise FP8, MXFP8, NVFP4).
 
         By ``type()`` only, for the same reason as :meth:`_classify`.
         """
-        return [p for p in module.parameters() if issubclass(type(p), self.float8_cls)]
+        out = [p for p in module.parameters() if issubclass(type(p), self.float8_cls)
+               or te_blocks.block_kind(self.api, p) is not None]
+        # Block-scaled weights need their column-wise copy on every GPU (datacenter Blackwell
+        # too, where per-tensor FP8 needs no transpose): listing one keeps the engine active.
+        self._blocks_listed |= any(te_blocks.block_kind(self.api, p) is not None for p in out)
+        return out
+
+    def kind_of(self, weight: Any) -> str:
+        """The weight's post-all-gather work (:mod:`~nemo_fp8_align.backends.recipes`)."""
+        return te_blocks.block_kind(self.api, weight) or TRANSPOSE
 
     # ------------------------------------------------------------------ protocol
 
     def transpose_needed(self) -> Tuple[bool, str]:
+        needed = self._per_tensor_needed()
+        if not needed[0] and self._blocks_listed:
+            return True, ("block-scaled weights (blockwise FP8 / MXFP8 / NVFP4) get their "
+                          "column-wise copy after every all-gather on every GPU")
+        return needed
+
+    def _per_tensor_needed(self) -> Tuple[bool, str]:
         if self._needed is None:
             self._needed = self._compute_needed()
         return self._needed
@@ -191,13 +213,19 @@ class TEBackend:
                       "(Hopper / Ada / consumer Blackwell), the backward GEMM needs a transpose")
 
     def has_valid_transpose(self, weight: Any) -> bool:
+        if te_blocks.block_kind(self.api, weight) is not None:
+            return te_blocks.columnwise_present(self._peek, weight)
         t = self._peek(weight, "_transpose", None)
         if t is None:
             return False
         return not bool(self._peek(weight, "_transpose_invalid", True))
 
     def transpose_mismatch(self, weight: Any) -> Optional[str]:
-        """Verify mode: ``_transpose`` against ``_data`` transposed, byte for byte."""
+        """Verify mode: ``_transpose`` against ``_data`` transposed, byte for byte (a
+        block-scaled weight: :func:`~nemo_fp8_align.backends.te_blocks.columnwise_mismatch`)."""
+        kind = te_blocks.block_kind(self.api, weight)
+        if kind is not None:
+            return te_blocks.columnwise_mismatch(self._peek, weight, kind)
         if not self.has_valid_transpose(weight):
             return "transpose cache invalid"
         data, t = self._peek(weight, "_data"), self._peek(weight, "_transpose")
@@ -216,16 +244,19 @@ class TEBackend:
         read without firing attribute hooks, while the build itself calls TE's methods (or, on the
         kernel path, reads ``_data`` / ``_transpose``) through ordinary attribute access.
         """
-        needed, _reason = self.transpose_needed()
-        if not needed:
-            return 0
+        needed, _reason = self._per_tensor_needed()
         stale: List[Any] = []
+        blocks: List[Any] = []
         seen = set()
         for w in weights:
             if id(w) in seen:
                 continue
             seen.add(id(w))
-            why = self._classify(w)
+            if te_blocks.block_kind(self.api, w) is not None:
+                if not self.has_valid_transpose(w):
+                    blocks.append(w)  # TE's work, never a byte transpose of ours
+                continue
+            why = self._classify(w) if needed else "no FP8 transpose needed on this GPU"
             if why is not None:
                 if self.skipped[why] == 0:
                     logger.info("nemo_fp8_align TE backend: skipping %s", why)
@@ -233,8 +264,9 @@ class TEBackend:
                 continue
             if not self.has_valid_transpose(w):
                 stale.append(w)
+        built_blocks = self._build_blocks(blocks)
         if not stale:
-            return 0
+            return built_blocks
         if self.kernel_writes_transpose:
             self._build_with_kernel(stale)
         else:
@@ -246,12 +278,26 @@ class TEBackend:
                 "invalid after the build; the installed TE does not behave as its version says."
             )
         self.transposes_built += built
+        return built + built_blocks
+
+    def _build_blocks(self, blocks: List[Any]) -> int:
+        """Hand block-scaled weights whose column-wise copy is missing to TE."""
+        if not blocks:
+            return 0
+        te_blocks.build_columnwise(self.api, blocks, [self.kind_of(w) for w in blocks])
+        built = sum(1 for w in blocks if self.has_valid_transpose(w))
+        self.transposes_built += built
         return built
 
     def rebuild_transposes(self, weights: Sequence[Any]) -> int:
         """Build every weight's transpose from its current ``_data``, flagged valid or not (TE
         keeps a transpose flagged valid across a new cast under megatron-core's
-        ``manual_post_all_gather_processing=True``): each is marked invalid, then built."""
+        ``manual_post_all_gather_processing=True``): each is marked invalid, then built. A
+        block-scaled weight's column-wise copy is rebuilt by TE's ``post_all_gather_processing``
+        (MXFP8's requantization is megatron-core's: not rebuilt here)."""
+        blocks = [w for w in weights if te_blocks.block_kind(self.api, w) is not None]
+        rebuilt = te_blocks.build_columnwise(self.api, blocks, [self.kind_of(w) for w in blocks])
+        weights = [w for w in weights if te_blocks.block_kind(self.api, w) is None]
         for w in weights:
             if self._classify(w) is not None:
                 continue
@@ -260,7 +306,7 @@ class TEBackend:
                 attrs[FP8_ATTR_KEYS["_transpose_invalid"]] = True
             else:
                 object.__setattr__(w, "_transpose_invalid", True)
-        return self.build_transposes(weights)
+        return rebuilt + self.build_transposes(weights)
 
     # ------------------------------------------------------------------ builders
 

@@ -93,8 +93,9 @@ def load_te_api() -> types.SimpleNamespace:
 
     The namespace has ``__version__``, ``Float8Tensor``, ``is_non_tn_fp8_gemm_supported`` (or
     ``None``), ``post_all_gather_processing`` (or ``None``) and the classes ``MXFP8Tensor``,
-    ``Float8BlockwiseQTensor``, ``NVFP4Tensor`` where they exist. Test stand-ins provide the same
-    attributes. Raises ``ImportError`` with an install hint when TE cannot be imported.
+    ``Float8BlockwiseQTensor``, ``NVFP4Tensor`` where they exist, and ``tensor_utils`` (TE's
+    ``tensor.utils`` module, whose batched NVFP4 transpose the build watch observes). Test
+    stand-ins provide the same attributes. Raises ``ImportError`` with an install hint when TE cannot be imported.
     """
     import importlib
 
@@ -128,4 +129,14 @@ def load_te_api() -> types.SimpleNamespace:
         Float8BlockwiseQTensor=_opt("transformer_engine.pytorch.tensor.float8_blockwise_tensor",
                                     "Float8BlockwiseQTensor"),
         NVFP4Tensor=_opt("transformer_engine.pytorch.tensor.nvfp4_tensor", "NVFP4Tensor"),
+        tensor_utils=_module("transformer_engine.pytorch.tensor.utils"),
     )
+
+
+def _module(name: str):
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except Exception:
+        return None

@@ -33,6 +33,7 @@ def watch_te_builds(backend: Any, on_built: Callable[[Any], None]) -> Callable[[
             if backend.has_valid_transpose(tensor):
                 on_built(tensor)
         undos.append(observe_method(cls, name, built).remove)
+    undos.extend(_watch_columnwise(backend, on_built))
     kernel = backend._build_with_kernel
 
     def build_with_kernel(stale: List[Any]) -> None:
@@ -46,3 +47,27 @@ def watch_te_builds(backend: Any, on_built: Callable[[Any], None]) -> Callable[[
         for undo in reversed(undos):
             undo()
     return undo_all
+
+
+def _watch_columnwise(backend: Any, on_built: Callable[[Any], None]) -> List[Callable[[], None]]:
+    """Observe TE's column-wise builds of block-scaled weights; returns the undos."""
+    from nemo_fp8_align.backends.te_blocks import block_classes
+    from nemo_fp8_align.core.class_patch import observe_method
+
+    def built(tensor: Any, args: tuple, kwargs: dict, before: Any, out: Any) -> None:
+        if backend.has_valid_transpose(tensor):
+            on_built(tensor)
+    undos = [observe_method(cls, "_create_columnwise", built).remove
+             for cls, _kind in block_classes(backend.api)
+             if getattr(cls, "_create_columnwise", None) is not None]
+    utils = getattr(backend.api, "tensor_utils", None)
+    batched = getattr(utils, "_nvfp4_2d_multi_tensor_transpose", None)
+    if batched is not None:  # a module function: TE's post_all_gather_processing calls it by name
+        def batch(tensors: List[Any], *args: Any, **kwargs: Any) -> Any:
+            out = batched(tensors, *args, **kwargs)
+            for t in tensors:
+                on_built(t)
+            return out
+        setattr(utils, "_nvfp4_2d_multi_tensor_transpose", batch)
+        undos.append(lambda: setattr(utils, "_nvfp4_2d_multi_tensor_transpose", batched))
+    return undos

@@ -19,6 +19,7 @@ __all__ = ["EXIT_BAD_INPUT", "add_demo_parser", "demo_input_problem", "telemetry
 
 EXIT_BAD_INPUT = 2
 LOOPS = ("schedule", "megatron-lm")
+RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8", "nvfp4")
 
 
 def add_demo_parser(sub: "argparse._SubParsersAction") -> None:
@@ -52,6 +53,13 @@ def add_demo_parser(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--manual-post-processing", action="store_true",
                    help="FP8 weights that keep a stale transpose flagged valid until megatron-"
                    "core's post-all-gather processing, as TE's do (megatron-core >= 0.16)")
+    p.add_argument("--recipe", choices=RECIPES, default=RECIPES[0],
+                   help="the quantized-weight recipe the reference weights stand in for: "
+                   "delayed / tensorwise (per-tensor FP8, the plugin's transposes; default), "
+                   "blockwise (2D block scales: column-wise copy; megatron-core >= 0.16), "
+                   "mxfp8 (grad-buffer reuse: re-quantized from the gathered BF16; >= 0.19 "
+                   "here), nvfp4 (packed FP4: 2D transpose; >= 0.17), each done by "
+                   "megatron-core's own post-processing")
     p.add_argument("--loop", choices=LOOPS, default=LOOPS[0],
                    help="'schedule': the demo's own loop around megatron-core's schedule "
                         "(default); 'megatron-lm': Megatron-LM's own pretrain/train() "
@@ -120,7 +128,34 @@ def demo_input_problem(args: argparse.Namespace) -> Optional[str]:
     if getattr(args, "manual_post_processing", False) and not _mcore_post_processes():
         return ("--manual-post-processing: the installed megatron-core has no FP8 post-all-gather "
                 "processing to model (megatron-core >= 0.16 has); leave the flag out")
-    return telemetry_path_problem(args.telemetry)
+    return recipe_problem(args) or telemetry_path_problem(args.telemetry)
+
+
+def recipe_problem(args: argparse.Namespace) -> Optional[str]:
+    """Why ``--recipe`` cannot run here (None when it can): the plugin's own refusal of the
+    recipe on this megatron-core, and the flags that model another post-processing."""
+    recipe = getattr(args, "recipe", RECIPES[0])
+    if recipe in ("delayed", "tensorwise"):
+        return None
+    if getattr(args, "manual_post_processing", False):
+        return (f"--recipe {recipe} --manual-post-processing: the block-scaled recipes are "
+                "always post-processed by megatron-core; leave --manual-post-processing out")
+    if getattr(args, "loop", LOOPS[0]) != LOOPS[0]:
+        return f"--recipe {recipe}: runs in the demo's own loop only; pass --loop schedule"
+    try:
+        from nemo_fp8_align.integrations.recipe_support import mcore_features, recipe_refusals
+        from nemo_fp8_align.backends.recipes import RECIPE_KIND
+        refused = recipe_refusals([RECIPE_KIND[recipe]], mcore_features())
+        from megatron.core.distributed import param_and_grad_buffer as pgb
+    except ImportError:
+        return None  # the missing dependency is reported on its own
+    if refused:
+        return f"--recipe {recipe}: {refused[0]}"
+    if recipe == "mxfp8" and not hasattr(pgb, "copy_tensor_to_quantized_param"):
+        return ("--recipe mxfp8: the demo hands megatron-core's re-quantization to its reference "
+                "weights through copy_tensor_to_quantized_param (megatron-core >= 0.19; 0.18 "
+                "copies with the TE tensor's own copy_); run it on 0.19")
+    return None
 
 
 def _mcore_post_processes() -> bool:
@@ -221,7 +256,7 @@ def run_demo_command(args: argparse.Namespace) -> int:
                            args.overlap_param_gather_with_optimizer_step),
                        resume_at=args.resume_at, eval_after_each_step=args.eval_between_steps,
                        eval_forced_sync=args.eval_between_steps,
-                       manual_post_processing=args.manual_post_processing)
+                       manual_post_processing=args.manual_post_processing, recipe=args.recipe)
     try:
         if args.loop == "megatron-lm":
             from nemo_fp8_align.demo.launch_megatron_lm import run_megatron_lm_demo
@@ -239,7 +274,8 @@ def run_demo_command(args: argparse.Namespace) -> int:
         print(f"FAILED: {problem}", file=sys.stderr)
     if not problems and opts.policy is Policy.OFF:
         print("OK: every FP8 weight was transposed once per step (plugin off: no telemetry).")
-    elif not problems and opts.manual_post_processing:
+    elif not problems and (opts.manual_post_processing or (
+            opts.recipe not in ("delayed", "tensorwise") and opts.eval_after_each_step)):
         print("OK: no GEMM read a stale FP8 copy (megatron-core built the transposes); every "
               "chunk's all-gather finished at the same slot on every pipeline rank.")
     elif not problems:

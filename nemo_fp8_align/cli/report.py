@@ -136,6 +136,10 @@ def format_report(records: List[dict]) -> Tuple[str, List[str]]:
     head = (f"{len(records)} records: steps {steps[0]}-{steps[-1]}, pipeline ranks "
             f"{','.join(map(str, pp))}, data-parallel ranks {','.join(map(str, dp))}, policy {policy}"
             f"\nschedule: {_shape(records)}")
+    kinds = sorted({r.get("kind") or "transpose" for r in records})
+    if kinds != ["transpose"]:  # per-tensor FP8 (and records older than the field) say nothing
+        head += (f"\npost-all-gather work: {', '.join(kinds)} (the transposes columns count "
+                 "the weights post-processed)")
     observed = any(r.get("obs_slot") is not None for r in records)
     rows = [head, "", f"{'chunk':<6}{'aligned':>8}  {'slot per pp rank (all steps)':<30}"
             f"{'observed slot' if observed else '':<22}{'transposes ms':<22}"

@@ -193,6 +193,7 @@ class RecordExtras:
         up = dist.is_available() and dist.is_initialized()
         self.dp_size, self.world_size = dp_size, (dist.get_world_size() if up else None)
         self.observer: Optional[BuildObserver] = None
+        self._kinds: Dict[int, str] = {}
 
     def attach(self, aligner: Any) -> bool:
         """Start observing (with telemetry on); True, for the aligner's ``attach``."""
@@ -207,9 +208,18 @@ class RecordExtras:
             self.observer.close()
             self.observer = None
 
+    def kind(self, aligner: Any, chunk: int) -> str:
+        """The chunk's post-all-gather work (read once: a chunk's weights do not change)."""
+        if chunk not in self._kinds:
+            from nemo_fp8_align.backends.recipes import chunk_kind, kind_of
+
+            self._kinds[chunk] = chunk_kind(kind_of(aligner.backend, w)
+                                            for w in aligner.weights[chunk])
+        return self._kinds[chunk]
+
     def fields(self, aligner: Any, chunk: int) -> Dict[str, Any]:
         s = aligner.schedule
-        out = dict(pp_size=s.pp, vp_size=s.vp, microbatches=s.microbatches,
+        out = dict(kind=self.kind(aligner, chunk), pp_size=s.pp, vp_size=s.vp, microbatches=s.microbatches,
                    group_size=None if s.legacy_order else s.n, legacy_order=s.legacy_order,
                    dp_size=self.dp_size, world_size=self.world_size)
         if self.observer is not None:

@@ -51,6 +51,12 @@ class TransposeRecord:
     chunk seen built in the step, ``obs_at`` their distinct positions ``[k, inside]`` (after k
     finished forwards of this rank, inside a running one or not), ``obs_slot`` the slot of the
     first (``None``: not observed).
+
+    ``kind`` is the chunk's post-all-gather work (:mod:`~nemo_fp8_align.backends.recipes`):
+    ``transpose`` (per-tensor FP8; records written before the field existed read as it),
+    ``columnwise`` (blockwise FP8), ``requantize`` (MXFP8 with grad-buffer reuse),
+    ``nvfp4-transpose``, or several joined with ``+``. ``transposed``, ``valid`` and
+    ``obs_built`` count weights post-processed, whatever the kind.
     """
 
     step: int
@@ -86,6 +92,7 @@ class TransposeRecord:
     obs_built: Optional[int] = None
     obs_at: Optional[List[List[Any]]] = None
     obs_slot: Optional[int] = None
+    kind: str = "transpose"
 
     def to_json(self) -> str:
         # Every field is a plain value: vars() is enough, and 4x faster than asdict()'s deep copy

@@ -75,9 +75,13 @@ def alignment_problems(result: DemoResult) -> List[str]:
     each all-gather it waits for and, on >= 0.18 or through the plugin's watch, after forced
     ones (so also between steps): build counts and places are then megatron-core's, not the
     plugin's; what must hold is that no GEMM read a stale copy (the provenance check raises)
-    and the records' slots."""
+    and the records' slots. The same holds for ``demo --recipe blockwise|mxfp8|nvfp4`` with
+    evaluations between steps."""
     opts, problems = result.options, []
-    manual = opts.manual_post_processing
+    # Block-scaled recipes are post-processed by megatron-core too; only with evaluations does
+    # that also happen between steps (after their forced all-gathers), outside any step's count.
+    manual = opts.manual_post_processing or (
+        opts.recipe not in ("delayed", "tensorwise") and opts.eval_after_each_step)
     for r in ([] if manual else result.ranks):
         for step, builds in enumerate(r["builds_per_step"]):
             if any(b != 1 for b in builds):
@@ -132,6 +136,10 @@ def format_report(result: DemoResult) -> str:
         rows = [r for r in last if r["chunk"] == chunk]
         slots = " ".join(f"r{r['pp_rank']}:{r['slot']}" for r in rows)
         built = sum(r["transposed"] for r in rows)
+        kind = rows[0].get("kind", "transpose") if rows else "transpose"
+        done = (f"{built} transposes" if kind == "transpose" else
+                f"{sum(r['valid'] for r in rows)} weights post-processed ({kind}, by "
+                "megatron-core's post-processing)")
         lines.append(f"  chunk {chunk}: aligned slot {rows[0]['aligned_slot'] if rows else '-'}; "
-                     f"built at slots {slots}; {built} transposes (all pp ranks, dp rank 0)")
+                     f"built at slots {slots}; {done} (all pp ranks, dp rank 0)")
     return "\n".join(lines)

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from nemo_fp8_align.backends.reference import ReferenceBackend, ReferenceFP8Weight
+from nemo_fp8_align.backends.reference_blocks import REFERENCE_WEIGHTS
 from nemo_fp8_align.backends.reference_linear import ReferenceFP8Linear
 
 __all__ = ["DemoModelConfig", "GPTChunk"]
@@ -30,21 +31,24 @@ class DemoModelConfig:
     seq_length: int = 16
     layers_per_chunk: int = 1
     seed: int = 1234
+    #: ``demo --recipe``: which reference weight the linears use
+    #: (:data:`~nemo_fp8_align.backends.reference_blocks.REFERENCE_WEIGHTS`).
+    recipe: str = "delayed"
 
 
 class _Block(torch.nn.Module):
     def __init__(self, cfg: DemoModelConfig, backend: ReferenceBackend, name: str) -> None:
         super().__init__()
-        h = cfg.hidden_size
+        h, w = cfg.hidden_size, REFERENCE_WEIGHTS[cfg.recipe]
         self.num_heads = cfg.num_heads
         self.norm1 = torch.nn.LayerNorm(h)
-        self.qkv = ReferenceFP8Linear(h, 3 * h, backend=backend, name=f"{name}.qkv")
+        self.qkv = ReferenceFP8Linear(h, 3 * h, backend=backend, name=f"{name}.qkv", weight_cls=w)
         self.proj = ReferenceFP8Linear(h, h, backend=backend, name=f"{name}.proj",
-                                       init_std=0.02 / math.sqrt(2))
+                                       init_std=0.02 / math.sqrt(2), weight_cls=w)
         self.norm2 = torch.nn.LayerNorm(h)
-        self.fc1 = ReferenceFP8Linear(h, 4 * h, backend=backend, name=f"{name}.fc1")
+        self.fc1 = ReferenceFP8Linear(h, 4 * h, backend=backend, name=f"{name}.fc1", weight_cls=w)
         self.fc2 = ReferenceFP8Linear(4 * h, h, backend=backend, name=f"{name}.fc2",
-                                      init_std=0.02 / math.sqrt(2))
+                                      init_std=0.02 / math.sqrt(2), weight_cls=w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s, b, h = x.shape
@@ -94,7 +98,8 @@ class GPTChunk(torch.nn.Module):
             if post_process:
                 self.final_norm = torch.nn.LayerNorm(cfg.hidden_size)
                 self.head = ReferenceFP8Linear(cfg.hidden_size, cfg.vocab_size, backend=backend,
-                                               name=f"stage{stage}.head")
+                                               name=f"stage{stage}.head",
+                                               weight_cls=REFERENCE_WEIGHTS[cfg.recipe])
         self.input_tensor: Optional[torch.Tensor] = None
 
     def set_input_tensor(self, input_tensor: Any) -> None:

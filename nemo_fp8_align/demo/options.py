@@ -33,6 +33,10 @@ class DemoOptions:
     #: FP8 weights that keep a stale transpose flagged valid, as TE's under megatron-core >= 0.16
     #: do, rebuilt where megatron-core post-processes (demo/te_post_processing.py).
     manual_post_processing: bool = False
+    #: The quantized-weight recipe the reference weights stand in for: delayed, tensorwise
+    #: (per-tensor FP8: the plugin's transposes), blockwise, nvfp4 (block-scaled: rebuilt by
+    #: megatron-core's own post-processing, demo/recipe_post_processing.py).
+    recipe: str = "delayed"
     device: str = "cpu"
     model: DemoModelConfig = field(default_factory=DemoModelConfig)
     #: A named fault from :mod:`nemo_fp8_align.demo.faults` that the launcher injects in every

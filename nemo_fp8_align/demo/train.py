@@ -98,15 +98,17 @@ def _build(opts: DemoOptions, pp_rank: int):
         pipeline_dtype=torch.float32, params_dtype=torch.float32, use_cpu_initialization=True,
         batch_p2p_comm=False,  # gloo pairs batched same-peer messages wrongly (STACK.md)
         **_group_size(TransformerConfig, opts.group_size))
+    mxfp8 = dict(fp8_param_gather=True, reuse_grad_buf_for_mxfp8_param_ag=True) \
+        if opts.recipe == "mxfp8" else {}  # the grad-buffer-reuse branch of _post_param_sync
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=True, use_distributed_optimizer=True,
-        overlap_param_gather=True, align_param_gather=True, bucket_size=20000)
+        overlap_param_gather=True, align_param_gather=True, bucket_size=20000, **mxfp8)
     backend = ReferenceBackend(check_provenance=opts.check_provenance)
     chunks = []
     for c in range(opts.vp):
         # First/last virtual stage computed here: parallel_state's helpers changed their
         # virtual-stage defaults between megatron-core 0.12 and 0.16.
-        module = GPTChunk(opts.model, config=config, stage=c * opts.pp + pp_rank, vp_stage=c,
+        module = GPTChunk(dataclasses.replace(opts.model, recipe=opts.recipe), config=config, stage=c * opts.pp + pp_rank, vp_stage=c,
                           pre_process=pp_rank == 0 and c == 0,
                           post_process=pp_rank == opts.pp - 1 and c == opts.vp - 1, backend=backend)
         # As Megatron-LM does: only the first chunk is bucketed.
@@ -157,7 +159,7 @@ class PipelineRun:
             bind_schedule_funcs(self.config, self.chunks)
         self._fwd_bwd = get_forward_backward_func()
         self._undo_post_processing = _manual_post_processing(self) if opts.manual_post_processing \
-            else (lambda: None)
+            else _recipe_post_processing(self)
         hidden = opts.model.hidden_size
         self.probe = torch.nn.Linear(hidden, hidden, device=opts.device) \
             if opts.foreign_forwards else None
@@ -210,6 +212,15 @@ def _manual_post_processing(run: PipelineRun):
         w.manual_post_processing = True
     return emulate_post_processing(run.chunks, [c.module.fp8_weights() for c in run.chunks],
                                    run.backend)
+
+
+def _recipe_post_processing(run: PipelineRun):
+    """Block-scaled recipes: megatron-core's own post-processing rebuilds the weights."""
+    if run.opts.recipe in ("delayed", "tensorwise"):
+        return lambda: None
+    from nemo_fp8_align.demo.recipe_post_processing import route_post_processing
+
+    return route_post_processing(run.weights, run.backend)
 
 
 def _train(opts: DemoOptions, telemetry_path: Optional[str], out_dir: str) -> Dict[str, Any]:

@@ -17,6 +17,8 @@ import torch
 
 from nemo_fp8_align.config import AlignConfig
 from nemo_fp8_align.core.aligner import TransposeAligner
+from nemo_fp8_align.integrations.recipe_support import (kinds_of, mcore_features,
+                                                        refuse_recipes, weights_with_work)
 from nemo_fp8_align.integrations.refusals import Setup, refuse_unsupported
 from nemo_fp8_align.sync.mcore import McoreParamSync
 from nemo_fp8_align.core.schedule import InterleavedSchedule
@@ -133,7 +135,9 @@ def align_fp8_transposes(
             m_now = num_microbatches() if callable(num_microbatches) else num_microbatches
             schedule = schedule_for(config, pp=ranks.pp_size, vp=len(model),
                                     num_microbatches=m_now)
-            weights = [weights_of(chunk) for chunk in model]
+            weights = [weights_with_work(chunk, list(weights_of(chunk)), backend)
+                       for chunk in model]
+            refuse_recipes(list(kinds_of(weights, backend)), mcore_features())
             param_sync = McoreParamSync(model)
             aligner = TransposeAligner(
                 model, schedule=schedule,

@@ -138,12 +138,27 @@ def build_aligner(model: Any, config: AlignConfig, *,
     schedule = schedule_for(get_model_config(chunks[0]), pp=ranks.pp_size,
                             vp=len(chunks), num_microbatches=get_num_microbatches())
     fp8_weights, backend = _weights_and_backend(chunks, config, weights)
+    _refuse_recipes(model, fp8_weights, backend)
     aligner = TransposeAligner(
         chunks, schedule=schedule, pp_rank=ranks.pp_rank, dp_rank=ranks.dp_rank,
         dp_size=ranks.dp_size,
         param_sync=_param_sync(model, chunks), weights=fp8_weights, backend=backend,
         config=config, telemetry=telemetry_writer(config.telemetry_path))
     return aligner
+
+
+def _refuse_recipes(model: Any, weights: List[List[Any]], backend: Any) -> None:
+    """Block-scaled weights: on megatron-core's optimizer as on every megatron-core path; on
+    Apex's, where megatron-core post-processes nothing, refused
+    (:mod:`~nemo_fp8_align.integrations.recipe_support`)."""
+    from nemo_fp8_align.integrations.recipe_support import (kinds_of, mcore_features,
+                                                            refuse_recipes)
+
+    kinds = list(kinds_of(weights, backend))
+    if getattr(model, "use_mcore_dist_optim", False):
+        refuse_recipes(kinds, mcore_features())
+    else:
+        refuse_recipes(kinds, None, path="NeMo's Apex distributed_fused_adam")
 
 
 def _param_sync(model: Any, chunks: Sequence[torch.nn.Module]) -> Any:

@@ -116,9 +116,21 @@ class TE210Float8Tensor(TE20Float8Tensor):
 
 
 class _BlockScaled:
-    def __init__(self, data):
+    """TE's block-scaled storage as the backend reads it: row-wise data and 2D block scales
+    (one per 16x16 block here; TE's are 128x128, padded), a column-wise copy built by
+    ``_create_columnwise`` (TE 2.20: byte transpose + scale transpose, for 2D blocks)."""
+
+    def __init__(self, data, block=16):
         self._rowwise_data = data
+        rows, cols = -(-data.shape[0] // block), -(-data.shape[1] // block)
+        self._rowwise_scale_inv = torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols)
         self._columnwise_data = None
+        self._columnwise_scale_inv = None
+        self._is_2D_scaled = True
+
+    def _create_columnwise(self):
+        self._columnwise_data = self._rowwise_data.t().contiguous()
+        self._columnwise_scale_inv = self._rowwise_scale_inv.t().contiguous()
 
 
 class MXFP8Tensor(_BlockScaled):
@@ -152,6 +164,8 @@ def te_module(cls, version, *, non_tn=False, query_name="is_non_tn_fp8_gemm_supp
             for w in weights:
                 if isinstance(w, cls) and not non_tn:
                     w._create_transpose()
+                elif isinstance(w, (Float8BlockwiseQTensor, NVFP4Tensor)):  # on every GPU
+                    w._create_columnwise()
 
         ns.post_all_gather_processing = post_all_gather_processing
     return ns

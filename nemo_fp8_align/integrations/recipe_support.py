@@ -1,0 +1,144 @@
+"""Which recipe's post-all-gather work the plugin can place, on which megatron-core.
+
+The plugin never does a block-scaled recipe's work itself: its aligned finish calls megatron-core's
+``finish_param_sync`` at the aligned slot, and megatron-core's post-processing there does the work
+(DESIGN 5c; kinds in :mod:`nemo_fp8_align.backends.recipes`). So a recipe can be aligned exactly
+where megatron-core post-processes after the wait, *and* after every all-gather the plugin cannot
+redo itself (the forced synchronous ones of evaluation and checkpointing). Read in megatron-core's
+``distributed.param_and_grad_buffer`` module (0.12.3, 0.16.1, 0.17.1, 0.18.2, 0.19.2):
+
+=================  ==========================================================================
+kind               aligned on
+=================  ==========================================================================
+transpose          every version (the plugin's backend builds it where megatron-core does not)
+columnwise         >= 0.16: ``finish_param_sync`` calls ``post_all_gather_processing`` after its
+                   wait (TE's ``_create_columnwise``); after a forced all-gather on 0.16 / 0.17
+                   the plugin's watch asks TE's ``post_all_gather_processing`` again
+nvfp4-transpose    >= 0.17 (``fp4_param_gather``): ``finish_param_sync`` hands every
+                   ``is_float8tensor`` parameter to it, TE 2's ``QuantizedTensor`` NVFP4
+                   included (>= 0.18 names ``is_nvfp4tensor`` too); forced all-gathers on 0.17
+                   as for columnwise
+requantize         >= 0.18: ``_post_param_sync`` re-quantizes after every all-gather, forced ones
+                   too; on 0.16 / 0.17 a forced all-gather leaves the MXFP8 params un-requantized
+                   and only megatron-core's code could redo it
+=================  ==========================================================================
+
+Older megatron-core (no post-processing: TE builds the column-wise copy lazily at first use) and
+NeMo's Apex path (the plugin would have to build it itself) are refused for the block-scaled
+kinds: the plugin never byte-transposes block-scaled data. MXFP8 *without* the grad-buffer reuse
+has no post-all-gather work at all (TE's ``post_all_gather_processing`` passes MXFP8 by): its
+weights are left out, nothing to align.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+from nemo_fp8_align.backends.recipes import (COLUMNWISE, NVFP4_TRANSPOSE, REQUANTIZE, TRANSPOSE,
+                                             kind_of)
+from nemo_fp8_align.errors import UnsupportedSetupError
+
+__all__ = ["McoreFeatures", "mcore_features", "recipe_refusals", "refuse_recipes",
+           "weights_with_work"]
+
+_OFF = "or do not attach the plugin (policy=off)"
+
+
+class McoreFeatures:
+    """What the installed megatron-core does after a parameter all-gather."""
+
+    def __init__(self, post_processes: bool, post_param_sync: bool, version: str,
+                 fp4_param_gather: bool = False) -> None:
+        self.post_processes = post_processes  # >= 0.16: post_all_gather_processing in finish
+        self.post_param_sync = post_param_sync  # >= 0.18: _post_param_sync, forced syncs too
+        self.fp4_param_gather = fp4_param_gather  # >= 0.17: NVFP4 parameters gathered as such
+        self.version = version
+
+
+def mcore_features() -> McoreFeatures:
+    """Probe the installed megatron-core (by what its module holds, not its version string)."""
+    import dataclasses
+
+    import megatron.core
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+
+    fields = {f.name for f in dataclasses.fields(DistributedDataParallelConfig)}
+    return McoreFeatures(hasattr(pgb, "post_all_gather_processing"),
+                         callable(getattr(pgb._ParamAndGradBucketGroup, "_post_param_sync", None)),
+                         getattr(megatron.core, "__version__", "?"),
+                         fp4_param_gather="fp4_param_gather" in fields)
+
+
+#: The first megatron-core version that aligns each block-scaled kind (module docstring).
+SINCE = {COLUMNWISE: "0.16", NVFP4_TRANSPOSE: "0.17", REQUANTIZE: "0.18"}
+
+
+def _need(kind: str, features: Optional[McoreFeatures], path: str) -> Optional[str]:
+    """Why ``kind`` cannot be aligned here (None: it can)."""
+    if kind == TRANSPOSE:
+        return None
+    what = {COLUMNWISE: "blockwise FP8 (its column-wise copy)",
+            NVFP4_TRANSPOSE: "NVFP4 (its 2D transpose)",
+            REQUANTIZE: "MXFP8 with reuse_grad_buf_for_mxfp8_param_ag (its re-quantization)"}[kind]
+    fix = f"Fix: megatron-core >= {SINCE[kind]}, {_OFF}"
+    if features is None:
+        return (f"{what}: on {path} the plugin would have to build it itself, and it never "
+                "byte-transposes block-scaled data; nothing places TE's own post-processing "
+                f"there. Fix: megatron-core's DDP with its distributed optimizer "
+                f"(>= {SINCE[kind]}), {_OFF}")
+    if not features.post_processes:
+        return (f"{what}: megatron-core {features.version} runs no post-all-gather processing "
+                "(>= 0.16 does, in finish_param_sync), so it is built at each rank's first use "
+                f"and the plugin never byte-transposes block-scaled data. {fix}")
+    if kind == NVFP4_TRANSPOSE and not features.fp4_param_gather:
+        return (f"{what}: megatron-core {features.version} has no fp4_param_gather, so NVFP4 "
+                "parameters are neither gathered nor post-processed as NVFP4 (>= 0.17 does "
+                f"both). {fix}")
+    if kind == REQUANTIZE and not features.post_param_sync:
+        return (f"{what}: on megatron-core {features.version} a forced synchronous all-gather "
+                "(evaluation, checkpoint save) leaves the MXFP8 parameters un-requantized, "
+                "which only megatron-core's code could redo (>= 0.18 runs _post_param_sync "
+                f"after it). {fix}")
+    return None
+
+
+def recipe_refusals(kinds: Sequence[str], features: Optional[McoreFeatures],
+                    path: str = "megatron-core") -> List[str]:
+    """One sentence per kind of ``kinds`` that cannot be aligned (``features`` None: a path
+    where the plugin builds the work itself, e.g. NeMo's Apex optimizer)."""
+    out = []
+    for kind in sorted(set(kinds)):
+        why = _need(kind, features, path)
+        if why is not None:
+            out.append(why)
+    return out
+
+
+def refuse_recipes(kinds: Sequence[str], features: Optional[McoreFeatures],
+                   path: str = "megatron-core") -> None:
+    """Raise :class:`~nemo_fp8_align.errors.UnsupportedSetupError` naming every kind that
+    cannot be aligned here."""
+    messages = recipe_refusals(kinds, features, path)
+    if messages:
+        raise UnsupportedSetupError("nemo_fp8_align cannot align this recipe here:\n"
+                                    + "\n".join(f"  - {m}" for m in messages))
+
+
+def weights_with_work(chunk: Any, weights: List[Any], backend: Any) -> List[Any]:
+    """``weights`` less the MXFP8 ones where megatron-core does not re-quantize them after the
+    all-gather (``ddp_config.reuse_grad_buf_for_mxfp8_param_ag`` off): they carry no
+    post-all-gather work, so there is nothing to align for them."""
+    reuse = bool(getattr(getattr(chunk, "ddp_config", None), "reuse_grad_buf_for_mxfp8_param_ag",
+                         False))
+    return [w for w in weights if reuse or kind_of(backend, w) != REQUANTIZE]
+
+
+def kinds_of(weights: Sequence[Sequence[Any]], backend: Any) -> Dict[str, int]:
+    """How many weights of each kind ``weights`` (per chunk) hold."""
+    out: Dict[str, int] = {}
+    for chunk in weights:
+        for w in chunk:
+            k = kind_of(backend, w)
+            out[k] = out.get(k, 0) + 1
+    return out
