@@ -23,8 +23,8 @@ PER_CHUNK = ("forward", "backward", "transpose", "host_wait")
 #: Transposes built at the same slot by every rank of one GPU split by CUDA MPS take this much
 #: longer than staggered (lazy) ones: aligned / lazy median per-chunk time of the generic torch
 #: transpose in the calibration's fit run (megatron-core 0.19.2, PP=4, H200:
-#: 4.184 / 3.701 ms); see benchmarks/results/planner_calibration.md.
-SHARED_GPU_SLOWDOWN = 4.184 / 3.701
+#: 4.1841 / 3.7013 ms); see benchmarks/results/planner_calibration.md.
+SHARED_GPU_SLOWDOWN = 4.1841 / 3.7013
 
 #: Values that cannot be zero: every chunk computes something.
 _POSITIVE = ("forward", "backward")
