@@ -185,6 +185,15 @@ def plan_result(args: argparse.Namespace) -> Tuple[str, Dict[Placement, Timeline
     return "\n".join(lines) + "\n", timelines, summary
 
 
+def _rounded(value):
+    """Floats to 6 decimals (nanoseconds in ms): no last-digit noise from one CPU to another."""
+    if isinstance(value, float):
+        return round(value, 6) + 0.0
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    return [_rounded(v) for v in value] if isinstance(value, list) else value
+
+
 def _nothing(summary: Dict, reason: str) -> Dict:
     return dict(summary, nothing_to_align=reason, saving_ms=0.0, step_ms=None)
 
@@ -313,7 +322,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.format == "json":
         import json
 
-        print(json.dumps(summary, sort_keys=True))
+        print(json.dumps(_rounded(summary), sort_keys=True, indent=2))
     else:
         print(text, end="")
     if args.plot and timelines:
