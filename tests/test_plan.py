@@ -89,6 +89,7 @@ def test_plan_reads_the_launcher_config_with_its_resolvers(capsys):
 
 @pytest.mark.parametrize("overrides,argv,needle", [
     (["model.fp8=False"], [], "trains without FP8 (model.fp8=False)"),
+    (["model.fp8_params=False"], [], "high precision (model.fp8_params=False)"),
     (["model.fp8_recipe=mxfp8", "+model.reuse_grad_buf_for_mxfp8_param_ag=False"],
      ["--gpu", "b200"], "MXFP8 without reuse_grad_buf_for_mxfp8_param_ag"),
     (["model.fp8_recipe=delayed"], ["--gpu", "gb200"], "datacenter Blackwell"),

@@ -102,6 +102,10 @@ def _work(x: PlanInputs) -> Tuple[Optional[PostProcessing], Optional[str]]:
     if x.fp8 is False and x.recipe != "nvfp4":
         return None, ("the config trains without FP8 (model.fp8=False): no FP8 weight, no "
                       "transpose (add the override model.fp8=True to plan it with FP8)")
+    if x.fp8_params is False and x.recipe != "nvfp4":
+        return None, ("the config keeps its weights in high precision (model.fp8_params=False): "
+                      "nothing is gathered in FP8 or processed after the gather (add the "
+                      "override model.fp8_params=True to plan FP8 parameters)")
     needed = GPUS[x.gpu].needs_transpose[0]
     work, reason = post_processing(x.recipe, x.gpu, needed,
                                    reuse_grad_buf=x.reuse_grad_buf is not False)

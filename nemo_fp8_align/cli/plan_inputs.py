@@ -145,7 +145,8 @@ def _config_fp8(model: Any, prefix: str) -> Dict[str, Any]:
     from nemo_fp8_align.config_check.reader import ABSENT
 
     out: Dict[str, Any] = {}
-    for key, name in (("fp8", "fp8"), ("reuse_grad_buf_for_mxfp8_param_ag", "reuse_grad_buf")):
+    for key, name in (("fp8", "fp8"), ("fp8_params", "fp8_params"),
+                      ("reuse_grad_buf_for_mxfp8_param_ag", "reuse_grad_buf")):
         value = model.get(key)
         if value is ABSENT or value is None:
             continue
@@ -229,7 +230,7 @@ def resolve(args: argparse.Namespace) -> PlanInputs:
         raise PlanInputError(f"--gpu {args.gpu!r} is not known; use one of {', '.join(sorted(GPUS))}"
                              " (or the closest one with --tflops and --transpose-tbps)")
     v: Dict[str, Any] = dict.fromkeys((*_INT_FLAGS, "gated_mlp", "overlap_p2p", "batch_p2p",
-                                       "fp8", "recipe", "reuse_grad_buf"))
+                                       "fp8", "fp8_params", "recipe", "reuse_grad_buf"))
     v.update(_from_config(args.config, args.overrides) if args.config else {})
     if args.overrides and not args.config:
         raise PlanInputError(f"override {args.overrides[0]!r} without a CONFIG.yaml: pass the "
