@@ -1,5 +1,5 @@
 """What each quantized-weight recipe does to a chunk's weights after their all-gather, how many
-bytes that moves, and which GPUs run it (docs/DESIGN.md 5c: megatron-core 0.19.2, TE 2.20-2.21).
+bytes that moves, and which GPUs run it (read in megatron-core 0.19.2 and TE 2.20-2.21).
 
 Bytes are per weight element, read + written, as modelled here (a kernel may move more):
 
