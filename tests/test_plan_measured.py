@@ -106,6 +106,8 @@ def test_plan_json_with_measured_durations_is_the_benchmarks_model(capsys):
     assert out["saving_ms"] == pytest.approx(ref["lazy"] - ref["aligned"], abs=2e-6)
     assert out["step_ms"]["lazy"] == pytest.approx(ref["lazy"], abs=2e-6)
     assert out["saving_ms"] == pytest.approx(out["step_ms"]["lazy"] - out["step_ms"]["aligned"], abs=2e-6)
+    assert out["policy_step_ms"] == {"off": out["step_ms"]["lazy"], "lazy": out["step_ms"]["lazy"],
+                                     "aligned": out["step_ms"]["aligned"]}
     assert out["per_rank_chunk"] and out["shared_gpu_slowdown"] == pytest.approx(1.1304, abs=1e-4)
     # without the host wait the saving is the per-rank model's, larger (the MPS table: 20.9 ms)
     assert main(["plan", *MPS_SHAPE, "--format", "json",

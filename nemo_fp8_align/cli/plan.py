@@ -199,7 +199,8 @@ def _rounded(value):
 
 
 def _nothing(summary: Dict, reason: str) -> Dict:
-    return dict(summary, nothing_to_align=reason, saving_ms=0.0, step_ms=None)
+    return dict(summary, nothing_to_align=reason, saving_ms=0.0, step_ms=None,
+                policy_step_ms=None)
 
 
 def _summary(tls: Dict[Placement, Timeline], costs: Costs, work: PostProcessing,
@@ -208,6 +209,9 @@ def _summary(tls: Dict[Placement, Timeline], costs: Costs, work: PostProcessing,
     return {"nothing_to_align": None, "microbatches": m,
             "saving_ms": step["lazy"] - step["aligned"],
             "lazy_extra_ms": step["lazy"] - step["none"], "step_ms": step,
+            # the plugin's policies: off leaves megatron-core / TE building at first use (lazy)
+            "policy_step_ms": {"off": step["lazy"], "lazy": step["lazy"],
+                               "aligned": step["aligned"]},
             "modelled_only": [p.value for p in _MODELLED_ONLY],
             "post_processing": {"kind": work.kind, "what": work.what,
                                 "bytes_per_weight": work.bytes_per_weight,
