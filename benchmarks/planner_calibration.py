@@ -91,6 +91,20 @@ def _f(x: Optional[float], nd: int = 1) -> str:
     return "-" if x is None else f"{x:.{nd}f}"
 
 
+_HEADER = ("| run | role | megatron-core | PP | transposes | steps/policy (rounds) | measured "
+           "(medians) | paired per round min / median / max | **predicted** | inside? | without "
+           "the slowdown | uniform planner (before) |")
+_RULE = "|---|---|---|---|---|---|---|---|---|---|---|---|"
+
+
+def _row(r: Dict[str, Any]) -> str:
+    p = r["paired"]
+    return (f"| {r['run']} | {r['role']} | {r['mcore']} | {r['pp']} | {r['impl']} | "
+            f"{r['steps']} ({r['rounds']}) | {_f(r['measured'])} | {_f(p['min'])} / "
+            f"{_f(p['median'])} / {_f(p['max'])} | **{_f(r['predicted'])}** | "
+            f"{'yes' if r['inside'] else '**no**'} | {_f(r['no_slowdown'])} | {_f(r['uniform'])} |")
+
+
 def markdown(rows: List[Dict[str, Any]], slowdown: float, argv: List[str]) -> str:
     held = [r for r in rows if r["role"] == "held out"]
     inside = sum(r["inside"] for r in held)
@@ -116,17 +130,8 @@ def markdown(rows: List[Dict[str, Any]], slowdown: float, argv: List[str]) -> st
         "- **Criterion:** the prediction of lazy - aligned lies inside [min, max] of the paired "
         "per-round differences (lazy segment median - aligned segment median, same round).", "",
         "## Prediction vs measured (lazy - aligned per step, ms)", "",
-        "| run | role | megatron-core | PP | transposes | steps/policy (rounds) | measured "
-        "(medians) | paired per round min / median / max | **predicted** | inside? | without "
-        "the slowdown | uniform planner (before) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        p = r["paired"]
-        lines.append(
-            f"| {r['run']} | {r['role']} | {r['mcore']} | {r['pp']} | {r['impl']} | "
-            f"{r['steps']} ({r['rounds']}) | {_f(r['measured'])} | {_f(p['min'])} / "
-            f"{_f(p['median'])} / {_f(p['max'])} | **{_f(r['predicted'])}** | "
-            f"{'yes' if r['inside'] else '**no**'} | {_f(r['no_slowdown'])} | {_f(r['uniform'])} |")
+        _HEADER,
+        _RULE] + [_row(r) for r in rows]
     errors = [r["predicted"] - r["paired"]["median"] for r in held]
     resolved = [r for r in held if r["paired"]["min"] > 0]
     lines += ["", "## Reading", "",
@@ -166,14 +171,68 @@ def markdown(rows: List[Dict[str, Any]], slowdown: float, argv: List[str]) -> st
     return "\n".join(lines) + "\n"
 
 
-def mlmgpu_note() -> str:
-    found = sorted(MLMGPU.glob("megatron_lm_loop_gpu*.md")) if MLMGPU.is_dir() else []
+def mlm_summaries() -> List[Path]:
+    """Helper mlmgpu's Megatron-LM-loop step-time summaries (benchmarks/megatron_lm_step_time.py's
+    summary.json), in this repository once merged, else in that helper's worktree."""
+    for base in (ROOT / "benchmarks" / "results", MLMGPU):
+        found = sorted(p for p in base.glob("megatron_lm*/**/summary.json") if p.is_file())
+        if found:
+            return found
+    return []
+
+
+def mlm_rows(path: Path, slowdown: float) -> List[Dict[str, Any]]:
+    """Extra held-out shapes: Megatron-LM's own train() on one GPU split by MPS. Its summary has
+    per rank forward per chunk, backward per call (no chunk), transposes per chunk and step (all
+    policies pooled) and p2p; no host wait (not measured there: left out). Megatron-LM's p2p
+    with interleaving: overlap_p2p_comm on, batch off."""
+    data = json.loads(path.read_text())
+    sh, chunks = data["shape"], data["chunks"]
+    pp, vp, out = sh["pp"], sh["vp"], []
+    ranks = [chunks[f"pp rank {r}"] for r in range(pp)]
+    mode = ranks[0].get("p2p_mode") or "ipc"
+    p2p = statistics.median(r["p2p_one_way_ms"][mode] for r in ranks)
+    bench = {"pp": pp, "vp": vp, "layers_per_chunk": 1, "hidden": sh["hidden"],
+             "heads": sh["heads"], "seq": sh["seq"], "micro_batch_size": sh["micro_batch_size"],
+             "microbatches": sh["microbatches"]}
+    for impl in sh["transposes"]:
+        paired = data["paired"].get(f"{impl}: lazy - aligned", {})
+        if not paired.get("n"):
+            continue
+        fwd = [ranks[r]["forward_ms_per_chunk"][str(c)] for r in range(pp) for c in range(vp)]
+        bwd = [ranks[r]["backward_ms_per_call"]["median"] for r in range(pp) for _ in range(vp)]
+        tr = [ranks[r]["transpose_ms_per_chunk_step"][f"{impl} c{c}"]
+              for r in range(pp) for c in range(vp)]
+        argv = [x for x in shape_argv(bench) if x != "--no-overlap-p2p-comm"] + [
+            "--overlap-p2p-comm", "--measured-forward-ms", ",".join(map(repr, fwd)),
+            "--measured-backward-ms", ",".join(map(repr, bwd)),
+            "--measured-transpose-ms", ",".join(map(repr, tr)), "--measured-p2p-ms", repr(p2p),
+            "--ranks-share-gpu", "--shared-gpu-slowdown", repr(slowdown)]
+        pred = plan_json(argv)
+        steps = data["step_ms"]
+        out.append({
+            "run": f"megatron-lm {path.parent.name}", "role": "held out (Megatron-LM loop)",
+            "mcore": data["versions"].get("megatron_core", "?"), "pp": pp, "impl": impl,
+            "steps": steps[f"{impl} lazy"]["n"], "rounds": paired["n"],
+            "measured": steps[f"{impl} lazy"]["median"] - steps[f"{impl} aligned"]["median"],
+            "paired": paired, "predicted": pred["saving_ms"], "step_ms": pred["step_ms"],
+            "no_slowdown": None, "uniform": None,
+            "inside": paired["min"] <= pred["saving_ms"] <= paired["max"]})
+    return out
+
+
+def mlmgpu_note(found: List[Path], rows: List[Dict[str, Any]]) -> str:
+    head = "\n## Megatron-LM loop on the GPU (helper mlmgpu)\n\n"
     if not found:
-        return ("\n## Megatron-LM loop on the GPU (helper mlmgpu)\n\nNo "
-                "`megatron_lm_loop_gpu*.md` existed when this file was made, so no extra "
-                "held-out shape from Megatron-LM's own loop is in the table.\n")
-    return ("\n## Megatron-LM loop on the GPU (helper mlmgpu)\n\nFound: "
-            + ", ".join(f"`{p.name}`" for p in found) + " (see the text below the table).\n")
+        return (head + "No Megatron-LM-loop step-time summary (`megatron_lm*/**/summary.json`, "
+                "benchmarks/megatron_lm_step_time.py) existed when this file was made, so no "
+                "extra held-out shape from Megatron-LM's own loop is in the table.\n")
+    return (head + "Rows 'held out (Megatron-LM loop)' come from " + ", ".join(
+        f"`{p.parent.name}/{p.name}`" for p in found) + ": Megatron-LM's own train() on one GPU "
+        "split by MPS, never seen before the split. Its summary carries no host wait (so none "
+        "is modelled), one backward per rank (not per chunk), and transposes pooled over "
+        f"policies. Inside the paired spread: {sum(r['inside'] for r in rows)} of {len(rows)}."
+        "\n\n" + "\n".join([_HEADER, _RULE] + [_row(r) for r in rows]) + "\n")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -183,7 +242,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     slowdown = fit_slowdown()
     rows = [row for name in FIT for row in rows_of(name, "fit", slowdown)]
     rows += [row for name in HELD_OUT for row in rows_of(name, "held out", slowdown)]
-    text = markdown(rows, slowdown, [] if argv is None else argv) + mlmgpu_note()
+    found = mlm_summaries()
+    mlm = [row for path in found for row in mlm_rows(path, slowdown)]
+    text = markdown(rows, slowdown, [] if argv is None else argv) + mlmgpu_note(found, mlm)
     Path(args.out).write_text(text)
     print(text)
     return 0
