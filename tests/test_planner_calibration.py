@@ -40,10 +40,10 @@ def _mlm_summary(tmp_path):
 
     ranks = {f"pp rank {r}": {
         "forward_ms_per_chunk": {"0": 4.5 + 0.1 * r, "1": 4.4},
-        "backward_ms_per_call": {"n": 40, "min": 9.0, "median": 10.0 + r, "max": 12.0},
+        "backward_ms_per_call": {"n": 40, "min": 9.0, "median": 13.0 - r, "max": 14.0},
         "transpose_ms_per_chunk_step": {"te c0": 0.3, "te c1": 0.3, "torch c0": 3.7,
                                         "torch c1": 3.6},
-        "p2p_one_way_ms": {"host": 9.0, "ipc": 0.2 + 0.1 * r}, "p2p_mode": "ipc"}
+        "p2p_one_way_ms": {"host": 9.0, "ipc": 2.0 + 0.5 * r}, "p2p_mode": "ipc"}
         for r in range(4)}
     paired = {"n": 5, "min": 5.0, "median": 9.0, "max": 30.0, "per_round_ms": []}
     data = {"shape": {"pp": 4, "vp": 2, "microbatches": 8, "hidden": 4096, "heads": 32,
@@ -69,10 +69,14 @@ def test_megatron_lm_loop_summaries_become_held_out_rows(tmp_path):
     table = measured_costs(
         Costs(forward=1.0, backward=1.0), 4, 2,
         {"forward": [4.5, 4.4, 4.6, 4.4, 4.7, 4.4, 4.8, 4.4],
-         "backward": [10.0, 10.0, 11.0, 11.0, 12.0, 12.0, 13.0, 13.0],
-         "transpose": [3.7, 3.6] * 4}, p2p_ms=0.35, shared_gpu_slowdown=1.25)
+         "backward": [13.0, 13.0, 12.0, 12.0, 11.0, 11.0, 10.0, 10.0],
+         "transpose": [3.7, 3.6] * 4}, p2p_ms=2.75, shared_gpu_slowdown=1.25)
     s = InterleavedSchedule(4, 2, 8)
     want = [simulate(s, p, table, overlap_p2p=True).step_time * 1e3
             for p in (Placement.LAZY, Placement.ALIGNED)]
     assert abs(row["predicted"] - (want[0] - want[1])) < 2e-6
+    # the step times, not only their difference; these durations make the p2p mode matter
+    # (Megatron-LM's overlap_p2p_comm: 11.5 ms shorter than blocking calls)
+    assert abs(row["step_ms"]["lazy"] - want[0]) < 2e-6
+    assert abs(row["step_ms"]["aligned"] - want[1]) < 2e-6
     assert row["inside"] == (5.0 <= row["predicted"] <= 30.0)
