@@ -175,8 +175,9 @@ def mlm_summaries() -> List[Path]:
     """Helper mlmgpu's Megatron-LM-loop step-time summaries (benchmarks/megatron_lm_step_time.py's
     summary.json), in this repository once merged, else in that helper's worktree."""
     for base in (ROOT / "benchmarks" / "results", MLMGPU):
-        found = sorted(p for p in base.glob("megatron_lm*/**/summary.json") if p.is_file())
-        if found:
+        found = sorted(p for p in base.glob("megatron_lm*/**/*summary.json")
+                       if p.is_file() and {"chunks", "paired"} <= set(json.loads(p.read_text())))
+        if found:  # (the checks' and resume's summaries carry no step times)
             return found
     return []
 
@@ -191,7 +192,9 @@ def mlm_rows(path: Path, slowdown: float) -> List[Dict[str, Any]]:
     pp, vp, out = sh["pp"], sh["vp"], []
     ranks = [chunks[f"pp rank {r}"] for r in range(pp)]
     mode = ranks[0].get("p2p_mode") or "ipc"
-    p2p = statistics.median(r["p2p_one_way_ms"][mode] for r in ranks)
+    # the ping-pong is timed on the ranks that ran it (ranks 0 and 1)
+    p2p = statistics.median(r["p2p_one_way_ms"][mode] for r in ranks
+                            if mode in r.get("p2p_one_way_ms", {}))
     bench = {"pp": pp, "vp": vp, "layers_per_chunk": 1, "hidden": sh["hidden"],
              "heads": sh["heads"], "seq": sh["seq"], "micro_batch_size": sh["micro_batch_size"],
              "microbatches": sh["microbatches"]}
@@ -211,9 +214,11 @@ def mlm_rows(path: Path, slowdown: float) -> List[Dict[str, Any]]:
         pred = plan_json(argv)
         steps = data["step_ms"]
         out.append({
-            "run": f"megatron-lm {path.parent.name}", "role": "held out (Megatron-LM loop)",
+            "run": f"{path.parent.name}/{path.name.split('.')[0]}",
+            "role": "held out (Megatron-LM loop)",
             "mcore": data["versions"].get("megatron_core", "?"), "pp": pp, "impl": impl,
             "steps": steps[f"{impl} lazy"]["n"], "rounds": paired["n"],
+            "gpu": data["versions"].get("gpu", "?"),
             "measured": steps[f"{impl} lazy"]["median"] - steps[f"{impl} aligned"]["median"],
             "paired": paired, "predicted": pred["saving_ms"], "step_ms": pred["step_ms"],
             "no_slowdown": None, "uniform": None,
@@ -227,12 +232,19 @@ def mlmgpu_note(found: List[Path], rows: List[Dict[str, Any]]) -> str:
         return (head + "No Megatron-LM-loop step-time summary (`megatron_lm*/**/summary.json`, "
                 "benchmarks/megatron_lm_step_time.py) existed when this file was made, so no "
                 "extra held-out shape from Megatron-LM's own loop is in the table.\n")
-    return (head + "Rows 'held out (Megatron-LM loop)' come from " + ", ".join(
-        f"`{p.parent.name}/{p.name}`" for p in found) + ": Megatron-LM's own train() on one GPU "
-        "split by MPS, never seen before the split. Its summary carries no host wait (so none "
-        "is modelled), one backward per rank (not per chunk), and transposes pooled over "
-        f"policies. Inside the paired spread: {sum(r['inside'] for r in rows)} of {len(rows)}."
-        "\n\n" + "\n".join([_HEADER, _RULE] + [_row(r) for r in rows]) + "\n")
+    unresolved = all(r["paired"]["min"] < 0 < r["paired"]["max"] for r in rows)
+    verdict = (f"Inside the paired spread: {sum(r['inside'] for r in rows)} of {len(rows)}"
+               + ("; every spread there crosses zero, so inside says only that the saving is "
+                  "below what the run resolves." if unresolved else "."))
+    sources = ", ".join(f"`{p.parent.name}/{p.name}`" for p in found)
+    gpus = ", ".join(sorted({r["gpu"] for r in rows}))
+    return (head + f"Rows 'held out (Megatron-LM loop)' come from {sources}: Megatron-LM's own "
+            "train() on one GPU split by MPS, never seen before the split. Its summary carries "
+            "no host wait (so none is modelled), one backward per rank (not per chunk), "
+            "transposes pooled over policies, p2p from the ranks that timed it; Megatron-LM's "
+            f"p2p with interleaving is taken as overlap_p2p_comm on. GPU: {gpus} (the "
+            f"shared-GPU slowdown is the H200 fit's). {verdict}\n\n"
+            + "\n".join([_HEADER, _RULE] + [_row(r) for r in rows]) + "\n")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
