@@ -73,53 +73,25 @@ def per_rank_costs(b: Any, ranks: List[Dict[str, Any]], policy: str, impl: str,
 
 
 def predict_per_rank(b: Any, costs: Dict[tuple, Dict[str, float]], p2p_ms: float,
-                     host_overlap: bool) -> Dict[str, float]:
+                     host_overlap: bool, shared_gpu_slowdown: float = 1.0) -> Dict[str, float]:
     """The planner's step time (ms) with each rank's and chunk's own durations instead of one
     set for all. ``host_overlap``: each chunk's first forward also carries its measured host
-    extra (``first_extra``, read from aligned segments), and lazily built transposes, queued inside that forward, run on
-    the GPU while the host does that work: they cost max(transposes, extra), not the sum.
+    wait (``first_extra``, read from aligned segments), which lazily built transposes fill (the
+    planner's ``host_wait``: see nemo_fp8_align.planner.simulate). ``shared_gpu_slowdown``: the
+    aligned transposes' contention on the one GPU (the planner's ``--ranks-share-gpu``)."""
+    InterleavedSchedule, Costs, Placement, simulate = _planner()
+    from nemo_fp8_align.planner.measured import measured_costs
 
-    Uses the planner's private simulator class (``planner.simulate._Sim``): a benchmark-only
-    extension; the planner itself takes one set of durations (see benchmarks/results)."""
-    import importlib
-    InterleavedSchedule, Costs, Placement, _ = _planner()
-    sim = importlib.import_module("nemo_fp8_align.planner.simulate")
-    from nemo_fp8_align.planner.program import Compute, Transpose
-
-    table = {k: Costs(forward=v["forward"] / 1e3, backward=v["backward"] / 1e3,
-                      transpose=v["transpose"] / 1e3, p2p=p2p_ms / 1e3) for k, v in costs.items()}
-    extra = {k: max(0.0, v["first_extra"]) / 1e3 if host_overlap else 0.0
-             for k, v in costs.items()}
-
-    class PerRank(sim._Sim):
-        def __init__(self, tl: Any) -> None:
-            super().__init__(tl)
-            self.base, self.seen = tl.costs, set()
-
-        def step(self, rank: Any) -> bool:
-            op = rank.ops[rank.pc]
-            key = (rank.rank, getattr(op, "chunk", -1))
-            self.c = table.get(key, self.base) if isinstance(op, (Compute, Transpose)) else self.base
-            if key in self.seen or not isinstance(op, (Compute, Transpose)):
-                return super().step(rank)
-            if isinstance(op, Transpose) and self.tl.placement is Placement.LAZY:
-                self.seen.add(key)  # the transposes fill the first forward's host wait
-                span = max(self.c.transpose, extra[key])
-                self.add(rank, "transpose", rank.t, rank.t + span, op.chunk)
-                rank.t += span
-                return True
-            if isinstance(op, Compute) and op.kind == "F":
-                self.seen.add(key)
-                rank.t += extra[key]
-            return super().step(rank)
-
-    out = {}
-    for placement in (Placement.NONE, Placement.LAZY, Placement.ALIGNED):
-        tl = sim.Timeline(InterleavedSchedule(b.pp, b.vp, b.microbatches), placement,
-                          Costs(forward=1e-3, backward=2e-3, p2p=p2p_ms / 1e3))
-        PerRank(tl).run()
-        out[placement.value] = tl.step_time * 1e3
-    return out
+    keys = [(r, c) for r in range(b.pp) for c in range(b.vp)]
+    measured = {name: [costs[k][name] for k in keys] for name in ("forward", "backward",
+                                                                   "transpose")}
+    measured["host_wait"] = [max(0.0, costs[k]["first_extra"]) if host_overlap else 0.0
+                             for k in keys]
+    table = measured_costs(Costs(forward=1e-3, backward=2e-3), b.pp, b.vp, measured,
+                           p2p_ms=p2p_ms, shared_gpu_slowdown=shared_gpu_slowdown)
+    sched = InterleavedSchedule(b.pp, b.vp, b.microbatches)
+    return {p.value: simulate(sched, p, table).step_time * 1e3
+            for p in (Placement.NONE, Placement.LAZY, Placement.ALIGNED)}
 
 
 def _timed(seg: Dict[str, Any], discard: int) -> List[Dict[str, Any]]:

@@ -351,6 +351,8 @@ HANDLERS = [
     ("docs/megatron-core.md", "from nemo_fp8_align import TEBackend", align_snippet),
     ("docs/planner.md", "$ nemo-fp8-align plan --model gpt3-175b", report_on_data),
     ("docs/planner.md", "$ nemo-fp8-align plan --model llama3-70b", report_on_data),
+    ("docs/planner.md", "$ nemo-fp8-align plan --recipe mxfp8", report_on_data),
+    ("docs/planner.md", "$ nemo-fp8-align plan --layers 8", report_on_data),
     ("docs/telemetry.md", "$ nemo-fp8-align demo", transcript_with_timings),
     ("docs/telemetry.md", "$ nemo-fp8-align report aligned.jsonl", ab_report),
     ("docs/testing.md", "chunk  aligned slot", smoke_output),

@@ -46,7 +46,8 @@ def test_plan_bad_inputs(argv, needle, capsys):
 
 
 @pytest.mark.parametrize("argv,needle", [(["--gpu", "b200"], "datacenter Blackwell"),
-                                         (["--recipe", "mxfp8"], "MXFP8")])
+                                         (["--gpu", "b200", "--recipe", "mxfp8",
+                                           "--no-reuse-grad-buf-for-mxfp8-param-ag"], "MXFP8")])
 def test_nothing_to_align(argv, needle, capsys):
     assert main(["plan", "--model", "llama3-70b", *argv]) == 0
     out = capsys.readouterr().out
@@ -88,8 +89,10 @@ def test_plan_reads_the_launcher_config_with_its_resolvers(capsys):
 
 @pytest.mark.parametrize("overrides,argv,needle", [
     (["model.fp8=False"], [], "trains without FP8 (model.fp8=False)"),
-    (["model.fp8_recipe=mxfp8"], [], "MXFP8"),
-    (["model.fp8_recipe=blockwise"], [], "not supported by this plugin"),
+    (["model.fp8_params=False"], [], "high precision (model.fp8_params=False)"),
+    (["model.fp8_recipe=mxfp8", "+model.reuse_grad_buf_for_mxfp8_param_ag=False"],
+     ["--gpu", "b200"], "MXFP8 without reuse_grad_buf_for_mxfp8_param_ag"),
+    (["model.fp8_recipe=delayed"], ["--gpu", "gb200"], "datacenter Blackwell"),
 ])
 def test_plan_follows_the_configs_fp8_settings(capsys, overrides, argv, needle):
     pytest.importorskip("hydra")

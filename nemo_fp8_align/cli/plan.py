@@ -8,10 +8,12 @@ import sys
 from typing import Dict, List, Optional, Tuple
 
 from nemo_fp8_align.core.schedule import InterleavedSchedule, ScheduleError
-from nemo_fp8_align.cli.plan_inputs import DEFAULTS, RECIPES, PlanInputs, flag, resolve
+from nemo_fp8_align.cli.plan_inputs import DEFAULTS, PlanInputs, flag, resolve
+from nemo_fp8_align.cli.plan_measured import add_measured_arguments, apply_measured
 from nemo_fp8_align.planner.costs import (GPUS, MODELS, OVERLAP_PENALTY_H200, Layout,
                                            PlanInputError, chunk_costs)
 from nemo_fp8_align.planner.program import Placement
+from nemo_fp8_align.planner.recipes import RECIPES, PostProcessing, post_processing
 from nemo_fp8_align.planner.simulate import Costs, Timeline, simulate
 
 __all__ = ["add_plan_parser", "plan_report", "run_plan"]
@@ -66,12 +68,17 @@ def add_plan_parser(sub: "argparse._SubParsersAction") -> None:
                    "key: on); timed as unbatched blocking calls")
     p.add_argument("--gpu", default="h200", help=f"one of {', '.join(sorted(GPUS))} (any case)")
     p.add_argument("--recipe", choices=RECIPES, default=None,
-                   help="FP8 recipe (default: the config's fp8_recipe, else delayed; mxfp8 and "
-                   "blockwise have no byte transpose to align)")
+                   help="quantized-weight recipe (default: the config's fp8_recipe / fp4_recipe, "
+                   "else delayed); each has its own post-all-gather work and bytes")
+    p.add_argument("--reuse-grad-buf-for-mxfp8-param-ag", dest="reuse_grad_buf", default=None,
+                   action=argparse.BooleanOptionalAction,
+                   help="mxfp8: megatron-core re-quantizes the gathered BF16 after the gather "
+                   "(default on, Megatron-Bridge's Blackwell recipe; off: nothing to align)")
     p.add_argument("--tflops", type=float, default=None,
                    help="achieved forward+backward TFLOP/s per GPU (GPU default otherwise)")
     p.add_argument("--transpose-tbps", type=float, default=None,
-                   help="FP8 transpose bandwidth, read+write TB/s (GPU default otherwise)")
+                   help="bandwidth of the recipe's post-all-gather work (a transpose for "
+                   "per-tensor FP8), read+write TB/s (GPU default otherwise)")
     p.add_argument("--allgather-gbps", type=float, default=40.0,
                    help="data-parallel all-gather GB/s per GPU (default 40, assumed)")
     p.add_argument("--p2p-gbps", type=float, default=40.0,
@@ -83,23 +90,26 @@ def add_plan_parser(sub: "argparse._SubParsersAction") -> None:
                    help="write a Gantt picture (.png/.svg/.pdf) of lazy vs aligned")
     p.add_argument("--plot-window", choices=["auto", "full"], default="auto",
                    help="auto: a long step shows its warm-up, where the transposes are (default)")
+    p.add_argument("--format", choices=["text", "json"], default="text",
+                   help="json: one object with saving_ms (lazy - aligned per step) and each "
+                   "placement's predicted step time")
+    add_measured_arguments(p)
     p.set_defaults(func=run_plan)
 
 
-def _nothing_to_align(x: PlanInputs) -> Optional[str]:
-    needed, reason = GPUS[x.gpu].needs_transpose
-    if not needed:
-        return reason
-    if x.fp8 is False:
-        return ("the config trains without FP8 (model.fp8=False): no FP8 weight, no transpose "
-                "(add the override model.fp8=True to plan it with FP8)")
-    if x.recipe == "mxfp8":
-        return ("MXFP8 quantises its columnwise copy from high precision with its own block "
-                "scales; there is no byte transpose to build or align")
-    if x.recipe == "blockwise":
-        return ("blockwise FP8 is not supported by this plugin (its weights carry 2D block "
-                "scales; the plugin refuses them and aligns nothing)")
-    return None
+def _work(x: PlanInputs) -> Tuple[Optional[PostProcessing], Optional[str]]:
+    """The recipe's post-all-gather work on this GPU, or why there is nothing to align."""
+    if x.fp8 is False and x.recipe != "nvfp4":
+        return None, ("the config trains without FP8 (model.fp8=False): no FP8 weight, no "
+                      "transpose (add the override model.fp8=True to plan it with FP8)")
+    if x.fp8_params is False and x.recipe != "nvfp4":
+        return None, ("the config keeps its weights in high precision (model.fp8_params=False): "
+                      "nothing is gathered in FP8 or processed after the gather (add the "
+                      "override model.fp8_params=True to plan FP8 parameters)")
+    needed = GPUS[x.gpu].needs_transpose[0]
+    work, reason = post_processing(x.recipe, x.gpu, needed,
+                                   reuse_grad_buf=x.reuse_grad_buf is not False)
+    return work, reason or None
 
 
 def _head(x: PlanInputs, model, global_batch: int, m: int, n: int) -> str:
@@ -142,12 +152,19 @@ def percent(part: float, whole: float) -> str:
 
 def plan_report(args: argparse.Namespace) -> Tuple[str, Dict[Placement, Timeline]]:
     """The text ``plan`` prints and the timelines behind it; raises PlanInputError / ScheduleError."""
+    text, timelines, _ = plan_result(args)
+    return text, timelines
+
+
+def plan_result(args: argparse.Namespace) -> Tuple[str, Dict[Placement, Timeline], Dict]:
+    """:func:`plan_report`'s text and timelines, and the summary ``--format json`` prints."""
     x = resolve(args)
+    summary: Dict = {"source": x.source, "recipe": x.recipe, "gpu": x.gpu}
     model = x.model
     global_batch = x.global_batch or 8 * x.pp * x.micro_batch * x.dp
     layout = Layout(x.tp, x.pp, x.vp, x.dp, x.micro_batch, global_batch, cp=x.cp, ep=x.ep,
                     etp=x.expert_tp)
-    reason = _nothing_to_align(x)
+    work, reason = _work(x)
     try:
         m = layout.microbatches()
         schedule = InterleavedSchedule(x.pp, x.vp, m, x.group_size)
@@ -156,18 +173,56 @@ def plan_report(args: argparse.Namespace) -> Tuple[str, Dict[Placement, Timeline
     except (PlanInputError, ScheduleError):
         if not reason:
             raise
-        return f"{x.source}: nothing to align: {reason}.\n", {}
+        return f"{x.source}: nothing to align: {reason}.\n", {}, _nothing(summary, reason)
     head = _head(x, model, global_batch, m, schedule.n)
     if reason:
-        return f"{head}\nnothing to align: {reason}.\n", {}
+        return f"{head}\nnothing to align: {reason}.\n", {}, _nothing(summary, reason)
     costs, info = chunk_costs(model, layout, GPUS[x.gpu], tflops=x.tflops,
                               transpose_tbps=x.transpose_tbps,
                               allgather_gbps=x.allgather_gbps, p2p_gbps=x.p2p_gbps,
-                              overlap_penalty=x.overlap_penalty)
+                              overlap_penalty=x.overlap_penalty, work=work)
+    costs, measured = apply_measured(args, costs, x.pp, x.vp)
     timelines = {p: simulate(schedule, p, costs, overlap_p2p=x.overlap_p2p) for p in Placement}
-    lines = [head, _costs_line(costs, info, x), "", _table(timelines, schedule.pp),
-             "", _recommendation(timelines)]
-    return "\n".join(lines) + "\n", timelines
+    lines = [head, _costs_line(costs, info, x, work)] + ([measured] if measured else []) + [
+        "", _table(timelines, schedule.pp), "", _recommendation(timelines)]
+    summary.update(_summary(timelines, costs, work, info, m))
+    return "\n".join(lines) + "\n", timelines, summary
+
+
+def _rounded(value):
+    """Floats to 6 decimals (nanoseconds in ms): no last-digit noise from one CPU to another."""
+    if isinstance(value, float):
+        return round(value, 6) + 0.0
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    return [_rounded(v) for v in value] if isinstance(value, list) else value
+
+
+def _nothing(summary: Dict, reason: str) -> Dict:
+    return dict(summary, nothing_to_align=reason, saving_ms=0.0, step_ms=None,
+                policy_step_ms=None)
+
+
+def _summary(tls: Dict[Placement, Timeline], costs: Costs, work: PostProcessing,
+             info: Dict, m: int) -> Dict:
+    step = {p.value: tls[p].step_time * 1e3 for p in Placement}
+    return {"nothing_to_align": None, "microbatches": m,
+            "saving_ms": step["lazy"] - step["aligned"],
+            "lazy_extra_ms": step["lazy"] - step["none"], "step_ms": step,
+            # the plugin's policies: off leaves megatron-core / TE building at first use (lazy)
+            "policy_step_ms": {"off": step["lazy"], "lazy": step["lazy"],
+                               "aligned": step["aligned"]},
+            "modelled_only": [p.value for p in _MODELLED_ONLY],
+            "post_processing": {"kind": work.kind, "what": work.what,
+                                "bytes_per_weight": work.bytes_per_weight,
+                                "bytes_per_chunk": work.bytes_per_weight * info["weight_bytes"],
+                                "tbps": info["transpose_tbps"], "rate_source": info["rate_source"]},
+            "per_chunk_ms": {"forward": costs.forward * 1e3, "backward": costs.backward * 1e3,
+                             "post_processing": costs.transpose * 1e3,
+                             "host_wait": costs.host_wait * 1e3,
+                             "allgather": costs.allgather * 1e3, "p2p": costs.p2p * 1e3},
+            "per_rank_chunk": costs.per_chunk is not None,
+            "shared_gpu_slowdown": costs.shared_gpu_slowdown}
 
 
 def _check_context_parallel(seq: int, cp: int) -> None:
@@ -183,7 +238,9 @@ def _check_context_parallel(seq: int, cp: int) -> None:
             f"use {hint}, or a sequence length that is a multiple of {2 * cp}")
 
 
-def _costs_line(c: Costs, info: Dict[str, float], args: PlanInputs) -> str:
+def _costs_line(c: Costs, info: Dict, args: PlanInputs, work: PostProcessing) -> str:
+    if work.kind != "transpose":
+        return _work_line(c, info, args, work)
     src = GPUS[args.gpu].source
     return (f"per chunk and microbatch: {_count(info['layers_per_chunk'], 'layer')}, "
             f"{info['weight_bytes'] / 1e6:.0f} MB of FP8 weights per GPU; forward {c.forward * 1e3:.2f} ms, "
@@ -194,6 +251,29 @@ def _costs_line(c: Costs, info: Dict[str, float], args: PlanInputs) -> str:
             f"transposes ({'given' if args.tflops or args.transpose_tbps else src}); "
             f"all-gather {args.allgather_gbps:g} GB/s and p2p {args.p2p_gbps:g} GB/s (assumed unless "
             "given); the optimizer step and gradient reduce-scatters are not modelled")
+
+
+def _work_line(c: Costs, info: Dict, args: PlanInputs, work: PostProcessing) -> str:
+    n, gpu_src, rate_src = info["weight_bytes"], GPUS[args.gpu].source, info["rate_source"]
+    notes = []
+    if args.recipe == "mxfp8" and args.reuse_grad_buf is None:
+        notes.append("reuse_grad_buf_for_mxfp8_param_ag on (Megatron-Bridge's Blackwell default; "
+                     "--no-reuse-grad-buf-for-mxfp8-param-ag: nothing to align)")
+    if args.recipe == "nvfp4" and not args.tflops:
+        notes.append("compute at the FP8 rate (NVFP4 GEMMs may be faster: pass --tflops)")
+    return (f"per chunk and microbatch: {_count(info['layers_per_chunk'], 'layer')}, "
+            f"{n / 1e6:.0f} M weights per GPU; forward {c.forward * 1e3:.2f} ms, backward "
+            f"{c.backward * 1e3:.2f} ms, all-gather {c.allgather * 1e3:.2f} ms, p2p "
+            f"{c.p2p * 1e3:.2f} ms\n"
+            f"post-all-gather work ({args.recipe}: {work.kind}): {work.what}; "
+            f"{work.bytes_per_weight * n / 1e6:.0f} MB moved per chunk, "
+            f"{c.transpose * 1e3:.3f} ms ({100 * c.transpose / c.forward:.1f}% of a forward)"
+            + "".join(f"; {x}" for x in notes) + "\n"
+            f"rates: {info['tflops']:.0f} TFLOP/s fwd+bwd"
+            + ("" if rate_src == gpu_src else f" ({'given' if args.tflops else gpu_src})")
+            + f" and {info['transpose_tbps']:.2f} TB/s {work.kind} ({rate_src}); all-gather "
+            f"{args.allgather_gbps:g} GB/s and p2p {args.p2p_gbps:g} GB/s (assumed unless given); "
+            "the optimizer step and gradient reduce-scatters are not modelled")
 
 
 def _ms3(seconds: float) -> float:
@@ -243,11 +323,16 @@ def run_plan(args: argparse.Namespace) -> int:
         problem = plot_path_problem(args.plot)
         if problem:
             raise PlanInputError(problem)
-        text, timelines = plan_report(args)
+        text, timelines, summary = plan_result(args)
     except (PlanInputError, ScheduleError) as err:
         print(f"nemo-fp8-align plan: error: {err}", file=sys.stderr)
         return 2
-    print(text, end="")
+    if args.format == "json":
+        import json
+
+        print(json.dumps(_rounded(summary), sort_keys=True, indent=2))
+    else:
+        print(text, end="")
     if args.plot and timelines:
         from nemo_fp8_align.planner.gantt import plot_plan
 
@@ -257,7 +342,7 @@ def run_plan(args: argparse.Namespace) -> int:
         except (ImportError, OSError, ValueError) as err:
             print(f"nemo-fp8-align plan: error: --plot {args.plot}: {err}", file=sys.stderr)
             return 2
-        print(f"wrote {args.plot}")
+        print(f"wrote {args.plot}", file=sys.stderr if args.format == "json" else sys.stdout)
     return 0
 
 

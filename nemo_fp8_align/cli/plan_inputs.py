@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional
 
 from nemo_fp8_align.errors import PlanInputError
 from nemo_fp8_align.planner.costs import GPUS, MODELS, ModelShape
+from nemo_fp8_align.planner.recipes import RECIPES
 
 __all__ = ["PlanInputs", "DEFAULTS", "resolve"]
 
@@ -21,8 +22,6 @@ __all__ = ["PlanInputs", "DEFAULTS", "resolve"]
 DEFAULTS: Dict[str, Any] = {"tp": 8, "pp": 8, "vp": 2, "dp": 1, "cp": 1, "ep": 1,
                             "micro_batch": 1, "overlap_p2p": True, "batch_p2p": False}
 NEMO_P2P = {"overlap_p2p": False, "batch_p2p": True}
-#: FP8 recipes (megatron-core's names): the per-tensor ones have a byte transpose to align.
-RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
 _INT_FLAGS = ("layers", "hidden", "heads", "kv_heads", "ffn", "seq", "tp", "pp", "vp", "dp", "cp",
               "ep", "expert_tp", "experts", "topk", "moe_ffn", "micro_batch", "global_batch",
               "group_size")
@@ -74,7 +73,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
 def _from_config(path: str, overrides: List[str]) -> Dict[str, Any]:
     """The sizes a NeMo (or launcher: under ``training:``) config gives, by flag name, read as
     ``check`` reads them: NeMo's and the launcher's resolvers (``${multiply:4, ${.hidden_size}}``)
-    and ``${training.*}`` resolve; ``fp8`` and ``fp8_recipe`` come along (``fp8``, ``recipe``)."""
+    and ``${training.*}`` resolve; ``fp8``, ``fp8_recipe``, ``fp4`` / ``fp4_recipe`` and
+    ``reuse_grad_buf_for_mxfp8_param_ag`` come along (``fp8``, ``recipe``, ``reuse_grad_buf``)."""
     from nemo_fp8_align.cli.deps import CHECK_NEEDS, missing_dependency
 
     missing = missing_dependency("plan CONFIG.yaml", CHECK_NEEDS)
@@ -138,16 +138,21 @@ def _read_config(path: str, cfg: Any) -> Dict[str, Any]:
 
 
 def _config_fp8(model: Any, prefix: str) -> Dict[str, Any]:
-    """``fp8`` (False: the config trains without FP8) and ``recipe`` (NeMo copies
-    ``mcore_customization_config`` last, so its ``fp8_recipe`` wins) of a config's model node."""
+    """``fp8`` (False: the config trains without FP8), ``recipe`` (NeMo copies
+    ``mcore_customization_config`` last, so its ``fp8_recipe`` wins; an ``fp4`` format with
+    ``fp4_recipe``, megatron-core's NVFP4 keys, wins over both) and ``reuse_grad_buf`` of a
+    config's model node."""
     from nemo_fp8_align.config_check.reader import ABSENT
 
     out: Dict[str, Any] = {}
-    fp8 = model.get("fp8")
-    if fp8 is not ABSENT and fp8 is not None:
-        if not isinstance(fp8, bool):
-            raise PlanInputError(f"{prefix}model.fp8={fp8!r}: expected true or false")
-        out["fp8"] = fp8
+    for key, name in (("fp8", "fp8"), ("fp8_params", "fp8_params"),
+                      ("reuse_grad_buf_for_mxfp8_param_ag", "reuse_grad_buf")):
+        value = model.get(key)
+        if value is ABSENT or value is None:
+            continue
+        if not isinstance(value, bool):
+            raise PlanInputError(f"{prefix}model.{key}={value!r}: expected true or false")
+        out[name] = value
     for key in ("fp8_recipe", "mcore_customization_config.fp8_recipe"):
         recipe = model.get(key)
         if recipe is ABSENT or recipe is None:
@@ -155,6 +160,14 @@ def _config_fp8(model: Any, prefix: str) -> Dict[str, Any]:
         if recipe not in RECIPES:
             raise PlanInputError(f"{prefix}model.{key}={recipe!r}: not an FP8 recipe plan knows; "
                                  f"one of {', '.join(RECIPES)} (or pass --recipe)")
+        out["recipe"] = recipe
+    fp4 = model.get("fp4")
+    if fp4 not in (ABSENT, None, False):
+        recipe = model.get("fp4_recipe")
+        recipe = "nvfp4" if recipe in (ABSENT, None) else recipe
+        if recipe != "nvfp4":
+            raise PlanInputError(f"{prefix}model.fp4_recipe={recipe!r}: plan knows the FP4 "
+                                 "recipe nvfp4 only (or pass --recipe)")
         out["recipe"] = recipe
     return out
 
@@ -217,12 +230,12 @@ def resolve(args: argparse.Namespace) -> PlanInputs:
         raise PlanInputError(f"--gpu {args.gpu!r} is not known; use one of {', '.join(sorted(GPUS))}"
                              " (or the closest one with --tflops and --transpose-tbps)")
     v: Dict[str, Any] = dict.fromkeys((*_INT_FLAGS, "gated_mlp", "overlap_p2p", "batch_p2p",
-                                       "fp8", "recipe"))
+                                       "fp8", "fp8_params", "recipe", "reuse_grad_buf"))
     v.update(_from_config(args.config, args.overrides) if args.config else {})
     if args.overrides and not args.config:
         raise PlanInputError(f"override {args.overrides[0]!r} without a CONFIG.yaml: pass the "
                              "config first (plan CONFIG.yaml key=value ...) or use the flags")
-    for name in (*_INT_FLAGS, "gated_mlp", "overlap_p2p", "batch_p2p"):
+    for name in (*_INT_FLAGS, "gated_mlp", "overlap_p2p", "batch_p2p", "reuse_grad_buf"):
         if getattr(args, name, None) is not None:
             v[name] = getattr(args, name)
     defaulted = []

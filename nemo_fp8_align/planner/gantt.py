@@ -15,6 +15,7 @@ COLOURS = {
     "backward": ("#55a868", "backward"),
     "p2p_wait": ("#e0e0e0", "idle (pipeline wait)"),
     "gather_wait": ("#f0a030", "all-gather wait"),
+    "host_wait": ("#8c8c8c", "host wait (first forward)"),
     "transpose": ("#d62728", "FP8 transposes"),
     "overlap_penalty": ("#9467bd", "side-stream slowdown"),
 }

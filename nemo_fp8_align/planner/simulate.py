@@ -20,7 +20,17 @@ Rules (one rank = one compute stream):
 * ``overlap``: from the aligned slot, the transposes run on a side stream: they use the rank's
   p2p waits for free, and whatever is left slows the next compute by ``overlap_penalty`` times
   its own duration (> 1 where side-stream transposes slow the GEMMs by more than they cost
-  alone; the default's source is in :mod:`nemo_fp8_align.planner.costs`).
+  alone; the default's source is in :mod:`nemo_fp8_align.planner.costs`);
+* per rank and chunk: each (rank, chunk) may have its own forward, backward and transpose
+  durations (``Costs.per_chunk``: a first stage carrying the embedding, a last one the loss);
+* host wait: at a chunk's first forward of a step the host does first-use work (DDP's
+  pre-hook, TE's first-microbatch bookkeeping) while the GPU idles (``host_wait``: measured as
+  that forward's excess over the chunk's median forward where no transposes run in it);
+  transposes built lazily are queued at the start of that forward, so the GPU runs them during
+  the wait: the pair costs max(transposes, wait), not the sum;
+* ranks sharing one GPU (CUDA MPS): transposes built at the same slot on every rank (aligned,
+  overlap) contend for the one GPU's memory and take ``shared_gpu_slowdown`` times longer than
+  staggered (lazy) ones.
 """
 
 from __future__ import annotations
@@ -32,32 +42,58 @@ from nemo_fp8_align.core.schedule import InterleavedSchedule
 from nemo_fp8_align.planner.program import (BubbleDeadline, Comm, Compute, GatherWait, Launch,
                                              Placement, SideStart, Transpose, step_programs)
 
-__all__ = ["Costs", "Interval", "Timeline", "simulate"]
+__all__ = ["ChunkCosts", "Costs", "Interval", "Timeline", "simulate"]
 
 
 @dataclass(frozen=True)
-class Costs:
-    """Durations in seconds (the same for every chunk on every rank)."""
+class ChunkCosts:
+    """One (rank, chunk)'s durations in seconds."""
 
     forward: float
     backward: float
-    transpose: float = 0.0  #: one chunk's transposes on one rank (delta)
+    transpose: float = 0.0  #: the chunk's transposes on this rank (delta)
+    host_wait: float = 0.0  #: host work at the chunk's first forward of a step, GPU idle
+
+    def __post_init__(self) -> None:
+        for name in ("forward", "backward", "transpose", "host_wait"):
+            if not getattr(self, name) >= 0:  # also refuses nan
+                raise ValueError(f"{type(self).__name__}.{name}={getattr(self, name)} must be >= 0")
+
+
+@dataclass(frozen=True)
+class Costs(ChunkCosts):
+    """Durations in seconds: one set for every chunk on every rank, unless ``per_chunk`` gives
+    each (rank, chunk) its own (``per_chunk[rank][chunk]``)."""
+
     allgather: float = 0.0  #: one chunk's parameter all-gather, launch to completion
     p2p: float = 0.0  #: one activation / gradient transfer between neighbouring stages
     overlap_penalty: float = 1.0  #: side-stream transposes cost this many times their own time
+    per_chunk: Optional[Tuple[Tuple[ChunkCosts, ...], ...]] = None
+    shared_gpu_slowdown: float = 1.0  #: aligned transposes, every rank at once on one GPU
 
     def __post_init__(self) -> None:
-        for name in ("forward", "backward", "transpose", "allgather", "p2p"):
-            if getattr(self, name) < 0:
+        super().__post_init__()
+        for name in ("allgather", "p2p", "overlap_penalty"):
+            if not getattr(self, name) >= 0:
                 raise ValueError(f"Costs.{name}={getattr(self, name)} must be >= 0")
-        if self.overlap_penalty < 0:
-            raise ValueError(f"Costs.overlap_penalty={self.overlap_penalty} must be >= 0")
+        if not self.shared_gpu_slowdown >= 1:
+            raise ValueError(f"Costs.shared_gpu_slowdown={self.shared_gpu_slowdown} must be >= 1 "
+                             "(contention does not make transposes faster)")
+
+    def of(self, rank: int, chunk: int) -> ChunkCosts:
+        return self if self.per_chunk is None else self.per_chunk[rank][chunk]
+
+    def check_shape(self, pp: int, vp: int) -> None:
+        rows = self.per_chunk
+        if rows is not None and (len(rows) != pp or any(len(r) != vp for r in rows)):
+            raise ValueError(f"Costs.per_chunk has {[len(r) for r in rows]} chunks per rank; "
+                             f"the schedule has PP={pp} ranks of VP={vp} chunks")
 
 
 @dataclass(frozen=True)
 class Interval:
     rank: int
-    kind: str  # forward, backward, transpose, gather_wait, p2p_wait, overlap_penalty
+    kind: str  # forward, backward, transpose, gather_wait, p2p_wait, overlap_penalty, host_wait
     start: float
     end: float
     chunk: int = -1
@@ -95,6 +131,7 @@ class _Rank:
         self.gather_done: Dict[int, float] = {}
         self.pending: List[List] = []  # bubble / side work: [chunk, remaining, eligible]
         self.receiving: List[Tuple] = []  # overlap_p2p_comm: posted receives not yet waited for
+        self.host_paid: set = set()  # chunks whose first-forward host wait is behind us
 
     @property
     def finished(self) -> bool:
@@ -136,7 +173,12 @@ class _Sim:
         if kind is not None and not self.await_receives(rank, kind):
             return False
         if isinstance(op, Compute):
-            dur = c.forward if op.kind == "F" else c.backward
+            mine = c.of(rank.rank, op.chunk)
+            if op.kind == "F" and op.chunk not in rank.host_paid:
+                rank.host_paid.add(op.chunk)
+                self.add(rank, "host_wait", rank.t, rank.t + mine.host_wait, op.chunk)
+                rank.t += mine.host_wait
+            dur = mine.forward if op.kind == "F" else mine.backward
             self.add(rank, "forward" if op.kind == "F" else "backward", rank.t, rank.t + dur,
                      op.chunk, op.microbatch)
             rank.t += dur
@@ -145,8 +187,9 @@ class _Sim:
             return self.comm(rank, op)
         elif isinstance(op, Launch):
             rank.gather_done[op.chunk] = rank.t + c.allgather
-            if self.tl.placement is Placement.BUBBLE and c.transpose > 0:
-                rank.pending.append([op.chunk, c.transpose, rank.gather_done[op.chunk]])
+            delta = c.of(rank.rank, op.chunk).transpose
+            if self.tl.placement is Placement.BUBBLE and delta > 0:
+                rank.pending.append([op.chunk, delta, rank.gather_done[op.chunk]])
                 order = self.deadline_order[rank.rank]
                 rank.pending.sort(key=lambda p: order.index(p[0]) if p[0] in order else 0)
         elif isinstance(op, GatherWait):
@@ -154,8 +197,7 @@ class _Sim:
             self.add(rank, "gather_wait", rank.t, end, op.chunk)
             rank.t = end
         elif isinstance(op, Transpose):
-            self.add(rank, "transpose", rank.t, rank.t + c.transpose, op.chunk)
-            rank.t += c.transpose
+            self.transpose(rank, op.chunk)
         elif isinstance(op, BubbleDeadline):
             for p in [p for p in rank.pending if p[0] == op.chunk]:
                 start = max(rank.t, p[2])
@@ -164,9 +206,24 @@ class _Sim:
                 rank.t = start + p[1]
                 rank.pending.remove(p)
         elif isinstance(op, SideStart):
-            if c.transpose > 0:
-                rank.pending.append([op.chunk, c.transpose, rank.t])
+            delta = c.of(rank.rank, op.chunk).transpose * c.shared_gpu_slowdown
+            if delta > 0:
+                rank.pending.append([op.chunk, delta, rank.t])
         return True
+
+    def transpose(self, rank: _Rank, chunk: int) -> None:
+        """Lazy: queued at the start of the chunk's first forward, so they run during its host
+        wait (max of the two). Aligned: every rank at the same slot (slowed on a shared GPU)."""
+        mine = self.c.of(rank.rank, chunk)
+        delta, wait = mine.transpose, 0.0
+        if self.tl.placement is Placement.LAZY:
+            rank.host_paid.add(chunk)
+            wait = max(0.0, mine.host_wait - delta)
+        else:
+            delta *= self.c.shared_gpu_slowdown
+        self.add(rank, "transpose", rank.t, rank.t + delta, chunk)
+        self.add(rank, "host_wait", rank.t + delta, rank.t + delta + wait, chunk)
+        rank.t += delta + wait
 
     def await_receives(self, rank: _Rank, kind: str) -> bool:
         """overlap_p2p_comm: wait for the posted receives a ``kind`` compute reads."""
@@ -227,6 +284,7 @@ def simulate(schedule: InterleavedSchedule, placement: Placement, costs: Costs, 
              overlap_p2p: bool = False) -> Timeline:
     """One training step's timeline on every rank (``overlap_p2p``: megatron-core's
     ``overlap_p2p_comm``; without it, its batched or unbatched blocking calls)."""
+    costs.check_shape(schedule.pp, schedule.vp)
     tl = Timeline(schedule, Placement(placement), costs, overlap_p2p=overlap_p2p)
     sim = _Sim(tl)
     sim.run()

@@ -1,0 +1,267 @@
+"""The calibrated planner against the recorded MPS step-time runs on one H200: for every shape,
+``nemo-fp8-align plan --format json`` fed that run's measured per-chunk durations
+(``--measured-*-ms``, ``--ranks-share-gpu``) predicts lazy - aligned per step; the measured
+saving and its paired per-round spread come from the same run's file. Shapes were split into fit
+and held out before the planner was tuned (benchmarks/planner_calibration_split.md); only FIT
+gave a number (the shared-GPU slowdown), and the table judges the held-out shapes.
+
+    python benchmarks/planner_calibration.py [--out benchmarks/results/planner_calibration.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNS = ROOT / "benchmarks" / "results" / "pipeline_step_time_mps_h200"
+#: decided before tuning (benchmarks/planner_calibration_split.md, committed first)
+FIT = ("call2_mcore0192_pp4",)
+HELD_OUT = ("call2_mcore0161_pp4", "call1_mcore0192_pp4", "call2_mcore0192_pp2",
+            "call1_mcore0192_pp2", "call1_mcore0161_pp2")
+MLMGPU = Path("/work/wt-mlmgpu/benchmarks/results")
+
+
+def shape_argv(bench: Dict[str, Any]) -> List[str]:
+    """The MPS benchmark's model as plan's sizes: 1 layer per chunk, FFN 4 x hidden, TP=1,
+    DP=1, blocking unbatched p2p (the benchmark's batch_p2p_comm=False, no overlap)."""
+    layers = bench["pp"] * bench["vp"] * bench["layers_per_chunk"]
+    return ["--layers", str(layers), "--hidden", str(bench["hidden"]), "--heads",
+            str(bench["heads"]), "--ffn", str(4 * bench["hidden"]), "--seq", str(bench["seq"]),
+            "--tp", "1", "--pp", str(bench["pp"]), "--vp", str(bench["vp"]), "--dp", "1",
+            "--micro-batch", str(bench["micro_batch_size"]), "--global-batch",
+            str(bench["microbatches"] * bench["micro_batch_size"]),
+            "--no-overlap-p2p-comm", "--no-batch-p2p-comm"]
+
+
+def measured_argv(cfg: Dict[str, Any], pp: int, vp: int) -> List[str]:
+    """The run's own per-chunk durations: F, B, T per (rank, chunk) from its lazy segments, the
+    host wait from its aligned segments with TE's transpose, p2p from its IPC probe."""
+    cells = [cfg["per_rank_costs"][f"r{r}c{c}"] for r in range(pp) for c in range(vp)]
+    argv = []
+    for flag, key in (("forward", "forward"), ("backward", "backward"),
+                      ("transpose", "transpose"), ("host-wait", "first_extra")):
+        argv += [f"--measured-{flag}-ms", ",".join(repr(max(0.0, x[key])) for x in cells)]
+    return argv + ["--measured-p2p-ms", repr(cfg["saving"]["planner_inputs_ms"]["p2p"])]
+
+
+def plan_json(argv: List[str]) -> Dict[str, Any]:
+    from nemo_fp8_align.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["plan", *argv, "--format", "json"])
+    if code:
+        raise RuntimeError(f"plan {' '.join(argv)} exited {code}")
+    return json.loads(out.getvalue())
+
+
+def fit_slowdown() -> float:
+    """Aligned / lazy median per-chunk transpose time of the torch transpose in the fit run."""
+    data = json.loads((RUNS / f"{FIT[0]}.json").read_text())
+    groups = next(c for c in data["configs"] if c["transposes"] == "torch")["groups"]
+    return groups["aligned"]["transpose_per_chunk_ms"] / groups["lazy"]["transpose_per_chunk_ms"]
+
+
+def rows_of(name: str, role: str, slowdown: float) -> List[Dict[str, Any]]:
+    data = json.loads((RUNS / f"{name}.json").read_text())
+    b, out = data["bench"], []
+    for cfg in data["configs"]:
+        base = shape_argv(b) + measured_argv(cfg, b["pp"], b["vp"])
+        share = ["--ranks-share-gpu", "--shared-gpu-slowdown", repr(slowdown)]
+        pred = plan_json(base + share)
+        sv, paired = cfg["saving"], cfg["saving"]["paired_per_round_ms"]
+        out.append({
+            "run": name, "role": role, "mcore": data["versions"]["megatron_core"],
+            "pp": b["pp"], "impl": cfg["transposes"], "steps": cfg["groups"]["lazy"]["step"]["n"],
+            "rounds": paired["n"], "measured": sv["measured_ms"], "paired": paired,
+            "predicted": pred["saving_ms"], "step_ms": pred["step_ms"],
+            "no_slowdown": plan_json(base)["saving_ms"], "uniform": sv["predicted_ms"],
+            "inside": paired["min"] <= pred["saving_ms"] <= paired["max"]})
+    return out
+
+
+def _f(x: Optional[float], nd: int = 1) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+_HEADER = ("| run | role | megatron-core | PP | transposes | steps/policy (rounds) | measured "
+           "(medians) | paired per round min / median / max | **predicted** | inside? | without "
+           "the slowdown | uniform planner (before) |")
+_RULE = "|---|---|---|---|---|---|---|---|---|---|---|---|"
+
+
+def _row(r: Dict[str, Any]) -> str:
+    p = r["paired"]
+    return (f"| {r['run']} | {r['role']} | {r['mcore']} | {r['pp']} | {r['impl']} | "
+            f"{r['steps']} ({r['rounds']}) | {_f(r['measured'])} | {_f(p['min'])} / "
+            f"{_f(p['median'])} / {_f(p['max'])} | **{_f(r['predicted'])}** | "
+            f"{'yes' if r['inside'] else '**no**'} | {_f(r['no_slowdown'])} | {_f(r['uniform'])} |")
+
+
+def markdown(rows: List[Dict[str, Any]], slowdown: float, argv: List[str]) -> str:
+    held = [r for r in rows if r["role"] == "held out"]
+    inside = sum(r["inside"] for r in held)
+    lines = [
+        "# The planner calibrated with measured durations vs the recorded MPS runs (H200)", "",
+        f"Produced by `{' '.join(['python benchmarks/planner_calibration.py', *argv])}`, from the run "
+        "files in `benchmarks/results/pipeline_step_time_mps_h200/` (one H200 split by CUDA MPS, "
+        "TE 2.20.2 `Float8Tensor` weights, issue 20). No GPU ran for this file: it re-predicts "
+        "recorded runs.", "",
+        "## Fit and held-out shapes (decided before tuning)", "",
+        f"- **Fit:** {', '.join(FIT)} (both transposes). The one number taken from it: the "
+        f"shared-GPU slowdown of aligned transposes (aligned / lazy per-chunk time, torch "
+        f"transpose) = **{slowdown:.3f}**, `--shared-gpu-slowdown`'s default. No parameter was "
+        "chosen from any run's step times or savings.",
+        f"- **Held out:** {', '.join(HELD_OUT)} (both transposes each: 10 shapes).",
+        "- Written down in `benchmarks/planner_calibration_split.md`, committed before the "
+        "calibrated planner existed. Caveat: the host-wait form of the model was introduced by "
+        "issue 20's analysis with all 12 shapes in view; the split is about fitted numbers.",
+        "- **Inputs per shape**, all measured per-chunk durations of that run, passed as `plan "
+        "--measured-forward-ms/--measured-backward-ms/--measured-transpose-ms` (per rank and "
+        "chunk, lazy segments), `--measured-host-wait-ms` (first forward's excess, aligned "
+        "segments with TE's transpose), `--measured-p2p-ms` (IPC probe) and `--ranks-share-gpu`.",
+        "- **Criterion:** the prediction of lazy - aligned lies inside [min, max] of the paired "
+        "per-round differences (lazy segment median - aligned segment median, same round).", "",
+        "## Prediction vs measured (lazy - aligned per step, ms)", "",
+        _HEADER,
+        _RULE] + [_row(r) for r in rows]
+    errors = [r["predicted"] - r["paired"]["median"] for r in held]
+    resolved = [r for r in held if r["paired"]["min"] > 0]
+    lines += ["", "## Reading", "",
+              f"- **Held-out shapes inside their paired spread: {inside} of {len(held)}.**"
+              + ("" if inside == len(held) else " Misses: " + "; ".join(
+                  f"{r['run']} {r['impl']} (predicted {_f(r['predicted'], 2)}, spread "
+                  f"{_f(r['paired']['min'], 2)} to {_f(r['paired']['max'], 2)})"
+                  for r in held if not r["inside"]) + "."),
+              f"- Prediction minus paired median over the held-out shapes: median "
+              f"{_f(statistics.median(errors), 2)} ms, range {_f(min(errors), 2)} to "
+              f"{_f(max(errors), 2)} ms.",
+              "- Held-out shapes whose saving is resolved (every round's paired difference > 0): "
+              + (", ".join(f"{r['run']} {r['impl']}: predicted {_f(r['predicted'])} vs paired "
+                           f"median {_f(r['paired']['median'])} ms ({_f(100 * (r['predicted'] - r['paired']['median']) / r['paired']['median'], 0)}%)"
+                           for r in resolved) or "none") + ".",
+              "- Where the spread straddles zero (TE's transpose; PP=2) a prediction inside it "
+              "says only that the saving is below what these runs resolve; it does not confirm "
+              "the model's sign or size there."]
+    lines += ["", "## After the verdict (post hoc: nothing below changed the model)", "",
+              f"- Without the shared-GPU slowdown (issue 20's '+ host wait' form), "
+              f"{sum(r['paired']['min'] <= r['no_slowdown'] <= r['paired']['max'] for r in held)}"
+              f" of {len(held)} held-out shapes would lie inside. The slowdown is measured (the "
+              "aligned transposes do take longer when every rank builds them at once on one "
+              "GPU), yet it lowers every PP=4 prediction by about 1 ms, and the resolved "
+              "savings were already under-predicted.",
+              "- The miss with TE's transpose at PP=4 (call 1: 3 rounds, a narrow spread) has "
+              "the model's sign wrong: with the host wait, lazy's 0.28 ms transposes hide in "
+              "a 0.4-1.5 ms wait and aligned pays its own, so the model says aligned is slower "
+              "by 0.7 ms; every PP=4 TE run measured a positive median saving (0.6, 0.6, 2.7 "
+              "ms). A reading the data allow but do not prove: where a rank's aligned slot is "
+              "its own first forward of the chunk (rank 0), the aligned transposes can fill "
+              "that forward's host wait as the lazy ones do; the model charges them in full.",
+              "- What is specific to this setup: the host wait exists because the IPC receive "
+              "blocks the host (NCCL's does not), and the slowdown because the ranks share one "
+              "GPU's memory. On a cluster, leave out `--measured-host-wait-ms` (or measure it) "
+              "and `--ranks-share-gpu`."]
+    return "\n".join(lines) + "\n"
+
+
+def mlm_summaries() -> List[Path]:
+    """Helper mlmgpu's Megatron-LM-loop step-time summaries (benchmarks/megatron_lm_step_time.py's
+    summary.json), in this repository once merged, else in that helper's worktree."""
+    for base in (ROOT / "benchmarks" / "results", MLMGPU):
+        found = sorted(p for p in base.glob("megatron_lm*/**/*summary.json")
+                       if p.is_file() and {"chunks", "paired"} <= set(json.loads(p.read_text())))
+        if found:  # (the checks' and resume's summaries carry no step times)
+            return found
+    return []
+
+
+def mlm_rows(path: Path, slowdown: float) -> List[Dict[str, Any]]:
+    """Extra held-out shapes: Megatron-LM's own train() on one GPU split by MPS. Its summary has
+    per rank forward per chunk, backward per call (no chunk), transposes per chunk and step (all
+    policies pooled) and p2p; no host wait (not measured there: left out). Megatron-LM's p2p
+    with interleaving: overlap_p2p_comm on, batch off."""
+    data = json.loads(path.read_text())
+    sh, chunks = data["shape"], data["chunks"]
+    pp, vp, out = sh["pp"], sh["vp"], []
+    ranks = [chunks[f"pp rank {r}"] for r in range(pp)]
+    mode = ranks[0].get("p2p_mode") or "ipc"
+    # the ping-pong is timed on the ranks that ran it (ranks 0 and 1)
+    p2p = statistics.median(r["p2p_one_way_ms"][mode] for r in ranks
+                            if mode in r.get("p2p_one_way_ms", {}))
+    bench = {"pp": pp, "vp": vp, "layers_per_chunk": 1, "hidden": sh["hidden"],
+             "heads": sh["heads"], "seq": sh["seq"], "micro_batch_size": sh["micro_batch_size"],
+             "microbatches": sh["microbatches"]}
+    for impl in sh["transposes"]:
+        paired = data["paired"].get(f"{impl}: lazy - aligned", {})
+        if not paired.get("n"):
+            continue
+        fwd = [ranks[r]["forward_ms_per_chunk"][str(c)] for r in range(pp) for c in range(vp)]
+        bwd = [ranks[r]["backward_ms_per_call"]["median"] for r in range(pp) for _ in range(vp)]
+        tr = [ranks[r]["transpose_ms_per_chunk_step"][f"{impl} c{c}"]
+              for r in range(pp) for c in range(vp)]
+        argv = [x for x in shape_argv(bench) if x != "--no-overlap-p2p-comm"] + [
+            "--overlap-p2p-comm", "--measured-forward-ms", ",".join(map(repr, fwd)),
+            "--measured-backward-ms", ",".join(map(repr, bwd)),
+            "--measured-transpose-ms", ",".join(map(repr, tr)), "--measured-p2p-ms", repr(p2p),
+            "--ranks-share-gpu", "--shared-gpu-slowdown", repr(slowdown)]
+        pred = plan_json(argv)
+        steps = data["step_ms"]
+        out.append({
+            "run": f"{path.parent.name}/{path.name.split('.')[0]}",
+            "role": "held out (Megatron-LM loop)",
+            "mcore": data["versions"].get("megatron_core", "?"), "pp": pp, "impl": impl,
+            "steps": steps[f"{impl} lazy"]["n"], "rounds": paired["n"],
+            "gpu": data["versions"].get("gpu", "?"),
+            "measured": steps[f"{impl} lazy"]["median"] - steps[f"{impl} aligned"]["median"],
+            "paired": paired, "predicted": pred["saving_ms"], "step_ms": pred["step_ms"],
+            "no_slowdown": None, "uniform": None,
+            "inside": paired["min"] <= pred["saving_ms"] <= paired["max"]})
+    return out
+
+
+def mlmgpu_note(found: List[Path], rows: List[Dict[str, Any]]) -> str:
+    head = "\n## Megatron-LM loop on the GPU (helper mlmgpu)\n\n"
+    if not found:
+        return (head + "No Megatron-LM-loop step-time summary (`megatron_lm*/**/summary.json`, "
+                "benchmarks/megatron_lm_step_time.py) existed when this file was made, so no "
+                "extra held-out shape from Megatron-LM's own loop is in the table.\n")
+    unresolved = all(r["paired"]["min"] < 0 < r["paired"]["max"] for r in rows)
+    verdict = (f"Inside the paired spread: {sum(r['inside'] for r in rows)} of {len(rows)}"
+               + ("; every spread there crosses zero, so inside says only that the saving is "
+                  "below what the run resolves." if unresolved else "."))
+    sources = ", ".join(f"`{p.parent.name}/{p.name}`" for p in found)
+    gpus = ", ".join(sorted({r["gpu"] for r in rows}))
+    return (head + f"Rows 'held out (Megatron-LM loop)' come from {sources}: Megatron-LM's own "
+            "train() on one GPU split by MPS, never seen before the split. Its summary carries "
+            "no host wait (so none is modelled), one backward per rank (not per chunk), "
+            "transposes pooled over policies, p2p from the ranks that timed it; Megatron-LM's "
+            f"p2p with interleaving is taken as overlap_p2p_comm on. GPU: {gpus} (the "
+            f"shared-GPU slowdown is the H200 fit's). {verdict}\n\n"
+            + "\n".join([_HEADER, _RULE] + [_row(r) for r in rows]) + "\n")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=str(ROOT / "benchmarks/results/planner_calibration.md"))
+    args = p.parse_args(argv)
+    slowdown = fit_slowdown()
+    rows = [row for name in FIT for row in rows_of(name, "fit", slowdown)]
+    rows += [row for name in HELD_OUT for row in rows_of(name, "held out", slowdown)]
+    found = mlm_summaries()
+    mlm = [row for path in found for row in mlm_rows(path, slowdown)]
+    text = markdown(rows, slowdown, [] if argv is None else argv) + mlmgpu_note(found, mlm)
+    Path(args.out).write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    sys.exit(main(sys.argv[1:]))

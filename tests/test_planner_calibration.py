@@ -1,0 +1,83 @@
+"""benchmarks/planner_calibration.py: the results file is what the script prints from the
+recorded runs (nobody edits a verdict by hand), and its fit / held-out split is the one written
+down before tuning (benchmarks/planner_calibration_split.md)."""
+
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import planner_calibration as cal  # noqa: E402
+from nemo_fp8_align.planner.measured import SHARED_GPU_SLOWDOWN  # noqa: E402
+
+_LOCAL = "\n## Megatron-LM loop on the GPU"  # depends on another helper's worktree: not compared
+
+
+def test_results_file_is_what_the_script_prints(tmp_path):
+    out = tmp_path / "cal.md"
+    assert cal.main(["--out", str(out)]) == 0
+    made = out.read_text().split(_LOCAL)[0]
+    kept = (ROOT / "benchmarks/results/planner_calibration.md").read_text().split(_LOCAL)[0]
+    assert made.replace(f" --out {out}", "") == kept
+
+
+def test_the_split_is_the_one_decided_before_tuning():
+    runs = {p.stem for p in cal.RUNS.glob("*.json")}
+    assert set(cal.FIT) | set(cal.HELD_OUT) == runs and not set(cal.FIT) & set(cal.HELD_OUT)
+    written = (ROOT / "benchmarks/planner_calibration_split.md").read_text()
+    fit = re.search(r"\*\*Fit \(1 run, 2 shapes\): `(\w+)`", written).group(1)
+    held = re.search(r"\*\*Held out \(5 runs, 10 shapes\):\*\* (.*?)\n- ", written, re.S).group(1)
+    assert (fit,) == cal.FIT and set(re.findall(r"`(\w+)`", held)) == set(cal.HELD_OUT)
+    assert abs(cal.fit_slowdown() - SHARED_GPU_SLOWDOWN) < 1e-9  # the default the planner ships
+
+
+def _mlm_summary(tmp_path):
+    """The shape of benchmarks/megatron_lm_step_time.py's summary.json (helper mlmgpu's
+    analysis: per rank forward per chunk, backward per call, transposes per chunk and step)."""
+    import json
+
+    ranks = {f"pp rank {r}": {
+        "forward_ms_per_chunk": {"0": 4.5 + 0.1 * r, "1": 4.4},
+        "backward_ms_per_call": {"n": 40, "min": 9.0, "median": 13.0 - r, "max": 14.0},
+        "transpose_ms_per_chunk_step": {"te c0": 0.3, "te c1": 0.3, "torch c0": 3.7,
+                                        "torch c1": 3.6},
+        "p2p_one_way_ms": {"host": 9.0, "ipc": 2.0 + 0.5 * r} if r < 3 else {},
+        "p2p_mode": "ipc"}
+        for r in range(4)}
+    paired = {"n": 5, "min": 5.0, "median": 9.0, "max": 30.0, "per_round_ms": []}
+    data = {"shape": {"pp": 4, "vp": 2, "microbatches": 8, "hidden": 4096, "heads": 32,
+                      "seq": 1024, "micro_batch_size": 2, "transposes": ["te", "torch"]},
+            "versions": {"megatron_core": "0.19.2"}, "chunks": ranks,
+            "paired": {"torch: lazy - aligned": paired, "te: lazy - aligned": {"n": 0}},
+            "step_ms": {"torch lazy": {"n": 50, "median": 300.0},
+                        "torch aligned": {"n": 50, "median": 290.0}}}
+    path = tmp_path / "megatron_lm_loop_gpu" / "step_time_pp4.summary.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_megatron_lm_loop_summaries_become_held_out_rows(tmp_path):
+    from nemo_fp8_align.core.schedule import InterleavedSchedule
+    from nemo_fp8_align.planner import Costs, Placement, measured_costs, simulate
+
+    rows = cal.mlm_rows(_mlm_summary(tmp_path), 1.25)
+    assert [r["impl"] for r in rows] == ["torch"]  # no paired rounds for te: no row
+    row = rows[0]
+    assert row["measured"] == 10.0 and row["paired"]["min"] == 5.0 and row["rounds"] == 5
+    table = measured_costs(
+        Costs(forward=1.0, backward=1.0), 4, 2,
+        {"forward": [4.5, 4.4, 4.6, 4.4, 4.7, 4.4, 4.8, 4.4],
+         "backward": [13.0, 13.0, 12.0, 12.0, 11.0, 11.0, 10.0, 10.0],
+         "transpose": [3.7, 3.6] * 4}, p2p_ms=2.5, shared_gpu_slowdown=1.25)
+    s = InterleavedSchedule(4, 2, 8)
+    want = [simulate(s, p, table, overlap_p2p=True).step_time * 1e3
+            for p in (Placement.LAZY, Placement.ALIGNED)]
+    assert abs(row["predicted"] - (want[0] - want[1])) < 2e-6
+    # the step times, not only their difference; these durations make the p2p mode matter
+    # (Megatron-LM's overlap_p2p_comm: 11.5 ms shorter than blocking calls)
+    assert abs(row["step_ms"]["lazy"] - want[0]) < 2e-6
+    assert abs(row["step_ms"]["aligned"] - want[1]) < 2e-6
+    assert row["inside"] == (5.0 <= row["predicted"] <= 30.0)
