@@ -17,6 +17,7 @@ __all__ = ["run_megatron_lm_demo"]
 _MEGATRON_LM_PG_TIMEOUT_S = 600.0
 _CONCAT = ("losses", "grads", "params", "builds_per_step", "records", "unlaunched_steps",
            "metrics")
+_CONCAT_GPU = ("events", "forwards")  # --device cuda (demo/megatron_lm_gpu.py)
 
 
 def _rank_main(rank: int, world_size: int, port: int, opts: Any, *args: Any) -> None:
@@ -56,9 +57,13 @@ def _merge(parts: List[Dict[str, Any]]) -> Dict[str, Any]:
     """One rank's results of the jobs, in order (the first job's, then the resumed one's)."""
     merged = dict(parts[0])
     for part in parts[1:]:
-        for key in _CONCAT:
-            merged[key] = merged[key] + part[key]
-        merged["evidence"] = {k: merged["evidence"][k] + part["evidence"][k]
-                              for k in merged["evidence"]}
+        for key in _CONCAT + _CONCAT_GPU:
+            if key in merged:
+                merged[key] = merged[key] + part[key]
+        if "evidence" in merged:
+            merged["evidence"] = {k: merged["evidence"][k] + part["evidence"][k]
+                                  for k in merged["evidence"]}
+        if "first_use_valid" in merged:
+            merged["first_use_valid"] = dict(merged["first_use_valid"], **part["first_use_valid"])
         merged["unlaunched_forwards"] += part["unlaunched_forwards"]
     return merged
