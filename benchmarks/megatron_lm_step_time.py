@@ -56,6 +56,7 @@ class Shape:
     steps_per_segment: int = 12
     discard: int = 2
     warmup: int = 6
+    time_budget: int = 0  # seconds for the rounds; fewer rounds (>= 2) if the warm-up says so
     transposes: tuple = ("te", "torch")
     policies: tuple = ("off", "lazy", "aligned")
 
@@ -64,10 +65,10 @@ class Shape:
         k = r % len(combos)
         return combos[k:] + combos[:k]
 
-    def plan(self) -> List[tuple]:
+    def plan(self, rounds: Optional[int] = None) -> List[tuple]:
         """(policy, transposes, round, index in segment) of every iteration after the warm-up."""
-        return [(p, t, r, i) for r in range(self.rounds) for p, t in self.segments(r)
-                for i in range(self.steps_per_segment)]
+        return [(p, t, r, i) for r in range(self.rounds if rounds is None else rounds)
+                for p, t in self.segments(r) for i in range(self.steps_per_segment)]
 
 
 class Switcher:
@@ -81,6 +82,8 @@ class Switcher:
         self.segment: Optional[tuple] = None
         self._t: Optional[float] = None
         self._current: Optional[tuple] = None
+        self._warm: List[float] = []
+        self.rounds = s.rounds
 
     def __call__(self, step: int, chunks: List[Any]) -> None:
         torch.cuda.synchronize()
@@ -92,14 +95,33 @@ class Switcher:
             row.update(got)
             row.update(zip(("policy", "transposes", "round", "index"), self._current))
             self.rows.append(row)
+        elif self._t is not None:
+            self._warm.append((now - self._t) * 1e3)
         self.order.clear()
         k = step - self.s.warmup
-        plan = self.s.plan()
+        if k == 0:
+            self._fit_rounds()
+        plan = self.s.plan(self.rounds)
         self._current = plan[k] if 0 <= k < len(plan) else None
         segment = None if self._current is None else self._current[:3]
         if segment != self.segment:
             self._switch(segment, chunks)
         self._t = time.perf_counter()
+
+    def _fit_rounds(self) -> None:
+        """``rounds``, or fewer (at least 2) where the warm-up says they would not fit the time
+        budget (the same on every rank); Megatron-LM then ends the job after the last one
+        (``args.exit_interval``, read by train() after every iteration)."""
+        from megatron.training.global_vars import get_args
+
+        if self.s.time_budget > 0 and self._warm:
+            per_round_s = (statistics.median(self._warm[-3:]) / 1e3 * 1.2
+                           * len(self.s.segments(0)) * self.s.steps_per_segment)
+            fit = torch.tensor([max(2, min(self.s.rounds, int(self.s.time_budget / per_round_s)))],
+                               device="cuda")
+            torch.distributed.all_reduce(fit, op=torch.distributed.ReduceOp.MIN)
+            self.rounds = int(fit.item())
+        get_args().exit_interval = self.s.warmup + len(self.s.plan(self.rounds)) + 1
 
     def _switch(self, segment: Optional[tuple], chunks: List[Any]) -> None:
         from nemo_fp8_align.config import AlignConfig, Policy
@@ -175,8 +197,8 @@ def _run(rank: int, world: int, s: Shape, result: Dict[str, Any]) -> None:
                        model=DemoModelConfig(hidden_size=s.hidden, num_heads=s.heads,
                                              seq_length=s.seq, vocab_size=1024))
     train_gpu(opts, dict(exit_at=None, save=None, load=None), book, attach_plugin=False,
-              log_interval=100000)
-    result.update(pp_rank=pp_rank, rows=switcher.rows, records=switcher.records,
+              log_interval=100000, early_exit_ok=True)
+    result.update(pp_rank=pp_rank, rows=switcher.rows, rounds_run=switcher.rounds, records=switcher.records,
                   versions=_versions(), weights_per_chunk=_count(chunk_of, s.vp))
 
 
@@ -196,7 +218,7 @@ def main(argv: List[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     d = Shape()
     for name in ("pp", "vp", "microbatches", "hidden", "heads", "seq", "micro_batch_size",
-                 "rounds", "steps_per_segment", "discard", "warmup"):
+                 "rounds", "steps_per_segment", "discard", "warmup", "time_budget"):
         ap.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     ap.add_argument("--transposes", default="te,torch")
     ap.add_argument("--out", required=True)

@@ -45,10 +45,10 @@ mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
 nvidia-cuda-mps-control -d && el "MPS daemon started"
 if [ "$WHAT" != bench ]; then
   el "start checks PP=2 and PP=4"
-  CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 timeout -k 10 330 python3 validation/megatron_lm_gpu.py --pp 2 \
+  CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 timeout -k 10 200 python3 validation/megatron_lm_gpu.py --pp 2 \
     --resume 3 --fault capture_on_one_rank --out /tmp/mlm/checks_pp2 > /tmp/mlm/checks_pp2.log 2>&1 &
   P2=$!
-  CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25 timeout -k 10 330 python3 validation/megatron_lm_gpu.py --pp 4 \
+  CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25 timeout -k 10 200 python3 validation/megatron_lm_gpu.py --pp 4 \
     --resume 3 --fault capture_on_one_rank --out /tmp/mlm/checks_pp4 > /tmp/mlm/checks_pp4.log 2>&1 &
   P4=$!
   wait $P2; el "checks PP=2 rc=$?"; wait $P4; el "checks PP=4 rc=$?"
@@ -66,8 +66,9 @@ bench() {  # name, limit s, args...
   tail -4 /tmp/mlm/"$name".log | cut -c1-600; pack
 }
 if [ "$WHAT" != checks ]; then
-  CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25 bench step_time_pp4 240 --pp 4
-  CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 bench step_time_pp2 200 --pp 2
+  SHAPE="--hidden 2048 --heads 16 --micro-batch-size 1 --steps-per-segment 10 --rounds 7"
+  CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25 bench step_time_pp4 200 --pp 4 $SHAPE --time-budget 100
+  CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 bench step_time_pp2 160 --pp 2 $SHAPE --time-budget 70
 fi
 echo quit | nvidia-cuda-mps-control
 pack; el done

@@ -47,7 +47,8 @@ def run_megatron_lm_demo(opts: Any, telemetry_path: Optional[str] = None) -> Any
             os.makedirs(run_dir)
             # Megatron-LM's process groups time out after --distributed-timeout-minutes (10).
             codes = spawn_and_wait(_rank_main, opts.world_size, (opts, run_dir, phase, True),
-                                   opts.pg_timeout_s or _MEGATRON_LM_PG_TIMEOUT_S)
+                                   opts.pg_timeout_s or _MEGATRON_LM_PG_TIMEOUT_S,
+                                   "spawn" if opts.device == "cuda" else "forkserver")
             parts.append(read_results(run_dir, codes))
         ranks = [_merge([p[r] for p in parts]) for r in range(opts.world_size)]
     return demo_result(opts, ranks, telemetry_path)

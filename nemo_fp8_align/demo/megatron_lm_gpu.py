@@ -247,9 +247,11 @@ def plugin_hook(policy: Any) -> Any:
 
 
 def train_gpu(opts: Any, phase: Dict[str, Any], book: GpuBook, *, attach_plugin: bool = True,
-              eval_interval: int = 0, log_interval: int = 1) -> Dict[str, Any]:
+              eval_interval: int = 0, log_interval: int = 1,
+              early_exit_ok: bool = False) -> Dict[str, Any]:
     """Megatron-LM's ``pretrain`` on the GPU for this rank (groups already made); returns what
-    the rank saw. ``attach_plugin=False``: the caller attaches it itself (the benchmark)."""
+    the rank saw. ``attach_plugin=False``: the caller attaches it itself (the benchmark, which
+    also ends the job early by setting ``args.exit_interval``: ``early_exit_ok``)."""
     from megatron.core import parallel_state
     from megatron.core.enums import ModelType
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -281,8 +283,9 @@ def train_gpu(opts: Any, phase: Dict[str, Any], book: GpuBook, *, attach_plugin:
         pretrain(pretrain_cfg_container_from_args(args, model_cfg), _datasets(opts),
                  ModelType.encoder_or_decoder, _forward_step(book))
     except SystemExit as stop:  # --exit-interval: Megatron-LM ends the job after its save
-        if phase["exit_at"] is None or stop.code not in (0, None) \
-                or len(book.result["params"]) != phase["exit_at"]:
+        planned = early_exit_ok or (phase["exit_at"] is not None
+                                    and len(book.result["params"]) == phase["exit_at"])
+        if stop.code not in (0, None) or not planned:
             raise RuntimeError(f"Megatron-LM exited the job after "
                                f"{len(book.result['params'])} optimizer steps (see its log "
                                "above)") from stop

@@ -102,7 +102,9 @@ def gpu_problems(opts: Any, ranks: List[Dict[str, Any]]) -> List[str]:
         records = {(x["step"], x["chunk"]): x for x in r["records"]}
         for (step, chunk), seen in observed_slots(opts, r).items():
             slots[(step, chunk)][r["rank"]] = seen
-            pos = expected_position(schedule, policy, r["pp_rank"], chunk)
+            # Plugin off: TE builds at first use, where lazy observes them.
+            pos = expected_position(schedule, "lazy" if policy == "off" else policy,
+                                    r["pp_rank"], chunk)
             want = _slot(pos, r["pp_rank"], schedule.aligned_slot(chunk))
             if seen != {want}:
                 problems.append(f"rank {r['rank']} step {step} chunk {chunk}: TE built the "
