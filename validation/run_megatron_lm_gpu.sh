@@ -7,7 +7,8 @@
 # from the bundle), starts MPS, then runs
 #   checks: validation/megatron_lm_gpu.py at PP=2 VP=2 and PP=4 VP=2 side by side
 #   bench:  benchmarks/megatron_lm_step_time.py at PP=4 VP=2 (and PP=2 VP=2 while time is left)
-# Usage (repo root): bash validation/run_megatron_lm_gpu.sh [checks|bench|all] [BUDGET_S]
+# Usage (repo root): bash validation/run_megatron_lm_gpu.sh [checks|bench|all|resume] [BUDGET_S]
+#   resume: only the aligned job and the saved-and-resumed one, PP=2 and PP=4
 set -o pipefail
 export PYTHONUNBUFFERED=1 NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 CUBLAS_WORKSPACE_CONFIG=:4096:8
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/mlm
@@ -43,7 +44,16 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
 mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
 nvidia-cuda-mps-control -d && el "MPS daemon started"
-if [ "$WHAT" != bench ]; then
+if [ "$WHAT" = resume ]; then
+  for pp in 2 4; do
+    CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / pp)) timeout -k 10 150 python3 validation/megatron_lm_gpu.py \
+      --pp $pp --resume 3 --resume-only --out /tmp/mlm/resume_pp$pp > /tmp/mlm/resume_pp$pp.log 2>&1 &
+  done
+  wait; el "resume checks done"
+  grep -hE "^\[(PASS|FAIL)\]|^SUMMARY" /tmp/mlm/resume_pp2.log /tmp/mlm/resume_pp4.log | cut -c1-900
+  pack; WHAT=none
+fi
+if [ "$WHAT" != bench ] && [ "$WHAT" != none ]; then
   el "start checks PP=2 and PP=4"
   CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 timeout -k 10 200 python3 validation/megatron_lm_gpu.py --pp 2 \
     --resume 3 --fault capture_on_one_rank --out /tmp/mlm/checks_pp2 > /tmp/mlm/checks_pp2.log 2>&1 &
@@ -65,9 +75,9 @@ bench() {  # name, limit s, args...
   el "end $name rc=$?"; grep -E "^\| |Problems" /tmp/mlm/"$name".md 2>/dev/null | head -30
   tail -4 /tmp/mlm/"$name".log | cut -c1-600; pack
 }
-if [ "$WHAT" != checks ]; then
+if [ "$WHAT" != checks ] && [ "$WHAT" != none ]; then
   SHAPE="--hidden 2048 --heads 16 --micro-batch-size 1 --steps-per-segment 10 --rounds 7"
-  CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25 bench step_time_pp4 200 --pp 4 $SHAPE --time-budget 100
+  CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25 bench step_time_pp4 180 --pp 4 $SHAPE --time-budget 80
   CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 bench step_time_pp2 160 --pp 2 $SHAPE --time-budget 70
 fi
 echo quit | nvidia-cuda-mps-control

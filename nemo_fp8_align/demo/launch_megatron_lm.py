@@ -21,12 +21,17 @@ _CONCAT_GPU = ("events", "forwards")  # --device cuda (demo/megatron_lm_gpu.py)
 
 
 def _rank_main(rank: int, world_size: int, port: int, opts: Any, *args: Any) -> None:
-    from nemo_fp8_align.demo.megatron_lm_loop import run_rank
-
     if opts.fault is not None:
         from nemo_fp8_align.demo.faults import inject
 
         inject(opts.fault, loop="megatron-lm")  # this process only, for its whole life
+    if opts.device == "cuda":  # megatron-core's GPT with TE FP8 weights, ranks sharing GPU 0
+        from nemo_fp8_align.demo.megatron_lm_gpu import run_gpu_rank
+
+        run_gpu_rank(rank, world_size, port, opts, *args[:2])
+        return
+    from nemo_fp8_align.demo.megatron_lm_loop import run_rank
+
     run_rank(rank, world_size, port, opts, *args)
 
 

@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-__all__ = ["GROUPS", "GpuBook", "gpu_argv", "init_gpu_groups"]
+__all__ = ["GROUPS", "GpuBook", "gpu_argv", "init_gpu_groups", "run_gpu_rank", "train_gpu"]
 
 #: The process-group backends for ranks sharing one GPU: name -> (module, setup function).
 GROUPS = {"host_staging": ("validation.host_staging", "enable_host_staging"),
@@ -122,7 +122,9 @@ def gpt_forward_step(book: "GpuBook") -> Callable[[Any, Any], Any]:
         def loss_func(per_token: torch.Tensor):
             loss = per_token.float().mean()
             if torch.is_grad_enabled():
-                book.losses.setdefault(int(get_args().curr_iteration), []).append(loss.detach())
+                # A copy: the schedule divides the returned loss by M in place.
+                book.losses.setdefault(int(get_args().curr_iteration), []).append(
+                    loss.detach().clone())
             return loss, {"lm loss": loss.detach().clone()}
         return output, loss_func
     return forward_step
@@ -136,7 +138,6 @@ class GpuBook:
     and the chunks (the step-time benchmark switches policies and starts its clock there);
     ``on_model``: called once with the chunks and their FP8 weights."""
 
-    gpu = True  #: tells the demo's forward step to feed megatron-core's GPT
 
     def __init__(self, *, opts: Any = None, checks: bool = True,
                  on_step: Optional[Callable[[int, List[Any]], None]] = None,
@@ -180,6 +181,10 @@ class GpuBook:
             return zero(*args, **kwargs)
         model[0].zero_grad_buffer = zero_grad_buffer
         return model
+
+    def make_forward_step(self) -> Callable[[Any, Any], Any]:
+        """The forward step the demo hands to ``pretrain`` (megatron_lm_loop's asks for it)."""
+        return gpt_forward_step(self)
 
     def step_starts(self) -> None:
         from megatron.training.global_vars import get_args
@@ -266,6 +271,10 @@ def train_gpu(opts: Any, phase: Dict[str, Any], book: GpuBook, *, attach_plugin:
                                                 eval_interval=eval_interval,
                                                 log_interval=log_interval)
     args = parse_and_validate_args()
+    if phase["load"]:
+        # TE 2.20 refuses to unpickle delayed-scaling FP8 metadata from a checkpoint unless told
+        # the file is trusted; this one was written by the demo's own first job moments ago.
+        os.environ.setdefault("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE", "1")
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, opts.pp, opts.vp)
     model_cfg = gpt_config_from_args(args)
@@ -310,3 +319,21 @@ def train_gpu(opts: Any, phase: Dict[str, Any], book: GpuBook, *, attach_plugin:
         aligner.detach()
     book.close()
     return result
+
+
+def run_gpu_rank(rank: int, world_size: int, port: int, opts: Any, out_dir: str,
+                 phase: Dict[str, Any]) -> None:
+    """Entry point of one spawned rank of ``demo --loop megatron-lm --device cuda``; writes
+    ``rank{N}.json`` (or ``rank{N}.error``). Every rank shares GPU 0."""
+    from nemo_fp8_align.demo.ranks import write_error, write_result
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size))
+    try:
+        groups = init_gpu_groups(rank, world_size, opts.gpu_groups)
+        result = train_gpu(opts, phase, GpuBook(opts=opts), eval_interval=opts.eval_interval)
+        result.update(rank=rank, process_groups=groups)
+        write_result(out_dir, rank, result)
+    except Exception as err:
+        write_error(out_dir, rank, err)  # for the launcher to report with the other ranks'
+        raise

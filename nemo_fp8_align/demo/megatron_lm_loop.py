@@ -140,9 +140,8 @@ class _Bookkeeping:
 def _forward_step(book: Any):
     from megatron.training.global_vars import get_args
 
-    if getattr(book, "gpu", False):  # megatron-core's GPT on the GPU (demo/megatron_lm_gpu.py)
-        from nemo_fp8_align.demo.megatron_lm_gpu import gpt_forward_step
-        return gpt_forward_step(book)
+    if hasattr(book, "make_forward_step"):  # megatron-core's GPT on the GPU (megatron_lm_gpu)
+        return book.make_forward_step()
 
     def forward_step(data_iterator: Any, model: Any):
         batch = next(data_iterator)
@@ -283,8 +282,6 @@ def run_rank(rank: int, world_size: int, port: int, opts: Any, out_dir: str,
     """Entry point of one spawned rank; writes ``rank{N}.json`` (or ``rank{N}.error``)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    if opts.device == "cuda":
-        return _run_gpu_rank(rank, world_size, opts, out_dir, phase)
     torch.set_num_threads(1)
     from nemo_fp8_align.demo.cpu_redirects_megatron_lm import enable_megatron_lm_cpu_compat
     from nemo_fp8_align.demo.train import _quiet_cpu_warnings
@@ -302,18 +299,3 @@ def run_rank(rank: int, world_size: int, port: int, opts: Any, out_dir: str,
     finally:
         compat.undo()
 
-
-def _run_gpu_rank(rank: int, world_size: int, opts: Any, out_dir: str,
-                  phase: Dict[str, Any]) -> None:
-    """``--device cuda``: Megatron-LM's loop on the GPU with TE FP8 weights
-    (:mod:`nemo_fp8_align.demo.megatron_lm_gpu`); every rank shares GPU 0."""
-    from nemo_fp8_align.demo.megatron_lm_gpu import GpuBook, init_gpu_groups, train_gpu
-
-    try:
-        groups = init_gpu_groups(rank, world_size, opts.gpu_groups)
-        result = train_gpu(opts, phase, GpuBook(opts=opts), eval_interval=opts.eval_interval)
-        result.update(rank=rank, process_groups=groups)
-        write_result(out_dir, rank, result)
-    except Exception as err:
-        write_error(out_dir, rank, err)
-        raise
