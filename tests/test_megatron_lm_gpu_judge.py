@@ -140,3 +140,23 @@ def test_a_cuda_rank_runs_the_gpu_entry_point(monkeypatch):
     phase = {"exit_at": None, "save": None, "load": None}
     launch_megatron_lm._rank_main(1, 2, 1234, OPTS, "/tmp/run", phase, True)
     assert calls == [(1, 2, 1234, OPTS, "/tmp/run", phase)]
+
+
+@pytest.mark.parametrize("device, method", [("cuda", "spawn"), ("cpu", "forkserver")])
+def test_cuda_ranks_are_spawned_not_forked(device, method, monkeypatch):
+    """With TE installed the fork server's preloaded megatron-core initialises CUDA, which forked
+    ranks cannot use (seen on the H100: 'Cannot re-initialize CUDA in forked subprocess')."""
+    import dataclasses
+
+    from nemo_fp8_align.demo import launch_megatron_lm
+
+    seen = []
+
+    def spawn_and_wait(target, world_size, args, timeout_s, start_method="forkserver"):
+        seen.append(start_method)
+        raise KeyboardInterrupt  # stop before any rank would start
+
+    monkeypatch.setattr(launch_megatron_lm, "spawn_and_wait", spawn_and_wait)
+    with pytest.raises(KeyboardInterrupt):
+        launch_megatron_lm.run_megatron_lm_demo(dataclasses.replace(OPTS, device=device))
+    assert seen == [method]
