@@ -64,6 +64,10 @@ def add_demo_parser(sub: "argparse._SubParsersAction") -> None:
                    help="'schedule': the demo's own loop around megatron-core's schedule "
                         "(default); 'megatron-lm': Megatron-LM's own pretrain/train() "
                         "(megatron-core >= 0.19), the plugin attached by a post-wrap hook")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="with --loop megatron-lm: 'cuda' runs it on the GPU with Transformer "
+                   "Engine FP8 weights, every rank sharing GPU 0 (start CUDA MPS to run them "
+                   "side by side; docs/megatron-lm.md), from a source checkout")
     p.add_argument("--resume-at", type=int, default=None, metavar="K",
                    help="save a checkpoint after K steps and resume from it in a new run")
     p.set_defaults(func=run_demo_command)
@@ -120,6 +124,9 @@ def demo_input_problem(args: argparse.Namespace) -> Optional[str]:
     timeout = getattr(args, "timeout", None)
     if timeout is not None and not timeout > 0:
         return f"--timeout {timeout}: must be a number of seconds > 0; pass e.g. --timeout 60"
+    problem = _device_problem(args)
+    if problem is not None:
+        return problem
     k = getattr(args, "resume_at", None)
     if k is not None and not 1 <= k < steps:
         return (f"--resume-at {k}: the checkpoint is saved after step K and the run resumes "
@@ -155,6 +162,20 @@ def recipe_problem(args: argparse.Namespace) -> Optional[str]:
         return ("--recipe mxfp8: the demo hands megatron-core's re-quantization to its reference "
                 "weights through copy_tensor_to_quantized_param (megatron-core >= 0.19; 0.18 "
                 "copies with the TE tensor's own copy_); run it on 0.19")
+    return None
+
+
+def _device_problem(args: argparse.Namespace) -> Optional[str]:
+    """Why ``--device cuda`` cannot run as asked (None when it can, or when not asked)."""
+    if getattr(args, "device", "cpu") != "cuda":
+        return None
+    if getattr(args, "loop", None) != "megatron-lm":
+        return ("--device cuda: runs Megatron-LM's loop only; pass --loop megatron-lm, or leave "
+                "--device out")
+    import torch
+
+    if not torch.cuda.is_available():
+        return "--device cuda: no CUDA device is visible here; leave --device out (CPU)"
     return None
 
 
@@ -256,7 +277,9 @@ def run_demo_command(args: argparse.Namespace) -> int:
                            args.overlap_param_gather_with_optimizer_step),
                        resume_at=args.resume_at, eval_after_each_step=args.eval_between_steps,
                        eval_forced_sync=args.eval_between_steps,
-                       manual_post_processing=args.manual_post_processing, recipe=args.recipe)
+                       manual_post_processing=args.manual_post_processing, recipe=args.recipe,
+                       device=getattr(args, "device", "cpu"),
+                       eval_interval=2 if args.eval_between_steps else 0)
     try:
         if args.loop == "megatron-lm":
             from nemo_fp8_align.demo.launch_megatron_lm import run_megatron_lm_demo
@@ -268,6 +291,8 @@ def run_demo_command(args: argparse.Namespace) -> int:
         for text in err.reports.values():
             print(f"FAILED: {text}", file=sys.stderr)
         return 1
+    if opts.device == "cuda":
+        return _gpu_report(opts, result)
     print(format_report(result))
     problems = alignment_problems(result)
     for problem in problems:
@@ -282,4 +307,22 @@ def run_demo_command(args: argparse.Namespace) -> int:
         print("OK: every chunk's transposes ran once per step per weight, after its all-gather, "
               + ("at the same slot on every pipeline rank." if opts.policy is Policy.ALIGNED
                  else "at each rank's first use (lazy)."))
+    return 1 if problems else 0
+
+
+def _gpu_report(opts: Any, result: Any) -> int:
+    """``--device cuda``: the checks of demo/megatron_lm_gpu_judge.py, one line each way."""
+    from nemo_fp8_align.demo.megatron_lm_gpu_judge import gpu_problems
+
+    losses = result.ranks[-1]["losses"]
+    print(f"Megatron-LM train() on {opts.world_size} ranks sharing one GPU "
+          f"({result.ranks[0]['process_groups']}), policy {opts.policy.value}: losses "
+          + ", ".join(f"{x:.6f}" for x in losses))
+    problems = gpu_problems(opts, result.ranks)
+    for problem in problems:
+        print(f"FAILED: {problem}", file=sys.stderr)
+    if not problems:
+        print("OK: Transformer Engine built every FP8 weight's transpose once per step, at the "
+              + ("same slot on every pipeline rank." if opts.policy is Policy.ALIGNED
+                 else "chunk's first use."))
     return 1 if problems else 0

@@ -17,15 +17,21 @@ __all__ = ["run_megatron_lm_demo"]
 _MEGATRON_LM_PG_TIMEOUT_S = 600.0
 _CONCAT = ("losses", "grads", "params", "builds_per_step", "records", "unlaunched_steps",
            "metrics")
+_CONCAT_GPU = ("events", "forwards")  # --device cuda (demo/megatron_lm_gpu.py)
 
 
 def _rank_main(rank: int, world_size: int, port: int, opts: Any, *args: Any) -> None:
-    from nemo_fp8_align.demo.megatron_lm_loop import run_rank
-
     if opts.fault is not None:
         from nemo_fp8_align.demo.faults import inject
 
         inject(opts.fault, loop="megatron-lm")  # this process only, for its whole life
+    if opts.device == "cuda":  # megatron-core's GPT with TE FP8 weights, ranks sharing GPU 0
+        from nemo_fp8_align.demo.megatron_lm_gpu import run_gpu_rank
+
+        run_gpu_rank(rank, world_size, port, opts, *args[:2])
+        return
+    from nemo_fp8_align.demo.megatron_lm_loop import run_rank
+
     run_rank(rank, world_size, port, opts, *args)
 
 
@@ -46,7 +52,8 @@ def run_megatron_lm_demo(opts: Any, telemetry_path: Optional[str] = None) -> Any
             os.makedirs(run_dir)
             # Megatron-LM's process groups time out after --distributed-timeout-minutes (10).
             codes = spawn_and_wait(_rank_main, opts.world_size, (opts, run_dir, phase, True),
-                                   opts.pg_timeout_s or _MEGATRON_LM_PG_TIMEOUT_S)
+                                   opts.pg_timeout_s or _MEGATRON_LM_PG_TIMEOUT_S,
+                                   "spawn" if opts.device == "cuda" else "forkserver")
             parts.append(read_results(run_dir, codes))
         ranks = [_merge([p[r] for p in parts]) for r in range(opts.world_size)]
     return demo_result(opts, ranks, telemetry_path)
@@ -56,9 +63,13 @@ def _merge(parts: List[Dict[str, Any]]) -> Dict[str, Any]:
     """One rank's results of the jobs, in order (the first job's, then the resumed one's)."""
     merged = dict(parts[0])
     for part in parts[1:]:
-        for key in _CONCAT:
-            merged[key] = merged[key] + part[key]
-        merged["evidence"] = {k: merged["evidence"][k] + part["evidence"][k]
-                              for k in merged["evidence"]}
+        for key in _CONCAT + _CONCAT_GPU:
+            if key in merged:
+                merged[key] = merged[key] + part[key]
+        if "evidence" in merged:
+            merged["evidence"] = {k: merged["evidence"][k] + part["evidence"][k]
+                                  for k in merged["evidence"]}
+        if "first_use_valid" in merged:
+            merged["first_use_valid"] = dict(merged["first_use_valid"], **part["first_use_valid"])
         merged["unlaunched_forwards"] += part["unlaunched_forwards"]
     return merged

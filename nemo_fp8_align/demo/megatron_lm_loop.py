@@ -137,8 +137,11 @@ class _Bookkeeping:
         return copy_main_params
 
 
-def _forward_step(book: _Bookkeeping):
+def _forward_step(book: Any):
     from megatron.training.global_vars import get_args
+
+    if hasattr(book, "make_forward_step"):  # megatron-core's GPT on the GPU (megatron_lm_gpu)
+        return book.make_forward_step()
 
     def forward_step(data_iterator: Any, model: Any):
         batch = next(data_iterator)
@@ -295,3 +298,4 @@ def run_rank(rank: int, world_size: int, port: int, opts: Any, out_dir: str,
         raise
     finally:
         compat.undo()
+

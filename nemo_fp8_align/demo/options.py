@@ -67,6 +67,11 @@ class DemoOptions:
     #: ``train()`` does, and run the first step as its first iteration (no launches).
     rebinding_loop: bool = False
 
+    #: ``--device cuda`` (``--loop megatron-lm``): the process groups of the ranks sharing the one
+    #: GPU (demo/megatron_lm_gpu.py ``GROUPS``), and Megatron-LM's ``--eval-interval`` (0: none).
+    gpu_groups: str = "host_staging"
+    eval_interval: int = 0
+
     @property
     def world_size(self) -> int:
         return self.pp * self.dp

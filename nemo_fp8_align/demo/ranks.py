@@ -66,13 +66,17 @@ def write_error(out_dir: str, rank: int, err: BaseException) -> None:
 
 
 def spawn_and_wait(target: Callable[..., None], world_size: int, args: Sequence[Any],
-                   timeout_s: Optional[float]) -> List[Optional[int]]:
+                   timeout_s: Optional[float], start_method: str = "forkserver",
+                   ) -> List[Optional[int]]:
     """Run ``target(rank, world_size, port, *args)`` in ``world_size`` new processes and wait
     for all of them, at most ``timeout_s`` (the process groups' timeout) plus
     :data:`WAIT_BEYOND_TIMEOUT_S`; returns each rank's exit code (None: still running at the
-    deadline, then killed)."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)  # read when the server starts (the first call)
+    deadline, then killed). ``start_method="spawn"`` for ranks that use CUDA: with Transformer
+    Engine installed, the fork server's preloaded megatron-core initialises CUDA, which a forked
+    child cannot use."""
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)  # read when the server starts (the first call)
     port, env, cwd = free_port(), dict(os.environ), os.getcwd()
     procs = [ctx.Process(target=_as_called, args=(env, cwd, target, rank, world_size, port, *args))
              for rank in range(world_size)]
