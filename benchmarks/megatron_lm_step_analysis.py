@@ -112,7 +112,8 @@ def analyse(shape: Dict[str, Any], ranks: List[Dict[str, Any]], failed: Optional
                                               if r.get("versions")), {}),
             "step_ms": per, "paired": _paired(shape, steps), "chunks": _chunks(shape, ranks),
             "problems": problems[:30], "ok": not problems, "wall_s": round(wall_s, 1),
-            "rounds_run": next((r.get("rounds_run") for r in ranks if r.get("rounds_run")), None)}
+            "rounds_run": next((r.get("rounds_run") for r in ranks if r.get("rounds_run")), None),
+            "weight_types": sorted({t for r in ranks for t in r.get("weight_types", [])})}
 
 
 def markdown(summary: Dict[str, Any]) -> str:
@@ -121,7 +122,9 @@ def markdown(summary: Dict[str, Any]) -> str:
              "", f"Written by benchmarks/megatron_lm_step_time.py. {v.get('gpu')}, torch "
              f"{v.get('torch')}, TE {v.get('te')}, megatron-core {v.get('megatron_core')}, "
              f"MPS share per rank {v.get('mps_share')}%. hidden {s['hidden']}, heads "
-             f"{s['heads']}, seq {s['seq']}, micro-batch {s['micro_batch_size']}, M="
+             f"{s['heads']}, seq {s['seq']}, FP8 recipe {s.get('recipe', 'delayed')} "
+             f"(weights {', '.join(summary.get('weight_types') or ['?'])}), micro-batch "
+             f"{s['micro_batch_size']}, M="
              f"{s['microbatches']}, 1 layer per chunk; {summary.get('rounds_run')} rounds x "
              f"{s['steps_per_segment']} iterations per segment, first {s['discard']} not timed. "
              f"Wall {summary['wall_s']} s.", "",

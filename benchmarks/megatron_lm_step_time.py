@@ -19,7 +19,13 @@ meets the others at a barrier there, outside the timed span: the max over ranks 
 every forward_step (per model chunk) and backward_step of the schedule and every transpose build
 (per chunk) in CUDA-event ms, and once the one-way p2p time of an activation (ping-pong).
 
+``--fp8-recipe blockwise``: TE ``Float8BlockScaling`` (``Float8BlockwiseQTensor`` weights, 2D
+128x128 blocks) instead of delayed scaling; a weight's post-all-gather work is then its
+column-wise copy (TE's ``_create_columnwise``, built by megatron-core's own post-processing;
+timed as the "transposes"), so only TE's own build runs (``--transposes te``).
+
   python3 benchmarks/megatron_lm_step_time.py --pp 4 --out DIR --results benchmarks/results/X.md
+  python3 benchmarks/megatron_lm_step_time.py --pp 4 --fp8-recipe blockwise --transposes te --out DIR
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ class Shape:
     time_budget: int = 0  # seconds for the rounds; fewer rounds (>= 2) if the warm-up says so
     transposes: tuple = ("te", "torch")
     policies: tuple = ("off", "lazy", "aligned")
+    recipe: str = "delayed"  # Megatron-LM's --fp8-recipe: delayed | blockwise
 
     def segments(self, r: int) -> List[tuple]:
         combos = [(p, t) for t in self.transposes for p in self.policies]
@@ -193,13 +200,14 @@ def _run(rank: int, world: int, s: Shape, result: Dict[str, Any]) -> None:
     book = GpuBook(checks=False, on_step=switcher, on_model=index_chunks)
     steps = s.warmup + len(s.plan()) + 1
     opts = DemoOptions(pp=s.pp, vp=s.vp, microbatches=s.microbatches, steps=steps, device="cuda",
-                       policy=Policy.OFF, micro_batch_size=s.micro_batch_size,
+                       policy=Policy.OFF, micro_batch_size=s.micro_batch_size, recipe=s.recipe,
                        model=DemoModelConfig(hidden_size=s.hidden, num_heads=s.heads,
                                              seq_length=s.seq, vocab_size=1024))
     train_gpu(opts, dict(exit_at=None, save=None, load=None), book, attach_plugin=False,
               log_interval=100000, early_exit_ok=True)
     result.update(pp_rank=pp_rank, rows=switcher.rows, rounds_run=switcher.rounds, records=switcher.records,
-                  versions=_versions(), weights_per_chunk=_count(chunk_of, s.vp))
+                  versions=_versions(), weights_per_chunk=_count(chunk_of, s.vp),
+                  weight_types=sorted({type(w).__name__ for ws in book.weights for w in ws}))
 
 
 def _count(chunk_of: Dict[int, int], vp: int) -> List[int]:
@@ -221,11 +229,18 @@ def main(argv: List[str]) -> int:
                  "rounds", "steps_per_segment", "discard", "warmup", "time_budget"):
         ap.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     ap.add_argument("--transposes", default="te,torch")
+    ap.add_argument("--fp8-recipe", dest="recipe", default="delayed",
+                    choices=["delayed", "blockwise"])
     ap.add_argument("--out", required=True)
     ap.add_argument("--results", default=None, help="also write the Markdown report here")
     a = ap.parse_args(argv)
     kw = {k: v for k, v in vars(a).items() if k in Shape.__dataclass_fields__}
     s = Shape(**dict(kw, transposes=tuple(a.transposes.split(","))))
+    if s.recipe == "blockwise" and s.transposes != ("te",):
+        # A block-scaled weight's column-wise copy is TE's own (with its scales): the generic
+        # byte transpose stands in for per-tensor FP8 only.
+        raise SystemExit(f"--fp8-recipe blockwise --transposes {a.transposes}: blockwise runs "
+                         "TE's own column-wise build only; pass --transposes te")
     os.makedirs(a.out, exist_ok=True)
     import torch.multiprocessing as mp
     t0, failed = time.time(), None

@@ -77,3 +77,23 @@ def instrument(marks: Marks, chunk_of: Dict[int, int], slow: Dict[str, bool]) ->
         marks.pairs.append((f"transpose_c{chunk_of.get(id(self), -1)}", start, marks.now()))
 
     Float8TensorStorage._create_transpose = build
+    _time_columnwise(marks, chunk_of)
+
+
+def _time_columnwise(marks: Marks, chunk_of: Dict[int, int]) -> None:
+    """Blockwise FP8 weights (``Float8BlockwiseQTensor``): their post-all-gather work is TE's
+    column-wise copy, timed under the same per-chunk label as a transpose (never swapped)."""
+    try:
+        from transformer_engine.pytorch.tensor.storage.float8_blockwise_tensor_storage import (
+            Float8BlockwiseQTensorStorage)
+    except ImportError:  # a TE without blockwise FP8
+        return
+    own = Float8BlockwiseQTensorStorage._create_columnwise
+
+    def build(self, *args: Any, **kwargs: Any) -> Any:
+        start = marks.now()
+        out = own(self, *args, **kwargs)
+        marks.pairs.append((f"transpose_c{chunk_of.get(id(self), -1)}", start, marks.now()))
+        return out
+
+    Float8BlockwiseQTensorStorage._create_columnwise = build

@@ -106,6 +106,15 @@ def test_gpu_argv_replaces_the_cpu_only_flags():
                     "--log-interval", "5", "--eval-interval", "2", "--eval-iters", "1"]
 
 
+def test_gpu_argv_carries_the_recipe_and_refuses_blackwell_ones():
+    """The step-time benchmark's blockwise run (TE Float8BlockwiseQTensor weights) asks
+    Megatron-LM for that recipe; the Blackwell-only ones are refused before Megatron-LM starts."""
+    argv = gpu_argv([], eval_interval=0, log_interval=1, recipe="blockwise")
+    assert argv[argv.index("--fp8-recipe") + 1] == "blockwise"
+    with pytest.raises(ValueError, match="recipe='nvfp4'.*need Blackwell"):
+        gpu_argv([], eval_interval=0, log_interval=1, recipe="nvfp4")
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--device", "cuda"], "--device cuda: runs Megatron-LM's loop only; pass --loop megatron-lm"),
     (["--device", "cuda", "--loop", "megatron-lm"], "--device cuda: no CUDA device is visible"),

@@ -6,14 +6,17 @@
 # with megatron-core 0.19.2 in mc19/), builds TE's PyTorch extension (or takes te_torch_ext.so.gz
 # from the bundle), starts MPS, then runs
 #   checks: validation/megatron_lm_gpu.py at PP=2 VP=2 and PP=4 VP=2 side by side
-#   bench:  benchmarks/megatron_lm_step_time.py at PP=4 VP=2 (and PP=2 VP=2 while time is left)
+#   bench:  benchmarks/megatron_lm_step_time.py at PP=4 VP=2 and PP=2 VP=2 (5 rounds x 12
+#           iterations per segment, 2 not timed: 50 timed per policy), then PP=BW_PP (2) VP=2 with
+#           blockwise FP8 weights (--fp8-recipe blockwise, TE's column-wise build only) in the
+#           time left (fewer rounds if its warm-up says they would not fit)
 # Usage (repo root): bash validation/run_megatron_lm_gpu.sh [checks|bench|all|resume] [BUDGET_S]
 #   resume: only the aligned job and the saved-and-resumed one, PP=2 and PP=4
 set -o pipefail
 export PYTHONUNBUFFERED=1 NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 CUBLAS_WORKSPACE_CONFIG=:4096:8
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/mlm
 REPO=$PWD; H=$(cd "${H200:-$REPO/../../.h200}" && pwd); T0=$(date +%s)
-WHAT=${1:-all}; BUDGET=${2:-570}
+WHAT=${1:-all}; BUDGET=${2:-570}; BW_PP=${BW_PP:-2}  # the blockwise job's PP (beside that shape)
 el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 left() { [ $(( $(date +%s) - T0 + $1 )) -lt "$BUDGET" ]; }
 pack() { tar czf "$OUT"/mlm_gpu.tar.gz -C /tmp mlm; }
@@ -22,6 +25,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site3 "$H"/pydantic-*.whl \
   "$H"/pydantic_core-*.whl "$H"/annotated_types-*.whl "$H"/typing_inspection-*.whl \
   "$H"/omegaconf-*.whl "$H"/antlr4_python3_runtime-*.whl || exit 1
+# pydantic needs a recent typing_extensions: the spare one only where the image's is too old
+PYTHONPATH=/tmp/site3 python3 -c "import pydantic" 2>/dev/null || python3 -m pip install -q \
+  --no-index --no-deps --target /tmp/site3 "$H"/spare/typing_extensions-*.whl
 python3 -c "import yaml" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site3 .whl/PyYAML-*.whl
 gunzip -c "$H"/libte_sm90.so.gz > /tmp/site/transformer_engine/wheel_lib/libtransformer_engine.so
 echo "libtransformer_engine.so sha256 want $(cat "$H"/libte_sm90.sha256) got $(sha256sum /tmp/site/transformer_engine/wheel_lib/libtransformer_engine.so | cut -c1-64)"
@@ -76,9 +82,14 @@ bench() {  # name, limit s, args...
   tail -4 /tmp/mlm/"$name".log | cut -c1-600; pack
 }
 if [ "$WHAT" != checks ] && [ "$WHAT" != none ]; then
-  SHAPE="--hidden 2048 --heads 16 --micro-batch-size 1 --steps-per-segment 10 --rounds 7"
-  CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25 bench step_time_pp4 180 --pp 4 $SHAPE --time-budget 80
-  CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 bench step_time_pp2 160 --pp 2 $SHAPE --time-budget 70
+  SHAPE="--hidden 2048 --heads 16 --micro-batch-size 1 --steps-per-segment 12 --rounds 5"
+  CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25 bench step_time_pp4 200 --pp 4 $SHAPE --time-budget 0
+  CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 bench step_time_pp2 170 --pp 2 $SHAPE --time-budget 0
+  REST=$(( BUDGET - ($(date +%s) - T0) - 45 ))  # the job's start and warm-up take ~40 s
+  if [ "$REST" -ge 25 ]; then
+    CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / BW_PP)) bench step_time_pp${BW_PP}_blockwise \
+      $((REST + 40)) --pp "$BW_PP" $SHAPE --time-budget "$REST" --fp8-recipe blockwise --transposes te
+  else el "SKIPPED step_time_pp${BW_PP}_blockwise (${REST} s left for its rounds)"; fi
 fi
 echo quit | nvidia-cuda-mps-control
 pack; el done

@@ -48,11 +48,16 @@ def checkout_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.abspath(nemo_fp8_align.__file__)))
 
 
-def gpu_argv(cpu_argv: List[str], *, eval_interval: int, log_interval: int) -> List[str]:
+def gpu_argv(cpu_argv: List[str], *, eval_interval: int, log_interval: int,
+             recipe: str = "delayed") -> List[str]:
     """The demo's Megatron-LM command line for a GPU: Transformer Engine layers, FP8 (hybrid,
-    delayed scaling) with FP8 parameters gathered, BF16, the distributed optimizer with
-    overlapped and aligned parameter all-gathers (the CPU line already has those), and an
-    evaluation every ``eval_interval`` iterations (0: none)."""
+    ``recipe``: delayed scaling by default, or blockwise for TE ``Float8BlockwiseQTensor``
+    weights) with FP8 parameters gathered, BF16, the distributed optimizer with overlapped and
+    aligned parameter all-gathers (the CPU line already has those), and an evaluation every
+    ``eval_interval`` iterations (0: none)."""
+    if recipe not in ("delayed", "tensorwise", "blockwise"):
+        raise ValueError(f"recipe={recipe!r}: Megatron-LM on the GPU runs delayed, tensorwise or "
+                         "blockwise here (MXFP8 and NVFP4 need Blackwell); pick one of those")
     out, i = [], 0
     while i < len(cpu_argv):
         n = _CPU_ONLY.get(cpu_argv[i])
@@ -62,7 +67,7 @@ def gpu_argv(cpu_argv: List[str], *, eval_interval: int, log_interval: int) -> L
         else:
             i += 1 + n
     out += ["--transformer-impl", "transformer_engine", "--fp8-format", "hybrid",
-            "--fp8-recipe", "delayed", "--fp8-param-gather", "--bf16",
+            "--fp8-recipe", recipe, "--fp8-param-gather", "--bf16",
             "--attention-backend", "unfused", "--distributed-backend", "nccl",
             "--log-interval", str(log_interval)]
     if eval_interval:
@@ -269,7 +274,7 @@ def train_gpu(opts: Any, phase: Dict[str, Any], book: GpuBook, *, attach_plugin:
 
     sys.argv = ["pretrain_demo_gpt"] + gpu_argv(megatron_lm_argv(opts, **phase),
                                                 eval_interval=eval_interval,
-                                                log_interval=log_interval)
+                                                log_interval=log_interval, recipe=opts.recipe)
     args = parse_and_validate_args()
     if phase["load"]:
         # TE 2.20 refuses to unpickle delayed-scaling FP8 metadata from a checkpoint unless told
