@@ -186,10 +186,13 @@ def mlm_rows(path: Path, slowdown: float) -> List[Dict[str, Any]]:
     """Extra held-out shapes: Megatron-LM's own train() on one GPU split by MPS. Its summary has
     per rank forward per chunk, backward per call (no chunk), transposes per chunk and step (all
     policies pooled) and p2p; no host wait (not measured there: left out). Megatron-LM's p2p
-    with interleaving: overlap_p2p_comm on, batch off."""
+    with interleaving: overlap_p2p_comm on, batch off. A blockwise-FP8 run's "transposes" are
+    TE's column-wise builds (the same per-chunk post-all-gather work to the planner); its rows
+    say the recipe."""
     data = json.loads(path.read_text())
     sh, chunks = data["shape"], data["chunks"]
     pp, vp, out = sh["pp"], sh["vp"], []
+    recipe = sh.get("recipe", "delayed")
     ranks = [chunks[f"pp rank {r}"] for r in range(pp)]
     mode = ranks[0].get("p2p_mode") or "ipc"
     # the ping-pong is timed on the ranks that ran it (ranks 0 and 1)
@@ -216,7 +219,8 @@ def mlm_rows(path: Path, slowdown: float) -> List[Dict[str, Any]]:
         out.append({
             "run": f"{path.parent.name}/{path.name.split('.')[0]}",
             "role": "held out (Megatron-LM loop)",
-            "mcore": data["versions"].get("megatron_core", "?"), "pp": pp, "impl": impl,
+            "mcore": data["versions"].get("megatron_core", "?"), "pp": pp,
+            "impl": impl if recipe == "delayed" else f"{impl} ({recipe} FP8)",
             "steps": steps[f"{impl} lazy"]["n"], "rounds": paired["n"],
             "gpu": data["versions"].get("gpu", "?"),
             "measured": steps[f"{impl} lazy"]["median"] - steps[f"{impl} aligned"]["median"],

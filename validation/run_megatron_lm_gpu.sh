@@ -88,7 +88,7 @@ if [ "$WHAT" != checks ] && [ "$WHAT" != none ]; then
   REST=$(( BUDGET - ($(date +%s) - T0) - 45 ))  # the job's start and warm-up take ~40 s
   if [ "$REST" -ge 25 ]; then
     CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / BW_PP)) bench step_time_pp${BW_PP}_blockwise \
-      $((REST + 40)) --pp "$BW_PP" $SHAPE --time-budget "$REST" --fp8-recipe blockwise --transposes te
+      $((REST + 45)) --pp "$BW_PP" $SHAPE --time-budget "$REST" --fp8-recipe blockwise --transposes te
   else el "SKIPPED step_time_pp${BW_PP}_blockwise (${REST} s left for its rounds)"; fi
 fi
 echo quit | nvidia-cuda-mps-control
