@@ -3,13 +3,16 @@
 # with Transformer Engine 2.20.2 FP8 weights, the pipeline ranks sharing the GPU through CUDA MPS.
 # Installs TE (core library stripped to sm_90), megatron-core 0.19.2, omegaconf and pydantic from
 # the bundle that validation/run_real_stack.sh's header describes (H200=path, default ../../.h200,
-# with megatron-core 0.19.2 in mc19/), builds TE's PyTorch extension (or takes te_torch_ext.so.gz
+# with megatron-core 0.19.2 in mc19/; spare/typing_extensions-*.whl, used only where the image's is
+# too old for pydantic), builds TE's PyTorch extension (or takes te_torch_ext.so.gz
 # from the bundle), starts MPS, then runs
 #   checks: validation/megatron_lm_gpu.py at PP=2 VP=2 and PP=4 VP=2 side by side
 #   bench:  benchmarks/megatron_lm_step_time.py at PP=4 VP=2 and PP=2 VP=2 (5 rounds x 12
 #           iterations per segment, 2 not timed: 50 timed per policy), then PP=BW_PP (2) VP=2 with
 #           blockwise FP8 weights (--fp8-recipe blockwise, TE's column-wise build only) in the
-#           time left (fewer rounds if its warm-up says they would not fit)
+#           time left (fewer rounds if its warm-up says they would not fit). JOBS="pp4 pp2
+#           blockwise" (default; any subset, in the order given) picks the jobs. On an H100
+#           (2026-12-06): TE's extension built in ~100 s; a PP=4 job of 5 rounds x 10 took 101 s.
 # Usage (repo root): bash validation/run_megatron_lm_gpu.sh [checks|bench|all|resume] [BUDGET_S]
 #   resume: only the aligned job and the saved-and-resumed one, PP=2 and PP=4
 set -o pipefail
@@ -72,24 +75,29 @@ if [ "$WHAT" != bench ] && [ "$WHAT" != none ]; then
   grep -hE "Error|error" /tmp/mlm/checks_pp4.log | grep -v Warning | head -5 | cut -c1-600
   pack
 fi
-bench() {  # name, limit s, args...
-  local name=$1 limit=$2; shift 2
-  left "$limit" || { el "SKIPPED $name (needs $limit s)"; return; }
+bench() {  # name, seconds it needs (estimate), args...: skipped unless that much of BUDGET is
+  local name=$1 need=$2 rest; shift 2  # left; stopped at the end of BUDGET in any case
+  rest=$(( BUDGET - ($(date +%s) - T0) ))
+  [ "$rest" -ge "$need" ] || { el "SKIPPED $name (needs ~$need s, $rest s left)"; return; }
   el "start $name"
-  timeout -k 10 "$limit" python3 benchmarks/megatron_lm_step_time.py --out /tmp/mlm/"$name" \
+  timeout -k 10 "$rest" python3 benchmarks/megatron_lm_step_time.py --out /tmp/mlm/"$name" \
     --results /tmp/mlm/"$name".md "$@" > /tmp/mlm/"$name".log 2>&1
   el "end $name rc=$?"; grep -E "^\| |Problems" /tmp/mlm/"$name".md 2>/dev/null | head -30
   tail -4 /tmp/mlm/"$name".log | cut -c1-600; pack
 }
 if [ "$WHAT" != checks ] && [ "$WHAT" != none ]; then
   SHAPE="--hidden 2048 --heads 16 --micro-batch-size 1 --steps-per-segment 12 --rounds 5"
-  CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25 bench step_time_pp4 200 --pp 4 $SHAPE --time-budget 0
-  CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 bench step_time_pp2 170 --pp 2 $SHAPE --time-budget 0
-  REST=$(( BUDGET - ($(date +%s) - T0) - 45 ))  # the job's start and warm-up take ~40 s
-  if [ "$REST" -ge 25 ]; then
-    CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / BW_PP)) bench step_time_pp${BW_PP}_blockwise \
-      $((REST + 45)) --pp "$BW_PP" $SHAPE --time-budget "$REST" --fp8-recipe blockwise --transposes te
-  else el "SKIPPED step_time_pp${BW_PP}_blockwise (${REST} s left for its rounds)"; fi
+  for job in ${JOBS:-pp4 pp2 blockwise}; do
+    case $job in
+      pp4) CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25 bench step_time_pp4 125 --pp 4 $SHAPE --time-budget 0;;
+      pp2) CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 bench step_time_pp2 95 --pp 2 $SHAPE --time-budget 0;;
+      blockwise)  # its rounds get what is left (at least 2, fewer than 5 where they would not fit)
+        REST=$(( BUDGET - ($(date +%s) - T0) - 45 ))  # the job's start and warm-up take ~40 s
+        CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / BW_PP)) bench step_time_pp${BW_PP}_blockwise 70 \
+          --pp "$BW_PP" $SHAPE --time-budget "$REST" --fp8-recipe blockwise --transposes te;;
+      *) el "unknown job $job (JOBS: pp4 pp2 blockwise)";;
+    esac
+  done
 fi
 echo quit | nvidia-cuda-mps-control
 pack; el done
