@@ -231,7 +231,7 @@ def mlm_rows(path: Path, slowdown: float) -> List[Dict[str, Any]]:
 
 
 def mlmgpu_note(found: List[Path], rows: List[Dict[str, Any]]) -> str:
-    head = "\n## Megatron-LM loop on the GPU (helper mlmgpu)\n\n"
+    head = "\n## Megatron-LM loop on the GPU (held-out rows added after the split)\n\n"
     if not found:
         return (head + "No Megatron-LM-loop step-time summary (`megatron_lm*/**/summary.json`, "
                 "benchmarks/megatron_lm_step_time.py) existed when this file was made, so no "

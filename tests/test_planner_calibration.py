@@ -81,3 +81,15 @@ def test_megatron_lm_loop_summaries_become_held_out_rows(tmp_path):
     assert abs(row["step_ms"]["lazy"] - want[0]) < 2e-6
     assert abs(row["step_ms"]["aligned"] - want[1]) < 2e-6
     assert row["inside"] == (5.0 <= row["predicted"] <= 30.0)
+
+
+def test_a_blockwise_run_says_its_recipe(tmp_path):
+    """A blockwise-FP8 run (``--fp8-recipe blockwise``: the column-wise builds stand where the
+    transposes stand) becomes rows that name the recipe, never mistaken for per-tensor FP8."""
+    import json
+
+    path = _mlm_summary(tmp_path)
+    data = json.loads(path.read_text())
+    data["shape"]["recipe"] = "blockwise"
+    path.write_text(json.dumps(data))
+    assert [r["impl"] for r in cal.mlm_rows(path, 1.25)] == ["torch (blockwise FP8)"]
