@@ -79,6 +79,15 @@ def test_every_violation_at_once_and_the_fp8_format_once():
                                       "--overlap-grad-reduce"]
 
 
+def test_each_requirement_cites_megatron_lm_not_nemo():
+    """Second trial (docs/check-trial.md): Megatron-LM mode gave --overlap-grad-reduce NeMo's
+    reason; Megatron-LM 0.19.2's validate_args asserts 'Must use --overlap-param-gather with
+    --overlap-grad-reduce'."""
+    found = _found(drop=["--overlap-grad-reduce"])
+    assert "NeMo" not in found[0].expected
+    assert "Must use --overlap-param-gather with --overlap-grad-reduce" in found[0].expected
+
+
 def test_microbatch_checks_need_the_world_size():
     assert _found(["--global-batch-size", "6"], ["--global-batch-size"], world=None) == []
 
