@@ -154,3 +154,36 @@ def test_a_value_megatron_lm_rejects_does_not_hide_the_rest_of_the_list():
                                    "--num-virtual-stages-per-pipeline-rank 2")
     assert [v["key"] for v in payload["left"]] == ["--tokenizer-type"]
     assert any(n.startswith("--is-hybrid-model:") for n in payload["notes"]), payload["notes"]
+
+
+# --- the second trial (docs/check-trial.md, "Second trial") ---------------------------------
+
+
+def test_a_tp_that_fills_the_node_is_changed_before_the_node_count():
+    """Mistral NeMo 123B on one node (8 GPUs, TP 8): PP 2 needs TP * PP = 16 GPUs. TP 4 with
+    PP 2 VP 2 fits the node (96 heads, 8 query groups); the fix was trainer.num_nodes=2 (TP
+    was read as a cause only where it divides no world of this size)."""
+    argv = [str(UP / "launcher" / "mistral_mistral_nemo_123b.yaml"), *FP8,
+            "+model.optim.overlap_param_sync=True", "+model.optim.overlap_grad_sync=True",
+            "trainer.num_nodes=1"]
+    status, payload = run(argv)
+    line = payload["fix_overrides"]
+    assert status == 2 and payload["fix_passes"] is True, payload
+    assert sorted(line) == ["model.pipeline_model_parallel_size=2",
+                            "model.tensor_model_parallel_size=4",
+                            "model.virtual_pipeline_model_parallel_size=2"], line
+    assert run(argv + line)[0] == 0
+
+
+def test_a_cp_that_fills_the_world_is_changed_before_the_world_size():
+    """Megatron-LM's weekly TP 4 x CP 2 FP8 test on its 8 GPUs: PP 2 needs 16. CP 1 with PP 2
+    VP 2 keeps the 8 (the sequence is not split); the fix was 'launch 16 processes'."""
+    argv = ["--megatron-lm", "--world-size", "8", "--",
+            *args_of("ft_gpt3_weekly_mcore_tp4_cp2_current_scaling_native_fp8_tp_sp_cp_tp_overlap")]
+    status, payload = run(argv)
+    assert status == 2 and payload["fix_passes"] is True, payload
+    assert payload["fix_text"] == ("--pipeline-model-parallel-size 2 "
+                                   "--num-virtual-stages-per-pipeline-rank 2 "
+                                   "--overlap-param-gather --overlap-grad-reduce "
+                                   "--context-parallel-size 1"), payload
+    assert run(argv[:3] + ["--", *payload["fixed_argv"]])[0] == 0

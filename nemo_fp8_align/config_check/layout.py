@@ -7,8 +7,8 @@ architecture (num_layers, hidden, FFN, heads, experts), the global and micro bat
 and the node count are what the user chose to train; changing them to fit a layout is the wrong
 way round. :func:`layout_fix` searches the layouts that change one setting, then two, then three
 (nearest values first; VP up to one layer per chunk) and returns the first that passes every
-layout constraint. Where TP or CP is the cause (TP * CP divides no world of this size, so no PP
-can fit), it tries the nearest TP or CP that lets a layout fit (a change of the memory per GPU,
+layout constraint. Where TP or CP is the cause (TP * CP divides no world of this size, or fills
+it, so no PP >= 2 can fit), it tries the nearest TP or CP that lets a layout fit (a change of the memory per GPU,
 which the rule names). None when nothing fits (the rule then says so and names the trade-off of
 what it changes instead: the micro or global batch (:mod:`.batch_fix`), the node count, the
 layer count).
@@ -303,28 +303,36 @@ def _tp_fits(ctx: CheckContext, tp: int) -> bool:
 
 
 def _cause_fix(ctx: CheckContext, fixed: Fixed, cur: Layout) -> Optional[Dict[str, Any]]:
-    """Where TP or CP is the cause (TP * CP divides no world of this size, so no PP can fit):
-    the nearest TP (a divisor of the GPUs per node that divides the heads and hidden sizes) or,
-    where TP divides the world, the nearest CP (the sequence a multiple of 2 * CP, as
-    Megatron-LM asserts) with which a layout fits, and that layout. None: neither is the
+    """Where TP or CP is the cause (TP * CP divides no world of this size, or fills it while
+    the PP is the plugin's least, so no PP >= 2 can fit): the nearest TP (a divisor of the GPUs per node that divides the heads and
+    hidden sizes) or CP (the sequence a multiple of 2 * CP, as Megatron-LM asserts) with which
+    a layout fits, and that layout. CP first where TP divides the world (as given, TP is then
+    not what breaks the division), TP where it does not or no CP fits. None: neither is the
     cause, or no value fits."""
     world = fixed.world
-    if world is None or world % (fixed.tp * fixed.cp) == 0:
+    if world is None:
         return None
-    if world % fixed.tp:
-        key, old, span = "tensor_model_parallel_size", fixed.tp, ctx.devices() or world
-        ok = lambda t: world % (t * fixed.cp) == 0 and _tp_fits(ctx, t)  # noqa: E731
-    else:
-        seq = ctx.model.peek_int("encoder_seq_length")
-        key, old, span = "context_parallel_size", fixed.cp, world // fixed.tp
-        ok = lambda c: c == 1 or seq is None or seq % (2 * c) == 0  # noqa: E731
-    var = "tp" if key.startswith("tensor") else "cp"
-    for value in sorted((v for v in range(1, min(span, 64) + 1) if span % v == 0 and ok(v)),
-                        key=lambda v: (abs(v - old), v)):
-        found = search(replace(fixed, **{var: value}), cur)
-        if found is not None:
-            return {key: value, **{KEYS[v]: getattr(found, v) for v in _ORDER
-                                   if getattr(found, v) != getattr(cur, v)}}
+    mp = fixed.tp * fixed.cp
+    # "fills it": TP * CP alone is the world, and the PP is at most the plugin's least (2);
+    # a larger PP given for more processes says the world is what is off, not TP or CP
+    fills = world // mp < 2 and cur.pp <= 2
+    if world % mp == 0 and not fills:
+        return None
+    seq = ctx.model.peek_int("encoder_seq_length")
+    tries = [("tensor_model_parallel_size", fixed.tp, ctx.devices() or world,
+              lambda t: world % (t * fixed.cp) == 0 and _tp_fits(ctx, t))]
+    if world % fixed.tp == 0:
+        tries.insert(0, ("context_parallel_size", fixed.cp, world // fixed.tp,
+                         lambda c: c == 1 or seq is None or seq % (2 * c) == 0))
+    for key, old, span, ok in tries:
+        var = "tp" if key.startswith("tensor") else "cp"
+        for value in sorted((v for v in range(1, min(span, 64) + 1)
+                             if span % v == 0 and v != old and ok(v)),
+                            key=lambda v: (abs(v - old), v)):
+            found = search(replace(fixed, **{var: value}), cur)
+            if found is not None:
+                return {key: value, **{KEYS[v]: getattr(found, v) for v in _ORDER
+                                       if getattr(found, v) != getattr(cur, v)}}
     return None
 
 
