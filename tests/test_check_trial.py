@@ -187,3 +187,19 @@ def test_a_cp_that_fills_the_world_is_changed_before_the_world_size():
                                    "--overlap-param-gather --overlap-grad-reduce "
                                    "--context-parallel-size 1"), payload
     assert run(argv[:3] + ["--", *payload["fixed_argv"]])[0] == 0
+
+
+def test_deepseek_v3s_61_layers_get_a_layout_string_not_60_layers():
+    """Megatron-LM's DeepSeek-V3 example (61 layers, one MTP layer; its defaults: Megatron-FSDP,
+    EP 8) on 64 GPUs: 61 is prime, so no even or first/last split gives PP, VP >= 2, and the
+    fix was --num-layers 60 (a model change). A --pipeline-model-parallel-layout places the 61
+    layers over PP 2 x VP 2 stages (15 or 16 each) and keeps the model; megatron-core's own
+    layout class accepts it (test_megatron_lm_parser_019.py)."""
+    argv = ["--megatron-lm", "--world-size", "64", "--", *args_of("sbatch_mfsdp_deepseek_v3")]
+    status, payload = run(argv)
+    assert status == 2 and payload["fix_passes"] is True, payload
+    assert "--num-layers" not in payload["fix_text"], payload["fix_text"]
+    assert ("--pipeline-model-parallel-layout 'Et*15|t*16|t*15|t*15mL'"
+            in payload["fix_text"]), payload["fix_text"]
+    assert "--num-virtual-stages-per-pipeline-rank" in payload["fix_drop"], payload
+    assert run(argv[:3] + ["--", *payload["fixed_argv"]])[0] == 0

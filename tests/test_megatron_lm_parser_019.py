@@ -34,6 +34,23 @@ def test_layout_stages_and_layers_as_megatron_core_reads_them(layout):
     assert layout_stages(layout) == (len(stages), decoder)
 
 
+@pytest.mark.parametrize("layers,pp,vp,mtp", [(61, 2, 2, 1), (61, 4, 2, 0), (7, 2, 2, 0),
+                                              (13, 3, 2, 2), (4, 2, 2, 0), (95, 8, 3, 1)])
+def test_a_layout_string_fix_is_one_megatron_core_accepts(layers, pp, vp, mtp):
+    """The check's layout-string fix (DeepSeek-V3's 61 layers, second trial): megatron-core's
+    own class reads PP x VP stages with every layer, the MTP layers and the loss last, and
+    stages that differ by at most one layer."""
+    from nemo_fp8_align.config_check.layout_string import layout_text
+
+    layout = PipelineParallelLayerLayout(layout_text(layers, pp, vp, mtp), pp)
+    assert layout.virtual_pipeline_model_parallel_size == vp
+    layout.validate_layer_layout(layers, mtp or None)
+    from megatron.core.transformer.enums import LayerType
+
+    counts = [stage.count(LayerType.decoder) for rank in layout.layout for stage in rank]
+    assert sum(counts) == layers and max(counts) - min(counts) <= 1, counts
+
+
 def _recipe_config_error(q):
     """What megatron-core 0.19.2's own config classes say about the recipe settings ``q`` (the
     recipe table's names): the error message, or None when all of them accept it."""

@@ -25,9 +25,9 @@ from nemo_fp8_align.config_check.reader import ABSENT
 from nemo_fp8_align.config_check.split_math import layer_split_error
 from nemo_fp8_align.core.schedule import InterleavedSchedule, ScheduleError
 
-__all__ = ["FIXED_WHY", "KEYS", "Fixed", "Layout", "layout_fix", "layout_overrides",
-           "layout_problem", "micro_batch_layout_fix", "smaller_micro_batch_layout",
-           "split_error"]
+__all__ = ["FIXED_WHY", "KEYS", "Fixed", "Layout", "layout_fix", "layout_inputs",
+           "layout_overrides", "layout_problem", "micro_batch_layout_fix",
+           "smaller_micro_batch_layout", "split_error"]
 
 #: Layout variable -> the model key it is set by.
 KEYS = {"n": "microbatch_group_size_per_vp_stage", "first": "num_layers_in_first_pipeline_stage",
@@ -72,6 +72,9 @@ class Fixed:
     #: The settings the search may change (only N under a Megatron-LM layout string, which
     #: fixes PP, VP and the split).
     changeable: Tuple[str, ...] = ("n", "first", "last", "vp", "pp")
+    #: Megatron-LM's --pipeline-model-parallel-layout places any number of layers in each
+    #: stage: only at least one layer per stage is asked of the split.
+    free_split: bool = False
 
     def dp(self, pp: int) -> Optional[int]:
         """The data-parallel size with ``pp`` (the world's when known, else the given one)."""
@@ -101,8 +104,11 @@ def layout_problem(fixed: Fixed, lay: Layout) -> Optional[str]:
         return "TP * PP * CP does not divide the world size"
     if fixed.world is not None and fixed.ep > 1 and fixed.world % (fixed.etp * fixed.ep * lay.pp):
         return "expert TP * EP * PP does not divide the world size"
-    error = None if fixed.changeable == ("n",) else split_error(
-        fixed.layers, lay, fixed.emb, fixed.loss, fixed.nemo)
+    if fixed.free_split:
+        error = "more stages than layers" if lay.pp * lay.vp > fixed.layers else None
+    else:
+        error = None if fixed.changeable == ("n",) else split_error(
+            fixed.layers, lay, fixed.emb, fixed.loss, fixed.nemo)
     if error is not None:
         return error
     dp = fixed.dp(lay.pp)
@@ -214,7 +220,7 @@ def search(fixed: Fixed, cur: Layout) -> Optional[Layout]:
     return None
 
 
-def _inputs(ctx: CheckContext) -> Optional[Tuple[Fixed, Layout]]:
+def layout_inputs(ctx: CheckContext) -> Optional[Tuple[Fixed, Layout]]:
     """(fixed, current layout) when every value they need is valid, else None."""
     m = ctx.model
     layers, pp, tp, cp = m.peek_int("num_layers"), ctx.pp(), ctx.tp(), ctx.cp()
@@ -253,7 +259,7 @@ def layout_fix(ctx: CheckContext) -> Optional[Dict[str, Any]]:
     None: no layout change fits, or a value it needs is invalid). Computed once per check."""
     cache = ctx.cache
     if "layout_fix" not in cache:
-        inputs = _inputs(ctx)
+        inputs = layout_inputs(ctx)
         found = search(*inputs) if inputs is not None else None
         change = None if found is None else {
             KEYS[var]: getattr(found, var) for var in _ORDER
@@ -267,7 +273,7 @@ def layout_fix(ctx: CheckContext) -> Optional[Dict[str, Any]]:
 def micro_batch_layout_fix(ctx: CheckContext, mbs: int) -> Optional[Dict[str, Any]]:
     """{model key: new value} of the nearest layout that fits with micro batch ``mbs`` (which
     keeps the global batch; the caller tries the smaller ones), None when none does."""
-    inputs = _inputs(ctx)
+    inputs = layout_inputs(ctx)
     if inputs is None:
         return None
     fixed, cur = inputs

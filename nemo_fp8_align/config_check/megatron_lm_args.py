@@ -18,12 +18,13 @@ of the same names. Nothing here imports megatron-core.
 from __future__ import annotations
 
 import re
+import shlex
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence
 
 from nemo_fp8_align.config_check.megatron_lm_parser import parse_argv
 from nemo_fp8_align.config_check.megatron_lm_rules import (
-    PARSE_PROBLEMS, implicit_global_batch, megatron_lm_only, nearest_world, step_schedule,
-    vp_flag, vp_of, vp_spelling)
+    _VP_DESTS, PARSE_PROBLEMS, implicit_global_batch, megatron_lm_only, nearest_world,
+    step_schedule, vp_flag, vp_of, vp_spelling)
 from nemo_fp8_align.config_check.reader import Violation
 
 __all__ = ["FLAGS", "READ_DESTS", "megatron_lm_config", "megatron_lm_violations",
@@ -171,6 +172,9 @@ def megatron_lm_config(args: Mapping[str, Any], world_size: Optional[int] = None
                  num_query_groups=get("num_query_groups") if get("group_query_attention")
                  else None,  # Megatron-LM passes its groups only with --group-query-attention
                  encoder_seq_length=get("seq_length"),  # a CP fix keeps it a multiple of 2CP
+                 # a layout-string fix places the MTP layers; a hybrid pattern is its own split
+                 mtp_num_layers=get("mtp_num_layers"),
+                 hybrid_layer_pattern=get("hybrid_layer_pattern"),
                  rampup_batch_size=None,  # read by Megatron-LM 0.19.2 only to warn
                  megatron_amp_O2=True,  # NeMo's requirement; Megatron-LM keeps FP32 main params
                  mcore_gpt=True,  # NeMo's switch; Megatron-LM's models are megatron-core's
@@ -289,13 +293,18 @@ def translate_fix(args: Mapping[str, Any], fix: str) -> str:
         if f is None:
             parts.append("--" + key.replace("_", "-") + ("" if value == "True" else f" {value}"))
         elif f.kind == VALUE:
-            parts.append(f"{f.flag} {value}" if value != "null" else f"drop {f.flag}")
+            shown = value if "<" in value else shlex.quote(value)  # a layout string's | and *
+            parts.append(f"{f.flag} {shown}" if value != "null" else f"drop {f.flag}")
         else:
             on = (value == "True") if f.kind == STORE_TRUE else value != "True"
             parts.append(f.flag if on else f"drop {f.flag}")
     vp = changes.get("virtual_pipeline_model_parallel_size")
     pp = changes.get("pipeline_model_parallel_size")
-    if vp is not None or (pp is not None and args.get("num_layers_per_virtual_pipeline_stage")):
+    if "pipeline_model_parallel_layout" in changes:
+        # the layout gives VP: Megatron-LM asserts no more than one of the three VP flags
+        parts.extend(f"drop {flag}" for flag, dest in _VP_DESTS[:2]
+                     if args.get(dest) is not None)
+    elif vp is not None or (pp is not None and args.get("num_layers_per_virtual_pipeline_stage")):
         parts.extend(vp_spelling(args, int(pp) if pp else None,
                                  int(vp) if vp not in (None, "null") else vp_of(args)))
     rest = _OVERRIDE.sub("", fix).strip()
