@@ -149,11 +149,16 @@ def test_a_value_megatron_lm_rejects_does_not_hide_the_rest_of_the_list():
                            *args_of("ft_nemotron3_super_release_gb200")])
     assert [v["key"] for v in payload["violations"]] == [
         "--tokenizer-type", "--pipeline-model-parallel-size",
-        "--num-virtual-stages-per-pipeline-rank"], payload["violations"]
-    assert payload["fix_text"] == ("--pipeline-model-parallel-size 2 "
-                                   "--num-virtual-stages-per-pipeline-rank 2")
+        "--hybrid-layer-pattern"], payload["violations"]
+    # Second trial: the line gave --num-virtual-stages-per-pipeline-rank 2, which Megatron-LM
+    # 0.19.2 asserts against beside --hybrid-layer-pattern; the pattern cut into 4 segments
+    # (22 layers each) is its way of giving PP 2 x VP 2
+    assert payload["fix_text"] == (
+        "--pipeline-model-parallel-size 2 --hybrid-layer-pattern "
+        "'MEMEMEM*EMEMEMEM*EMEME|MEM*EMEMEMEMEM*EMEMEME|MEM*EMEMEMEMEM*EMEMEME|"
+        "MEM*EMEMEMEM*EMEMEMEME/*E/*E'"), payload["fix_text"]
     assert [v["key"] for v in payload["left"]] == ["--tokenizer-type"]
-    assert any(n.startswith("--is-hybrid-model:") for n in payload["notes"]), payload["notes"]
+    assert any(n.startswith("--hybrid-layer-pattern:") for n in payload["notes"]), payload["notes"]
 
 
 # --- the second trial (docs/check-trial.md, "Second trial") ---------------------------------
@@ -202,4 +207,20 @@ def test_deepseek_v3s_61_layers_get_a_layout_string_not_60_layers():
     assert ("--pipeline-model-parallel-layout 'Et*15|t*16|t*15|t*15mL'"
             in payload["fix_text"]), payload["fix_text"]
     assert "--num-virtual-stages-per-pipeline-rank" in payload["fix_drop"], payload
+    assert run(argv[:3] + ["--", *payload["fixed_argv"]])[0] == 0
+
+
+def test_a_hybrid_models_pattern_gives_its_layers_and_its_stages():
+    """Megatron-LM's Mamba example (examples/mamba/train.sh, 800M: --hybrid-layer-pattern of 48
+    layers, no --num-layers) on its 8 GPUs: the check said '--num-layers: found null' (Megatron-
+    LM takes the count from the pattern) and its line added --num-virtual-stages-per-pipeline-
+    rank 2, which Megatron-LM asserts against with a pattern. VP is the pattern's segments."""
+    argv = ["--megatron-lm", "--world-size", "8", "--", *args_of("mamba_train")]
+    status, payload = run(argv)
+    assert status == 2 and payload["fix_passes"] is True, payload
+    assert "--num-layers" not in [v["key"] for v in payload["violations"]], payload
+    assert payload["fix_text"] == (
+        "--pipeline-model-parallel-size 2 --hybrid-layer-pattern "
+        "'M-M-M--M-*M-|M-M-M--*M-M-|M-M-*M--M-M-|M-*M-M--M-M-' --fp8-format hybrid "
+        "--fp8-param-gather"), payload["fix_text"]
     assert run(argv[:3] + ["--", *payload["fixed_argv"]])[0] == 0

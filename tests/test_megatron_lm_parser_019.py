@@ -51,6 +51,29 @@ def test_a_layout_string_fix_is_one_megatron_core_accepts(layers, pp, vp, mtp):
     assert sum(counts) == layers and max(counts) - min(counts) <= 1, counts
 
 
+@pytest.mark.parametrize("pattern,stages", [
+    ("M-M-M--M-*M-M-M-M--*M-M-M-M-*M--M-M-M-*M-M--M-M-", 4), ("M*M*M/MM/MM", 2),
+    ("MEMEMEM*E|MEMEM*EMEME", 6), ("M*-", 3)])
+def test_a_hybrid_pattern_cut_into_segments_is_read_by_megatron_core(pattern, stages):
+    """The check's VP fix for a hybrid model (second trial): megatron-core 0.19.2's own pattern
+    functions read the same layers and MTP part, in the stages asked for."""
+    from megatron.core.models.hybrid.hybrid_layer_allocation import (
+        get_hybrid_total_layer_count, get_hybrid_total_pipeline_segment_count,
+        parse_hybrid_pattern)
+
+    from nemo_fp8_align.config_check.megatron_lm_hybrid import (hybrid_layers,
+                                                                hybrid_segments, with_segments)
+
+    cut = with_segments(pattern, stages)
+    assert get_hybrid_total_pipeline_segment_count(cut) == stages == hybrid_segments(cut)
+    assert get_hybrid_total_layer_count(cut) == get_hybrid_total_layer_count(pattern) \
+        == hybrid_layers(cut)
+    before, after = parse_hybrid_pattern(pattern), parse_hybrid_pattern(cut)
+    assert (after.mtp_pattern, after.mtp_num_depths) == (before.mtp_pattern,
+                                                         before.mtp_num_depths)
+    assert after.main_pattern.replace("|", "") == before.main_pattern.replace("|", "")
+
+
 def _recipe_config_error(q):
     """What megatron-core 0.19.2's own config classes say about the recipe settings ``q`` (the
     recipe table's names): the error message, or None when all of them accept it."""

@@ -21,6 +21,8 @@ import re
 import shlex
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence
 
+from nemo_fp8_align.config_check.megatron_lm_hybrid import (HYBRID, hybrid_layers,
+                                                            hybrid_pattern, hybrid_segments)
 from nemo_fp8_align.config_check.megatron_lm_parser import parse_argv
 from nemo_fp8_align.config_check.megatron_lm_rules import (
     _VP_DESTS, PARSE_PROBLEMS, implicit_global_batch, megatron_lm_only, nearest_world,
@@ -174,11 +176,13 @@ def megatron_lm_config(args: Mapping[str, Any], world_size: Optional[int] = None
                  encoder_seq_length=get("seq_length"),  # a CP fix keeps it a multiple of 2CP
                  # a layout-string fix places the MTP layers; a hybrid pattern is its own split
                  mtp_num_layers=get("mtp_num_layers"),
-                 hybrid_layer_pattern=get("hybrid_layer_pattern"),
+                 hybrid_layer_pattern=hybrid_pattern(args),
                  rampup_batch_size=None,  # read by Megatron-LM 0.19.2 only to warn
                  megatron_amp_O2=True,  # NeMo's requirement; Megatron-LM keeps FP32 main params
                  mcore_gpt=True,  # NeMo's switch; Megatron-LM's models are megatron-core's
                  fp8_transpose_align={"enabled": True})
+    if hybrid_pattern(args) is not None:  # Megatron-LM overrides --num-layers with it
+        model["num_layers"] = hybrid_layers(hybrid_pattern(args))
     if isinstance(schedule, list) and schedule:
         model["global_batch_size"] = schedule[-1][1]  # the steady state; every entry: rules
     elif model["global_batch_size"] is None and world_size is not None:
@@ -231,6 +235,12 @@ def _translate(args: Mapping[str, Any], v: Violation, world: Optional[int]) -> V
         flag = FLAGS[key].flag
     elif key == "virtual_pipeline_model_parallel_size":
         flag = vp_flag(args)
+        pattern = hybrid_pattern(args)
+        if flag == HYBRID and pattern is not None:  # the segments give VP: say so in its terms
+            return Violation(flag, repr(pattern), f"{hybrid_segments(pattern)} segment(s) "
+                             "cut by '|' into PP x VP with VP >= 2 (Megatron-LM derives the "
+                             "model chunks per pipeline rank from them and asserts the VP "
+                             "flags absent)", translate_fix(args, v.fix))
     elif key in _DERIVED_KEY:
         flag = _DERIVED_KEY[key]
     elif v.key.startswith("trainer."):
