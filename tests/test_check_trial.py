@@ -224,3 +224,16 @@ def test_a_hybrid_models_pattern_gives_its_layers_and_its_stages():
         "'M-M-M--M-*M-|M-M-M--*M-M-|M-M-*M--M-M-|M-*M-M--M-M-' --fp8-format hybrid "
         "--fp8-param-gather"), payload["fix_text"]
     assert run(argv[:3] + ["--", *payload["fixed_argv"]])[0] == 0
+
+
+def test_a_layout_string_of_one_stage_per_rank_gets_one_of_two():
+    """Megatron-LM's DeepSeek-V3 proxy release test (PP 2, layout 'Et*7|t*7mL': VP 1, 14 layers,
+    one MTP layer) on 64 GPUs: the VP fix was the sentence '<a --pipeline-model-parallel-layout
+    of PP x VP = 4 stages>' (nothing to paste) and the finding read 'found null'."""
+    argv = ["--megatron-lm", "--world-size", "64", "--",
+            *args_of("ft_deepseekv3_proxy_flex_tp2pp2emp16etp1cp1_gb_200_release")]
+    status, payload = run(argv + ["--fp8-format", "hybrid", "--fp8-param-gather"])
+    assert status == 2 and payload["fix_passes"] is True, payload
+    (v,) = payload["violations"]
+    assert v["key"] == "--pipeline-model-parallel-layout" and v["found"] == "'Et*7|t*7mL'", v
+    assert payload["fix_text"] == "--pipeline-model-parallel-layout 'Et*3|t*4|t*4|t*3mL'"

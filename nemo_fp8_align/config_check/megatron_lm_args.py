@@ -25,8 +25,8 @@ from nemo_fp8_align.config_check.megatron_lm_hybrid import (HYBRID, hybrid_layer
                                                             hybrid_pattern, hybrid_segments)
 from nemo_fp8_align.config_check.megatron_lm_parser import parse_argv
 from nemo_fp8_align.config_check.megatron_lm_rules import (
-    _VP_DESTS, PARSE_PROBLEMS, implicit_global_batch, megatron_lm_only, nearest_world,
-    step_schedule, vp_flag, vp_of, vp_spelling)
+    _VP_DESTS, LAYOUT, PARSE_PROBLEMS, implicit_global_batch, layout_stages, megatron_lm_only,
+    nearest_world, step_schedule, vp_flag, vp_of, vp_spelling)
 from nemo_fp8_align.config_check.reader import Violation
 
 __all__ = ["FLAGS", "READ_DESTS", "megatron_lm_config", "megatron_lm_violations",
@@ -236,6 +236,13 @@ def _translate(args: Mapping[str, Any], v: Violation, world: Optional[int]) -> V
     elif key == "virtual_pipeline_model_parallel_size":
         flag = vp_flag(args)
         pattern = hybrid_pattern(args)
+        layout = args.get("pipeline_model_parallel_layout")
+        if flag == LAYOUT and isinstance(layout, str):  # its stages give VP: say so
+            return Violation(flag, repr(layout), f"{layout_stages(layout)[0]} stage(s) = PP x "
+                             "VP with VP >= 2 (Megatron-LM derives the model chunks per "
+                             "pipeline rank from the stages; the fix spreads the layers evenly "
+                             "over PP x 2 of them: move layers between stages by hand if you "
+                             "balanced them)", translate_fix(args, v.fix))
         if flag == HYBRID and pattern is not None:  # the segments give VP: say so in its terms
             return Violation(flag, repr(pattern), f"{hybrid_segments(pattern)} segment(s) "
                              "cut by '|' into PP x VP with VP >= 2 (Megatron-LM derives the "

@@ -114,7 +114,15 @@ def vp_spelling(args: Mapping[str, Any], pp: Optional[int], vp: Any) -> List[str
         pattern = hybrid_pattern(args)
         return [f"{HYBRID} {shlex.quote(with_segments(pattern, pp * vp))}"]
     if flag == LAYOUT:
-        return [f"<a {LAYOUT} of PP x VP = {pp * vp} stages>"]
+        layers = _int(args.get("num_layers"))
+        if layers is None or layers < pp * vp:
+            return [f"<a {LAYOUT} of PP x VP = {pp * vp} stages>"]
+        from nemo_fp8_align.config_check.layout_string import layout_text
+
+        # the layers spread evenly over the stages (the given string's own placement is the
+        # user's to redo by hand; this one is a valid start, named as such by the rule)
+        return [f"{LAYOUT} "
+                + shlex.quote(layout_text(layers, pp, vp, _int(args.get("mtp_num_layers")) or 0))]
     if flag == PER_STAGE:
         total = _total_layers(args)
         if total is not None and total % (pp * vp) == 0:
