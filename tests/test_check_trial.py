@@ -237,3 +237,27 @@ def test_a_layout_string_of_one_stage_per_rank_gets_one_of_two():
     (v,) = payload["violations"]
     assert v["key"] == "--pipeline-model-parallel-layout" and v["found"] == "'Et*7|t*7mL'", v
     assert payload["fix_text"] == "--pipeline-model-parallel-layout 'Et*3|t*4|t*4|t*3mL'"
+
+
+#: Megatron-Bridge 0.6.0's deepseek_v3_pretrain_1024gpu_h100_bf16_config (recipes/deepseek/h100/
+#: deepseek_v3.py, Apache-2.0) written as Megatron-LM flags: TP 2, PP 16 with Bridge's own
+#: (16, 1) layout, EP 64, MTP 1, micro batch 1, global batch 4096; blockwise FP8 weights added.
+BRIDGE_DSV3 = ("--num-layers 61 --hidden-size 7168 --ffn-hidden-size 18432 "
+               "--num-attention-heads 128 --seq-length 4096 --max-position-embeddings 4096 "
+               "--tensor-model-parallel-size 2 --sequence-parallel "
+               "--pipeline-model-parallel-size 16 --pipeline-model-parallel-layout "
+               "Et*4|(t*4|)*14tmL --expert-model-parallel-size 64 --expert-tensor-parallel-size 1 "
+               "--num-experts 256 --mtp-num-layers 1 --micro-batch-size 1 --global-batch-size 4096 "
+               "--use-distributed-optimizer --overlap-param-gather --overlap-grad-reduce --bf16 "
+               "--fp8-format e4m3 --fp8-recipe blockwise --fp8-param-gather").split()
+
+
+def test_a_balanced_layout_string_is_kept_at_a_smaller_pipeline_size():
+    """Bridge's DeepSeek-V3 layout has 16 stages at PP 16 (VP 1); at PP 8 the same string gives
+    VP 2 (Bridge's own (8, 2) entry) and keeps its balancing. The fix rewrote the string into
+    32 stages of 1 or 2 layers."""
+    argv = ["--megatron-lm", "--world-size", "1024", "--", *BRIDGE_DSV3]
+    status, payload = run(argv)
+    assert status == 2 and payload["fix_passes"] is True, payload
+    assert payload["fix_text"] == "--pipeline-model-parallel-size 8", payload["fix_text"]
+    assert run(argv[:3] + ["--", *payload["fixed_argv"]])[0] == 0

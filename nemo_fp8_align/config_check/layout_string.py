@@ -1,8 +1,10 @@
 """Megatron-LM's ``--pipeline-model-parallel-layout`` as a layout fix: where no even or
 first/last split of the layers fits PP, VP >= 2 (a prime layer count: DeepSeek-V3's 61), a
 layout string places any number of layers in each stage, so the split can keep the model
-(:func:`layout_string_fix`); the layer count is changed only where this fails too. NeMo mode
-has no such fix (megatron-core 0.12.3 has no layout string).
+(:func:`layout_string_fix`); the layer count is changed only where this fails too. A string (or
+a hybrid pattern) of one stage per rank keeps its own stages where a smaller PP fits
+(:func:`kept_string_fix`). NeMo mode has no such fix (megatron-core 0.12.3 has no layout
+string).
 """
 
 from __future__ import annotations
@@ -11,10 +13,10 @@ from dataclasses import replace
 from typing import Any, Dict, Optional
 
 from nemo_fp8_align.config_check.context import CheckContext
-from nemo_fp8_align.config_check.layout import KEYS, layout_inputs, search
+from nemo_fp8_align.config_check.layout import KEYS, Layout, layout_inputs, search
 from nemo_fp8_align.config_check.reader import ABSENT
 
-__all__ = ["layout_string_fix", "layout_text"]
+__all__ = ["kept_string_fix", "layout_string_fix", "layout_text"]
 
 
 def layout_string_fix(ctx: CheckContext) -> Optional[Dict[str, Any]]:
@@ -68,3 +70,27 @@ def layout_text(layers: int, pp: int, vp: int, mtp: int = 0) -> str:
             text += "m" * mtp + "L"
         parts.append(text)
     return "|".join(parts)
+
+
+def kept_string_fix(ctx: CheckContext) -> Optional[Dict[str, Any]]:
+    """Megatron-LM: a layout string or a hybrid pattern with as many stages as PP (VP 1) keeps
+    the user's stages (and their balancing) at the largest PP that makes VP >= 2 and fits the
+    world and the batch (Bridge's DeepSeek-V3 layout of 16 stages: PP 16 -> PP 8, VP 2).
+    {model key: new value}, or None (no such PP)."""
+    if not ctx.layout_string() or ctx.vp() is not None:
+        return None
+    inputs = layout_inputs(ctx)
+    if inputs is None:
+        return None
+    fixed, cur = inputs
+    stages = cur.pp  # VP 1: one stage per rank
+    for vp in range(2, stages // 2 + 1):
+        if stages % vp:
+            continue
+        found = search(fixed, Layout(stages // vp, vp, None, None, cur.n))
+        if found is not None:
+            change = {KEYS["pp"]: found.pp}
+            if found.n != cur.n:
+                change[KEYS["n"]] = found.n
+            return change
+    return None

@@ -240,9 +240,10 @@ def _translate(args: Mapping[str, Any], v: Violation, world: Optional[int]) -> V
         if flag == LAYOUT and isinstance(layout, str):  # its stages give VP: say so
             return Violation(flag, repr(layout), f"{layout_stages(layout)[0]} stage(s) = PP x "
                              "VP with VP >= 2 (Megatron-LM derives the model chunks per "
-                             "pipeline rank from the stages; the fix spreads the layers evenly "
-                             "over PP x 2 of them: move layers between stages by hand if you "
-                             "balanced them)", translate_fix(args, v.fix))
+                             "pipeline rank from the stages; the fix keeps them at a smaller PP "
+                             "where the world and the batch fit, else spreads the layers evenly "
+                             "over PP x 2 stages: move layers between them by hand if you "
+                             "balanced yours)", translate_fix(args, v.fix))
         if flag == HYBRID and pattern is not None:  # the segments give VP: say so in its terms
             return Violation(flag, repr(pattern), f"{hybrid_segments(pattern)} segment(s) "
                              "cut by '|' into PP x VP with VP >= 2 (Megatron-LM derives the "
