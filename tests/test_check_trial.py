@@ -261,3 +261,15 @@ def test_a_balanced_layout_string_is_kept_at_a_smaller_pipeline_size():
     assert status == 2 and payload["fix_passes"] is True, payload
     assert payload["fix_text"] == "--pipeline-model-parallel-size 8", payload["fix_text"]
     assert run(argv[:3] + ["--", *payload["fixed_argv"]])[0] == 0
+
+
+def test_a_hybrid_pattern_of_one_segment_per_rank_is_kept_at_a_smaller_pipeline_size():
+    """The Mamba example's pattern cut by hand into 4 segments at PP 4 (VP 1): PP 2 gives VP 2
+    with the user's segments kept."""
+    pattern = "M-M-M--M-*M-|M-M-M--*M-M-|M-M-*M--M-M-|M-*M-M--M-M-"
+    argv = ["--megatron-lm", "--world-size", "8", "--", *args_of("mamba_train"),
+            "--pipeline-model-parallel-size", "4", "--hybrid-layer-pattern", pattern,
+            "--fp8-format", "hybrid", "--fp8-param-gather"]
+    status, payload = run(argv)
+    assert status == 2 and payload["fix_passes"] is True, payload
+    assert payload["fix_text"] == "--pipeline-model-parallel-size 2", payload["fix_text"]
