@@ -58,7 +58,9 @@ CASES += [pytest.param("report", b"\xff\xfe\x00bad", [], id="report-non-utf8"),
           pytest.param("report", None, [str(GOOD), str(DATA / "telemetry_observed_pp2_vp2_dp2_lazy.jsonl")],
                        id="report-two-policies"),
           pytest.param("report", None, ["--bogus", str(GOOD)], id="report-unknown-flag"),
-          pytest.param("report", None, [], id="report-no-args")]
+          pytest.param("report", None, [], id="report-no-args"),
+          # second trial: one file twice read as every record twice, "invariants broken" (exit 1)
+          pytest.param("report", None, [str(GOOD), str(GOOD)], id="report-same-file-twice")]
 
 PLAN = [
     ["--seq", "0"], ["--micro-batch", "0"], ["--transpose-tbps", "nan"], ["--tflops", "inf"],

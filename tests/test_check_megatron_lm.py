@@ -79,6 +79,15 @@ def test_every_violation_at_once_and_the_fp8_format_once():
                                       "--overlap-grad-reduce"]
 
 
+def test_each_requirement_cites_megatron_lm_not_nemo():
+    """Second trial (docs/check-trial.md): Megatron-LM mode gave --overlap-grad-reduce NeMo's
+    reason; Megatron-LM 0.19.2's validate_args asserts 'Must use --overlap-param-gather with
+    --overlap-grad-reduce'."""
+    found = _found(drop=["--overlap-grad-reduce"])
+    assert "NeMo" not in found[0].expected
+    assert "Must use --overlap-param-gather with --overlap-grad-reduce" in found[0].expected
+
+
 def test_microbatch_checks_need_the_world_size():
     assert _found(["--global-batch-size", "6"], ["--global-batch-size"], world=None) == []
 
@@ -189,6 +198,9 @@ def test_upstream_example_scripts_use_only_megatron_lm_flags(script):
     # that script), named in a note (test_script_flags_are_named_and_kept_by_the_fix_line)
     assert unknown == []
     if not script.startswith("ft_"):  # the example scripts; Megatron-LM's CI configs
-        assert "--num-virtual-stages-per-pipeline-rank" in _keys(found)  # none interleaves
+        # none interleaves; a hybrid model's VP is its pattern's segments (mamba_train)
+        vp_key = ("--hybrid-layer-pattern" if "--hybrid-layer-pattern" in argv
+                  else "--num-virtual-stages-per-pipeline-rank")
+        assert vp_key in _keys(found)
     if script.startswith("train_gpt3"):  # both batch flags: Megatron-LM 0.19.2 raises
         assert "--global-batch-size" in _keys(found)

@@ -165,3 +165,35 @@ def test_a_recipe_row_in_the_refusal_table_is_reported_once(monkeypatch):
     monkeypatch.setattr(refused, "REFUSALS", REFUSALS + (row,))
     found = [v for v in find_violations(_nemo(fp8_recipe="custom")) if v.key == "model.fp8_recipe"]
     assert len(found) == 1 and found[0].fix.endswith("turn the plugin off"), found
+
+
+#: Each block-scaled recipe as the check's settings (SETTINGS names), with the work it leaves.
+_BLOCK_SCALED = {
+    "blockwise": {"fp8": "hybrid", "fp8_recipe": "blockwise", "fp8_param": True},
+    "nvfp4": {"fp4": "e2m1", "fp4_recipe": "nvfp4", "fp4_param": True},
+    "mxfp8": {"fp8": "hybrid", "fp8_recipe": "mxfp8", "fp8_param": True, "reuse": True},
+}
+
+
+@pytest.mark.parametrize("minor", range(12, 21))
+@pytest.mark.parametrize("name", sorted(_BLOCK_SCALED))
+def test_the_check_and_the_refusal_at_attach_agree_on_every_megatron_core(name, minor):
+    """One "since" table: the check's verdict on a recipe at megatron-core 0.<minor> is the
+    runtime's (integrations/recipe_support.py) on that version's features, as
+    tests/test_recipe_support.py reads them from megatron-core 0.12.3 - 0.19.2 themselves
+    (post-processing from 0.16, fp4_param_gather from 0.17, _post_param_sync from 0.18)."""
+    from nemo_fp8_align.backends.recipes import RECIPE_KIND
+    from nemo_fp8_align.config_check.recipes import findings
+    from nemo_fp8_align.integrations.recipe_support import McoreFeatures, recipe_refusals
+
+    features = McoreFeatures(post_processes=minor >= 16, post_param_sync=minor >= 18,
+                             version=f"0.{minor}", fp4_param_gather=minor >= 17)
+    refused_at_attach = recipe_refusals([RECIPE_KIND[name]], features)
+    refused_by_check = [f for f in findings(_BLOCK_SCALED[name], (0, minor), megatron_lm=True)
+                        if f.fix == ("off",)]
+    assert bool(refused_by_check) == bool(refused_at_attach), (refused_by_check,
+                                                               refused_at_attach)
+    for f in refused_by_check:  # the version the message names is the runtime's
+        assert "not supported by this plugin" in f.why
+        since = refused_at_attach[0].split("Fix: megatron-core >= ")[1].split(",")[0]
+        assert f"from megatron-core {since} on" in f.why

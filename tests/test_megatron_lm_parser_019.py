@@ -34,6 +34,46 @@ def test_layout_stages_and_layers_as_megatron_core_reads_them(layout):
     assert layout_stages(layout) == (len(stages), decoder)
 
 
+@pytest.mark.parametrize("layers,pp,vp,mtp", [(61, 2, 2, 1), (61, 4, 2, 0), (7, 2, 2, 0),
+                                              (13, 3, 2, 2), (4, 2, 2, 0), (95, 8, 3, 1)])
+def test_a_layout_string_fix_is_one_megatron_core_accepts(layers, pp, vp, mtp):
+    """The check's layout-string fix (DeepSeek-V3's 61 layers, second trial): megatron-core's
+    own class reads PP x VP stages with every layer, the MTP layers and the loss last, and
+    stages that differ by at most one layer."""
+    from nemo_fp8_align.config_check.layout_string import layout_text
+
+    layout = PipelineParallelLayerLayout(layout_text(layers, pp, vp, mtp), pp)
+    assert layout.virtual_pipeline_model_parallel_size == vp
+    layout.validate_layer_layout(layers, mtp or None)
+    from megatron.core.transformer.enums import LayerType
+
+    counts = [stage.count(LayerType.decoder) for rank in layout.layout for stage in rank]
+    assert sum(counts) == layers and max(counts) - min(counts) <= 1, counts
+
+
+@pytest.mark.parametrize("pattern,stages", [
+    ("M-M-M--M-*M-M-M-M--*M-M-M-M-*M--M-M-M-*M-M--M-M-", 4), ("M*M*M/MM/MM", 2),
+    ("MEMEMEM*E|MEMEM*EMEME", 6), ("M*-", 3)])
+def test_a_hybrid_pattern_cut_into_segments_is_read_by_megatron_core(pattern, stages):
+    """The check's VP fix for a hybrid model (second trial): megatron-core 0.19.2's own pattern
+    functions read the same layers and MTP part, in the stages asked for."""
+    from megatron.core.models.hybrid.hybrid_layer_allocation import (
+        get_hybrid_total_layer_count, get_hybrid_total_pipeline_segment_count,
+        parse_hybrid_pattern)
+
+    from nemo_fp8_align.config_check.megatron_lm_hybrid import (hybrid_layers,
+                                                                hybrid_segments, with_segments)
+
+    cut = with_segments(pattern, stages)
+    assert get_hybrid_total_pipeline_segment_count(cut) == stages == hybrid_segments(cut)
+    assert get_hybrid_total_layer_count(cut) == get_hybrid_total_layer_count(pattern) \
+        == hybrid_layers(cut)
+    before, after = parse_hybrid_pattern(pattern), parse_hybrid_pattern(cut)
+    assert (after.mtp_pattern, after.mtp_num_depths) == (before.mtp_pattern,
+                                                         before.mtp_num_depths)
+    assert after.main_pattern.replace("|", "") == before.main_pattern.replace("|", "")
+
+
 def _recipe_config_error(q):
     """What megatron-core 0.19.2's own config classes say about the recipe settings ``q`` (the
     recipe table's names): the error message, or None when all of them accept it."""

@@ -146,3 +146,16 @@ def test_a_small_saving_of_a_long_step_is_not_zero_percent():
              Placement.BUBBLE: 1000.0, Placement.OVERLAP: 1000.002}
     text = _recommendation({p: SimpleNamespace(step_time=t) for p, t in steps.items()})
     assert "saves 4.500 ms per step (0.00045%)" in text and "0.00%" not in text
+
+
+@pytest.mark.parametrize("override,key", [("model.global_batch_size=100", "model.global_batch_size"),
+                                          ("model.virtual_pipeline_model_parallel_size=5",
+                                           "model.virtual_pipeline_model_parallel_size")])
+def test_an_error_in_a_value_from_the_config_names_its_key(capsys, override, key):
+    """Second trial (docs/check-trial.md): plan on a launcher YAML said '--global-batch 32 is
+    not a multiple ...' and '--vp 3: ...' for values the YAML gave, naming flags the user never
+    passed."""
+    pytest.importorskip("hydra")
+    assert main(["plan", LAUNCHER_GPT3, override]) == 2
+    err = capsys.readouterr().err
+    assert f"{key} in {LAUNCHER_GPT3}" in err, err

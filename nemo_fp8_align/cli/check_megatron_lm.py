@@ -109,10 +109,10 @@ def _notes(world: Optional[int], argv: List[str]) -> List[str]:
 
     notes = [] if world is not None else [
         "microbatch checks skipped: world size unknown, pass --world-size"]
-    if "--is-hybrid-model" in argv:
-        notes.append("--is-hybrid-model: the layers and their split over the pipeline follow "
-                     "--hybrid-layer-pattern, which this check does not read; it judges "
-                     "--num-layers as a GPT model's (check a PP or VP fix against the pattern)")
+    if "--hybrid-layer-pattern" in argv or "--hybrid-override-pattern" in argv:
+        notes.append("--hybrid-layer-pattern: read as Megatron-LM 0.19.2 reads it (its symbols "
+                     "are the layers, whatever --num-layers says; its '|' segments the PP x VP "
+                     "stages); a VP fix cuts it into segments")
     given = script_flags_given(argv)
     if given:
         notes.append(f"not read: {' '.join(given)} (Megatron-LM's GPT pretraining script adds "

@@ -4,11 +4,12 @@ the timeline model (:mod:`nemo_fp8_align.planner`), per placement, with an optio
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from typing import Dict, List, Optional, Tuple
 
 from nemo_fp8_align.core.schedule import InterleavedSchedule, ScheduleError
-from nemo_fp8_align.cli.plan_inputs import DEFAULTS, PlanInputs, flag, resolve
+from nemo_fp8_align.cli.plan_inputs import CONFIG_KEYS, DEFAULTS, PlanInputs, flag, resolve
 from nemo_fp8_align.cli.plan_measured import add_measured_arguments, apply_measured
 from nemo_fp8_align.planner.costs import (GPUS, MODELS, OVERLAP_PENALTY_H200, Layout,
                                            PlanInputError, chunk_costs)
@@ -316,6 +317,17 @@ def _recommendation(tls: Dict[Placement, Timeline]) -> str:
     return text
 
 
+def _config_keys_named(args: argparse.Namespace, message: str) -> str:
+    """The config keys behind the flags ``message`` names, for values the CONFIG.yaml gave (not
+    the command line): a user who passed no --global-batch must learn where 32 came from."""
+    if not getattr(args, "config", None):
+        return ""
+    keys = [f"{flag(name)} is model.{key}" for name, key in CONFIG_KEYS.items()
+            if re.search(re.escape(flag(name)) + r"\b(?!-)", message)
+            and getattr(args, name, None) is None]
+    return f" ({'; '.join(keys)} in {args.config})" if keys else ""
+
+
 def run_plan(args: argparse.Namespace) -> int:
     from nemo_fp8_align.cli.report_input import plot_path_problem
 
@@ -325,7 +337,8 @@ def run_plan(args: argparse.Namespace) -> int:
             raise PlanInputError(problem)
         text, timelines, summary = plan_result(args)
     except (PlanInputError, ScheduleError) as err:
-        print(f"nemo-fp8-align plan: error: {err}", file=sys.stderr)
+        print(f"nemo-fp8-align plan: error: {err}{_config_keys_named(args, str(err))}",
+              file=sys.stderr)
         return 2
     if args.format == "json":
         import json

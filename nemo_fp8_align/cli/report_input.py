@@ -8,7 +8,7 @@ import json
 import math
 import os
 import re
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from nemo_fp8_align.errors import TelemetryError
 
@@ -106,11 +106,24 @@ def _read_lines(path: str) -> List[str]:
         raise TelemetryError(f"{path}: cannot read ({err.strerror})") from None
 
 
+def _refuse_repeats(files: Sequence[str]) -> None:
+    """One file given twice (a path and a ``{rank}`` template or glob that also matches it)
+    would read every record twice, which the report's checks call broken invariants."""
+    seen: Dict[str, str] = {}
+    for path in files:
+        key = os.path.realpath(path)
+        if key in seen:
+            raise TelemetryError(f"{path}: given twice (also as {seen[key]}); pass each "
+                                 "telemetry file once")
+        seen[key] = path
+
+
 def load_telemetry(paths: Sequence[str]) -> List[dict]:
     """Every record of ``paths`` (``{rank}`` expanded); raises TelemetryError naming the file,
     the line and the field at fault."""
     records: List[dict] = []
     files = expand_paths(paths)
+    _refuse_repeats(files)
     for path in files:
         for number, line in enumerate(_read_lines(path), 1):
             if not line.strip():

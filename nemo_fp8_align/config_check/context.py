@@ -49,9 +49,13 @@ class CheckContext:
         return self.dialect == "nemo"
 
     def layout_string(self) -> bool:
-        """Megatron-LM's ``--pipeline-model-parallel-layout`` gives the split itself."""
-        return not self.nemo and isinstance(self.model.get("pipeline_model_parallel_layout"),
-                                            str)
+        """Megatron-LM's ``--pipeline-model-parallel-layout``, or a hybrid model's pattern cut
+        into segments (``|``), gives the split itself."""
+        if self.nemo:
+            return False
+        pattern = self.model.get("hybrid_layer_pattern")
+        return isinstance(self.model.get("pipeline_model_parallel_layout"), str) or (
+            isinstance(pattern, str) and "|" in pattern.split("/", 1)[0])
 
     # --- parallel sizes (None: missing or invalid, reported by the rule that owns the key) --
 

@@ -7,8 +7,8 @@ architecture (num_layers, hidden, FFN, heads, experts), the global and micro bat
 and the node count are what the user chose to train; changing them to fit a layout is the wrong
 way round. :func:`layout_fix` searches the layouts that change one setting, then two, then three
 (nearest values first; VP up to one layer per chunk) and returns the first that passes every
-layout constraint. Where TP or CP is the cause (TP * CP divides no world of this size, so no PP
-can fit), it tries the nearest TP or CP that lets a layout fit (a change of the memory per GPU,
+layout constraint. Where TP or CP is the cause (TP * CP divides no world of this size, or fills
+it, so no PP >= 2 can fit), it tries the nearest TP or CP that lets a layout fit (a change of the memory per GPU,
 which the rule names). None when nothing fits (the rule then says so and names the trade-off of
 what it changes instead: the micro or global batch (:mod:`.batch_fix`), the node count, the
 layer count).
@@ -25,9 +25,9 @@ from nemo_fp8_align.config_check.reader import ABSENT
 from nemo_fp8_align.config_check.split_math import layer_split_error
 from nemo_fp8_align.core.schedule import InterleavedSchedule, ScheduleError
 
-__all__ = ["FIXED_WHY", "KEYS", "Fixed", "Layout", "layout_fix", "layout_overrides",
-           "layout_problem", "micro_batch_layout_fix", "smaller_micro_batch_layout",
-           "split_error"]
+__all__ = ["FIXED_WHY", "KEYS", "Fixed", "Layout", "layout_fix", "layout_inputs",
+           "layout_overrides", "layout_problem", "micro_batch_layout_fix",
+           "smaller_micro_batch_layout", "split_error"]
 
 #: Layout variable -> the model key it is set by.
 KEYS = {"n": "microbatch_group_size_per_vp_stage", "first": "num_layers_in_first_pipeline_stage",
@@ -72,6 +72,9 @@ class Fixed:
     #: The settings the search may change (only N under a Megatron-LM layout string, which
     #: fixes PP, VP and the split).
     changeable: Tuple[str, ...] = ("n", "first", "last", "vp", "pp")
+    #: Megatron-LM's --pipeline-model-parallel-layout places any number of layers in each
+    #: stage: only at least one layer per stage is asked of the split.
+    free_split: bool = False
 
     def dp(self, pp: int) -> Optional[int]:
         """The data-parallel size with ``pp`` (the world's when known, else the given one)."""
@@ -101,8 +104,11 @@ def layout_problem(fixed: Fixed, lay: Layout) -> Optional[str]:
         return "TP * PP * CP does not divide the world size"
     if fixed.world is not None and fixed.ep > 1 and fixed.world % (fixed.etp * fixed.ep * lay.pp):
         return "expert TP * EP * PP does not divide the world size"
-    error = None if fixed.changeable == ("n",) else split_error(
-        fixed.layers, lay, fixed.emb, fixed.loss, fixed.nemo)
+    if fixed.free_split:
+        error = "more stages than layers" if lay.pp * lay.vp > fixed.layers else None
+    else:
+        error = None if fixed.changeable == ("n",) else split_error(
+            fixed.layers, lay, fixed.emb, fixed.loss, fixed.nemo)
     if error is not None:
         return error
     dp = fixed.dp(lay.pp)
@@ -214,7 +220,7 @@ def search(fixed: Fixed, cur: Layout) -> Optional[Layout]:
     return None
 
 
-def _inputs(ctx: CheckContext) -> Optional[Tuple[Fixed, Layout]]:
+def layout_inputs(ctx: CheckContext) -> Optional[Tuple[Fixed, Layout]]:
     """(fixed, current layout) when every value they need is valid, else None."""
     m = ctx.model
     layers, pp, tp, cp = m.peek_int("num_layers"), ctx.pp(), ctx.tp(), ctx.cp()
@@ -253,7 +259,7 @@ def layout_fix(ctx: CheckContext) -> Optional[Dict[str, Any]]:
     None: no layout change fits, or a value it needs is invalid). Computed once per check."""
     cache = ctx.cache
     if "layout_fix" not in cache:
-        inputs = _inputs(ctx)
+        inputs = layout_inputs(ctx)
         found = search(*inputs) if inputs is not None else None
         change = None if found is None else {
             KEYS[var]: getattr(found, var) for var in _ORDER
@@ -267,7 +273,7 @@ def layout_fix(ctx: CheckContext) -> Optional[Dict[str, Any]]:
 def micro_batch_layout_fix(ctx: CheckContext, mbs: int) -> Optional[Dict[str, Any]]:
     """{model key: new value} of the nearest layout that fits with micro batch ``mbs`` (which
     keeps the global batch; the caller tries the smaller ones), None when none does."""
-    inputs = _inputs(ctx)
+    inputs = layout_inputs(ctx)
     if inputs is None:
         return None
     fixed, cur = inputs
@@ -303,28 +309,36 @@ def _tp_fits(ctx: CheckContext, tp: int) -> bool:
 
 
 def _cause_fix(ctx: CheckContext, fixed: Fixed, cur: Layout) -> Optional[Dict[str, Any]]:
-    """Where TP or CP is the cause (TP * CP divides no world of this size, so no PP can fit):
-    the nearest TP (a divisor of the GPUs per node that divides the heads and hidden sizes) or,
-    where TP divides the world, the nearest CP (the sequence a multiple of 2 * CP, as
-    Megatron-LM asserts) with which a layout fits, and that layout. None: neither is the
+    """Where TP or CP is the cause (TP * CP divides no world of this size, or fills it while
+    the PP is the plugin's least, so no PP >= 2 can fit): the nearest TP (a divisor of the GPUs per node that divides the heads and
+    hidden sizes) or CP (the sequence a multiple of 2 * CP, as Megatron-LM asserts) with which
+    a layout fits, and that layout. CP first where TP divides the world (as given, TP is then
+    not what breaks the division), TP where it does not or no CP fits. None: neither is the
     cause, or no value fits."""
     world = fixed.world
-    if world is None or world % (fixed.tp * fixed.cp) == 0:
+    if world is None:
         return None
-    if world % fixed.tp:
-        key, old, span = "tensor_model_parallel_size", fixed.tp, ctx.devices() or world
-        ok = lambda t: world % (t * fixed.cp) == 0 and _tp_fits(ctx, t)  # noqa: E731
-    else:
-        seq = ctx.model.peek_int("encoder_seq_length")
-        key, old, span = "context_parallel_size", fixed.cp, world // fixed.tp
-        ok = lambda c: c == 1 or seq is None or seq % (2 * c) == 0  # noqa: E731
-    var = "tp" if key.startswith("tensor") else "cp"
-    for value in sorted((v for v in range(1, min(span, 64) + 1) if span % v == 0 and ok(v)),
-                        key=lambda v: (abs(v - old), v)):
-        found = search(replace(fixed, **{var: value}), cur)
-        if found is not None:
-            return {key: value, **{KEYS[v]: getattr(found, v) for v in _ORDER
-                                   if getattr(found, v) != getattr(cur, v)}}
+    mp = fixed.tp * fixed.cp
+    # "fills it": TP * CP alone is the world, and the PP is at most the plugin's least (2);
+    # a larger PP given for more processes says the world is what is off, not TP or CP
+    fills = world // mp < 2 and cur.pp <= 2
+    if world % mp == 0 and not fills:
+        return None
+    seq = ctx.model.peek_int("encoder_seq_length")
+    tries = [("tensor_model_parallel_size", fixed.tp, ctx.devices() or world,
+              lambda t: world % (t * fixed.cp) == 0 and _tp_fits(ctx, t))]
+    if world % fixed.tp == 0:
+        tries.insert(0, ("context_parallel_size", fixed.cp, world // fixed.tp,
+                         lambda c: c == 1 or seq is None or seq % (2 * c) == 0))
+    for key, old, span, ok in tries:
+        var = "tp" if key.startswith("tensor") else "cp"
+        for value in sorted((v for v in range(1, min(span, 64) + 1)
+                             if span % v == 0 and v != old and ok(v)),
+                            key=lambda v: (abs(v - old), v)):
+            found = search(replace(fixed, **{var: value}), cur)
+            if found is not None:
+                return {key: value, **{KEYS[v]: getattr(found, v) for v in _ORDER
+                                       if getattr(found, v) != getattr(cur, v)}}
     return None
 
 

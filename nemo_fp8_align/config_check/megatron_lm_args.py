@@ -18,12 +18,15 @@ of the same names. Nothing here imports megatron-core.
 from __future__ import annotations
 
 import re
+import shlex
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence
 
+from nemo_fp8_align.config_check.megatron_lm_hybrid import (HYBRID, hybrid_layers,
+                                                            hybrid_pattern, hybrid_segments)
 from nemo_fp8_align.config_check.megatron_lm_parser import parse_argv
 from nemo_fp8_align.config_check.megatron_lm_rules import (
-    PARSE_PROBLEMS, implicit_global_batch, megatron_lm_only, nearest_world, step_schedule,
-    vp_flag, vp_of, vp_spelling)
+    _VP_DESTS, LAYOUT, PARSE_PROBLEMS, implicit_global_batch, layout_stages, megatron_lm_only,
+    nearest_world, step_schedule, vp_flag, vp_of, vp_spelling)
 from nemo_fp8_align.config_check.reader import Violation
 
 __all__ = ["FLAGS", "READ_DESTS", "megatron_lm_config", "megatron_lm_violations",
@@ -171,10 +174,15 @@ def megatron_lm_config(args: Mapping[str, Any], world_size: Optional[int] = None
                  num_query_groups=get("num_query_groups") if get("group_query_attention")
                  else None,  # Megatron-LM passes its groups only with --group-query-attention
                  encoder_seq_length=get("seq_length"),  # a CP fix keeps it a multiple of 2CP
+                 # a layout-string fix places the MTP layers; a hybrid pattern is its own split
+                 mtp_num_layers=get("mtp_num_layers"),
+                 hybrid_layer_pattern=hybrid_pattern(args),
                  rampup_batch_size=None,  # read by Megatron-LM 0.19.2 only to warn
                  megatron_amp_O2=True,  # NeMo's requirement; Megatron-LM keeps FP32 main params
                  mcore_gpt=True,  # NeMo's switch; Megatron-LM's models are megatron-core's
                  fp8_transpose_align={"enabled": True})
+    if hybrid_pattern(args) is not None:  # Megatron-LM overrides --num-layers with it
+        model["num_layers"] = hybrid_layers(hybrid_pattern(args))
     if isinstance(schedule, list) and schedule:
         model["global_batch_size"] = schedule[-1][1]  # the steady state; every entry: rules
     elif model["global_batch_size"] is None and world_size is not None:
@@ -227,6 +235,20 @@ def _translate(args: Mapping[str, Any], v: Violation, world: Optional[int]) -> V
         flag = FLAGS[key].flag
     elif key == "virtual_pipeline_model_parallel_size":
         flag = vp_flag(args)
+        pattern = hybrid_pattern(args)
+        layout = args.get("pipeline_model_parallel_layout")
+        if flag == LAYOUT and isinstance(layout, str):  # its stages give VP: say so
+            return Violation(flag, repr(layout), f"{layout_stages(layout)[0]} stage(s) = PP x "
+                             "VP with VP >= 2 (Megatron-LM derives the model chunks per "
+                             "pipeline rank from the stages; the fix keeps them at a smaller PP "
+                             "where the world and the batch fit, else spreads the layers evenly "
+                             "over PP x 2 stages: move layers between them by hand if you "
+                             "balanced yours)", translate_fix(args, v.fix))
+        if flag == HYBRID and pattern is not None:  # the segments give VP: say so in its terms
+            return Violation(flag, repr(pattern), f"{hybrid_segments(pattern)} segment(s) "
+                             "cut by '|' into PP x VP with VP >= 2 (Megatron-LM derives the "
+                             "model chunks per pipeline rank from them and asserts the VP "
+                             "flags absent)", translate_fix(args, v.fix))
     elif key in _DERIVED_KEY:
         flag = _DERIVED_KEY[key]
     elif v.key.startswith("trainer."):
@@ -289,13 +311,18 @@ def translate_fix(args: Mapping[str, Any], fix: str) -> str:
         if f is None:
             parts.append("--" + key.replace("_", "-") + ("" if value == "True" else f" {value}"))
         elif f.kind == VALUE:
-            parts.append(f"{f.flag} {value}" if value != "null" else f"drop {f.flag}")
+            shown = value if "<" in value else shlex.quote(value)  # a layout string's | and *
+            parts.append(f"{f.flag} {shown}" if value != "null" else f"drop {f.flag}")
         else:
             on = (value == "True") if f.kind == STORE_TRUE else value != "True"
             parts.append(f.flag if on else f"drop {f.flag}")
     vp = changes.get("virtual_pipeline_model_parallel_size")
     pp = changes.get("pipeline_model_parallel_size")
-    if vp is not None or (pp is not None and args.get("num_layers_per_virtual_pipeline_stage")):
+    if "pipeline_model_parallel_layout" in changes:
+        # the layout gives VP: Megatron-LM asserts no more than one of the three VP flags
+        parts.extend(f"drop {flag}" for flag, dest in _VP_DESTS[:2]
+                     if args.get(dest) is not None)
+    elif vp is not None or (pp is not None and args.get("num_layers_per_virtual_pipeline_stage")):
         parts.extend(vp_spelling(args, int(pp) if pp else None,
                                  int(vp) if vp not in (None, "null") else vp_of(args)))
     rest = _OVERRIDE.sub("", fix).strip()

@@ -10,10 +10,13 @@ Megatron-LM has (FSDP, the optimizer step's all-gather). The rules shared with N
 from __future__ import annotations
 
 import re
+import shlex
 from typing import Any, List, Mapping, Optional, Tuple, Union
 
 from nemo_fp8_align.config_check.reader import Violation
 from nemo_fp8_align.config_check.batch_fix import nearest_microbatches, schedule_fits
+from nemo_fp8_align.config_check.megatron_lm_hybrid import (HYBRID, hybrid_pattern,
+                                                            hybrid_segments, with_segments)
 from nemo_fp8_align.config_check.recipes import MCORE_MEGATRON_LM, SETTINGS, findings, recipe_of
 
 __all__ = ["PARSE_PROBLEMS", "implicit_global_batch", "layout_stages", "megatron_lm_only",
@@ -63,6 +66,13 @@ def vp_of(args: Mapping[str, Any]) -> Any:
     if args.get("virtual_pipeline_model_parallel_size") is not None:
         return args["virtual_pipeline_model_parallel_size"]
     pp = _int(args.get("pipeline_model_parallel_size")) or 1
+    pattern = hybrid_pattern(args)
+    if pattern is not None:  # Megatron-LM derives VP from the pattern's segments
+        segments = hybrid_segments(pattern)
+        if segments > 1 and segments % pp:
+            return (f"{segments} {HYBRID} segments / PP {pp}: not a whole number (Megatron-LM "
+                    "asserts the segments are evenly divisible by the pipeline size)")
+        return segments // pp if segments // pp > 1 else None
     layout = args.get("pipeline_model_parallel_layout")
     if isinstance(layout, str):
         stages, _ = layout_stages(layout)
@@ -83,7 +93,10 @@ def vp_of(args: Mapping[str, Any]) -> Any:
 
 
 def vp_flag(args: Mapping[str, Any]) -> str:
-    """The flag the user gives VP with (the one a VP fix is spelt in)."""
+    """The flag the user gives VP with (the one a VP fix is spelt in); a hybrid model's is its
+    pattern (Megatron-LM asserts the VP flags absent with it)."""
+    if hybrid_pattern(args) is not None:
+        return HYBRID
     for flag, dest in _VP_DESTS[::-1]:
         if args.get(dest) is not None:
             return flag
@@ -97,8 +110,19 @@ def vp_spelling(args: Mapping[str, Any], pp: Optional[int], vp: Any) -> List[str
     if type(vp) is not int:
         return []
     flag = vp_flag(args)
+    if flag == HYBRID:
+        pattern = hybrid_pattern(args)
+        return [f"{HYBRID} {shlex.quote(with_segments(pattern, pp * vp))}"]
     if flag == LAYOUT:
-        return [f"<a {LAYOUT} of PP x VP = {pp * vp} stages>"]
+        layers = _int(args.get("num_layers"))
+        if layers is None or layers < pp * vp:
+            return [f"<a {LAYOUT} of PP x VP = {pp * vp} stages>"]
+        from nemo_fp8_align.config_check.layout_string import layout_text
+
+        # the layers spread evenly over the stages (the given string's own placement is the
+        # user's to redo by hand; this one is a valid start, named as such by the rule)
+        return [f"{LAYOUT} "
+                + shlex.quote(layout_text(layers, pp, vp, _int(args.get("mtp_num_layers")) or 0))]
     if flag == PER_STAGE:
         total = _total_layers(args)
         if total is not None and total % (pp * vp) == 0:

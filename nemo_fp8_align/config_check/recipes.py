@@ -4,9 +4,11 @@ and the combinations megatron-core itself rejects. One table, two spellings (NeM
 Megatron-LM's flags: :data:`SETTINGS`).
 
 What the plugin aligns per recipe is docs/guarantees.md's and DESIGN's 5c: the per-tensor
-recipes' transposes on every version; blockwise FP8 (columnwise copy), MXFP8 (the requantize of
-grad-buffer reuse; nothing without it) and NVFP4 (its transpose) where megatron-core runs them in
-``_post_param_sync`` (0.18 on). NeMo mode's stack is NeMo 2.3.3 on megatron-core 0.12.3;
+recipes' transposes on every version; blockwise FP8 (columnwise copy), NVFP4 (its transpose) and
+MXFP8 (the requantize of grad-buffer reuse; nothing without it) from the megatron-core whose
+post-processing places them: the runtime's own table, ``SINCE`` of
+:mod:`nemo_fp8_align.integrations.recipe_support` (0.16, 0.17 and 0.18), read here rather than
+repeated, so the check and the refusal at attach cannot disagree. NeMo mode's stack is NeMo 2.3.3 on megatron-core 0.12.3;
 Megatron-LM mode's is megatron-core 0.19.2. A recipe is never a fix: a recipe the plugin does not
 align is "not supported by this plugin", with the switch that turns the plugin off.
 
@@ -20,12 +22,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, List, Mapping, NamedTuple, Optional, Tuple
 
+from nemo_fp8_align.backends.recipes import RECIPE_KIND
+from nemo_fp8_align.integrations.recipe_support import SINCE
+
 __all__ = ["MCORE_MEGATRON_LM", "MCORE_NEMO", "RECIPES", "SETTINGS", "Finding", "Recipe",
            "Setting", "findings", "recipe_of", "rejected"]
 
 MCORE_NEMO = (0, 12)  #: NeMo 2.3.3's megatron-core (0.12.3): NeMo mode's stack
 MCORE_MEGATRON_LM = (0, 19)  #: megatron-core 0.19.2: Megatron-LM mode's stack
-_POST_PARAM_SYNC = (0, 18)  #: megatron-core runs the post-processing in _post_param_sync since
+
+
+def _since(name: str) -> Tuple[int, int]:
+    """The megatron-core from which the runtime aligns recipe ``name``'s work (its ``SINCE``;
+    per-tensor transposes: every version)."""
+    since = SINCE.get(RECIPE_KIND[name])
+    if since is None:
+        return (0, 0)
+    major, minor = since.split(".")
+    return (int(major), int(minor))
 
 
 class Setting(NamedTuple):
@@ -61,19 +75,20 @@ class Recipe:
 RECIPES = (
     Recipe("delayed", "fp8_recipe=delayed (the default) fp8_params=True",
            "--fp8-recipe delayed (the default) --fp8-param-gather", "Float8Tensor",
-           "transpose", (0, 0)),
+           "transpose", _since("delayed")),
     Recipe("tensorwise", "fp8_recipe=tensorwise fp8_params=True",
-           "--fp8-recipe tensorwise --fp8-param-gather", "Float8Tensor", "transpose", (0, 0)),
+           "--fp8-recipe tensorwise --fp8-param-gather", "Float8Tensor", "transpose",
+           _since("tensorwise")),
     Recipe("blockwise", "fp8_recipe=blockwise fp8_params=True",
            "--fp8-recipe blockwise --fp8-param-gather", "Float8BlockwiseQTensor",
-           "columnwise copy (data and scales)", _POST_PARAM_SYNC),
+           "columnwise copy (data and scales)", _since("blockwise")),
     Recipe("mxfp8", "fp8_recipe=mxfp8 fp8_params=True reuse_grad_buf_for_mxfp8_param_ag=True",
            "--fp8-recipe mxfp8 --fp8-param-gather --reuse-grad-buf-for-mxfp8-param-ag",
            "MXFP8Tensor", "requantize from the grad buffer (none without grad-buffer reuse)",
-           _POST_PARAM_SYNC),
+           _since("mxfp8")),
     Recipe("nvfp4", "fp4=e2m1 fp4_recipe=nvfp4 fp4_param=True",
            "--fp4-format e2m1 --fp4-recipe nvfp4 --fp4-param-gather", "NVFP4Tensor",
-           "NVFP4 transpose", _POST_PARAM_SYNC),
+           "NVFP4 transpose", _since("nvfp4")),
 )
 _BY_NAME = {r.name: r for r in RECIPES}
 
@@ -121,7 +136,8 @@ def _support(q: Mapping[str, Any], mcore: Tuple[int, int]) -> List[Finding]:
         f"megatron-core {_version(mcore)}")
     why = {"blockwise": "it has no blockwise recipe",
            "mxfp8": "it raises 'MXFP8 currently does not support fp8_param'",
-           "nvfp4": "it has no FP4"}.get(name, "its DDP has no _post_param_sync")
+           "nvfp4": "it has no FP4"}[name] if mcore == MCORE_NEMO else (
+        "its DDP does not post-process these weights after the all-gather")
     return [Finding(setting, f"{name} is not supported by this plugin on {stack} ({why}); the "
                     f"plugin aligns its {recipe.post} from megatron-core "
                     f"{_version(recipe.since)} on (Megatron-LM or Megatron-Bridge)", ("off",))]

@@ -124,8 +124,11 @@ def rule_overlap_param_sync(ctx: CheckContext) -> None:
 
 
 def rule_overlap_grad_sync(ctx: CheckContext) -> None:
-    """NeMo raises 'Must use overlap_param_sync together with overlap_grad_sync'."""
-    ctx.model.require_true("optim.overlap_grad_sync", "NeMo requires it with overlap_param_sync")
+    """NeMo raises 'Must use overlap_param_sync together with overlap_grad_sync'; Megatron-LM
+    0.19.2's validate_args asserts the same in its own words."""
+    why = ("NeMo requires it with overlap_param_sync" if ctx.nemo else "Megatron-LM asserts "
+           "'Must use --overlap-param-gather with --overlap-grad-reduce'")
+    ctx.model.require_true("optim.overlap_grad_sync", why)
 
 
 def rule_align_param_gather(ctx: CheckContext) -> None:

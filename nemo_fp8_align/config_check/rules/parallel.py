@@ -9,6 +9,8 @@ from __future__ import annotations
 from typing import Any, List, Optional, Tuple
 
 from nemo_fp8_align.config_check.context import CheckContext
+from nemo_fp8_align.config_check.layout import layout_overrides
+from nemo_fp8_align.config_check.layout_string import kept_string_fix
 from nemo_fp8_align.config_check.reader import ABSENT, UNRESOLVED, Reader
 from nemo_fp8_align.config_check.rules.split import divisors, layer_split_error
 
@@ -30,9 +32,17 @@ def rule_pipeline_size(ctx: CheckContext) -> None:
 
 
 def rule_virtual_pipeline_size(ctx: CheckContext) -> None:
-    """Interleaving: VP >= 2 (NeMo turns 1 into None, no interleaving)."""
-    ctx.model.int_at_least("virtual_pipeline_model_parallel_size", 2,
-                           "model chunks per pipeline rank; 1 or null turns interleaving off")
+    """Interleaving: VP >= 2 (NeMo turns 1 into None, no interleaving). A Megatron-LM layout
+    string (or hybrid pattern) of one stage per rank keeps its stages at a smaller PP where
+    one fits (layout_string.kept_string_fix)."""
+    why = "model chunks per pipeline rank; 1 or null turns interleaving off"
+    kept = kept_string_fix(ctx)
+    if kept is not None:
+        key = "virtual_pipeline_model_parallel_size"
+        ctx.model.add(key, ctx.model.get(key), f"an int >= 2 ({why})",
+                      fix=layout_overrides(ctx, kept))
+        return
+    ctx.model.int_at_least("virtual_pipeline_model_parallel_size", 2, why)
 
 
 def rule_cpu_offloading(ctx: CheckContext) -> None:

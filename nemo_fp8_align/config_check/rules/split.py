@@ -7,11 +7,12 @@ never ``num_layers`` unless no layout fits (then the message says so).
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from nemo_fp8_align.config_check.context import CheckContext
 from nemo_fp8_align.config_check.layout import (FIXED_WHY, layout_fix, layout_overrides,
                                                 smaller_micro_batch_layout)
+from nemo_fp8_align.config_check.layout_string import layout_string_fix
 from nemo_fp8_align.config_check.reader import ABSENT
 from nemo_fp8_align.config_check.split_math import _FIRST, _LAST, divisors, layer_split_error
 
@@ -115,6 +116,12 @@ def _no_layout_fits(ctx: CheckContext, key: str, why: str, split: Tuple[Any, ...
     if vp_fix is not None:
         ctx.model.add("virtual_pipeline_model_parallel_size", vp, why, vp_fix)
         return
+    uneven = layout_string_fix(ctx)
+    if uneven is not None:  # Megatron-LM: a layout string keeps the model and the batch
+        ctx.model.add("num_layers", layers, f"{why}; {FIXED_WHY}, so the fix gives the split "
+                      "as a pipeline layout string (stages of unequal size, by a layer), "
+                      "which keeps the model and the batch", fix=_with_layout(ctx, uneven))
+        return
     smaller_layout = smaller_micro_batch_layout(ctx)
     if smaller_layout is not None:  # the model kept: a smaller micro batch with a layout
         mbs, change = smaller_layout
@@ -141,6 +148,15 @@ def _no_layout_fits(ctx: CheckContext, key: str, why: str, split: Tuple[Any, ...
             "or choose another PP / VP yourself")
     ctx.model.add("num_layers", layers, why, fix, fix=None if fix is not None
                   else "<a num_layers that splits evenly>")
+
+
+def _with_layout(ctx: CheckContext, change: Dict[str, Any]) -> str:
+    """The change as overrides, the layout string unquoted (Megatron-LM's spelling of the fix
+    quotes it for the shell; only Megatron-LM mode has one)."""
+    change = dict(change)
+    layout = change.pop("pipeline_model_parallel_layout")
+    rest = layout_overrides(ctx, change) if change else ""
+    return " ".join(p for p in (f"model.pipeline_model_parallel_layout={layout}", rest) if p)
 
 
 def _split(ctx: CheckContext) -> Optional[Tuple[Any, ...]]:

@@ -1,0 +1,96 @@
+"""Megatron-LM's ``--pipeline-model-parallel-layout`` as a layout fix: where no even or
+first/last split of the layers fits PP, VP >= 2 (a prime layer count: DeepSeek-V3's 61), a
+layout string places any number of layers in each stage, so the split can keep the model
+(:func:`layout_string_fix`); the layer count is changed only where this fails too. A string (or
+a hybrid pattern) of one stage per rank keeps its own stages where a smaller PP fits
+(:func:`kept_string_fix`). NeMo mode has no such fix (megatron-core 0.12.3 has no layout
+string).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Dict, Optional
+
+from nemo_fp8_align.config_check.context import CheckContext
+from nemo_fp8_align.config_check.layout import KEYS, Layout, layout_inputs, search
+from nemo_fp8_align.config_check.reader import ABSENT
+
+__all__ = ["kept_string_fix", "layout_string_fix", "layout_text"]
+
+
+def layout_string_fix(ctx: CheckContext) -> Optional[Dict[str, Any]]:
+    """Megatron-LM only, where no even or first/last split fits the layer count (61 layers,
+    DeepSeek-V3's, split into no PP * VP >= 4 stages): the nearest PP / VP / N that fit the
+    world and the batch, with a ``--pipeline-model-parallel-layout`` that places the layers
+    over their stages as evenly as it can (the model kept; the split is then uneven by a
+    layer). {model key: new value}, or None (NeMo mode: megatron-core 0.12.3 has no layout
+    string; a hybrid model's pattern; nothing fits)."""
+    if ctx.nemo or ctx.model.get("hybrid_layer_pattern") not in (ABSENT, None):
+        return None
+    inputs = layout_inputs(ctx)
+    if inputs is None:
+        return None
+    fixed, cur = inputs
+    mtp = ctx.model.peek_int("mtp_num_layers") or 0
+    found = search(replace(fixed, emb=False, loss=False, changeable=("n", "vp", "pp"),
+                           free_split=True), replace(cur, first=None, last=None))
+    if found is None:
+        return None
+    change: Dict[str, Any] = {"pipeline_model_parallel_layout":
+                              layout_text(fixed.layers, found.pp, found.vp, mtp)}
+    for var in ("pp", "n"):
+        if getattr(found, var) != getattr(cur, var):
+            change[KEYS[var]] = getattr(found, var)
+    for var in ("first", "last"):  # Megatron-LM takes one way of splitting the pipeline
+        if getattr(cur, var) is not None:
+            change[KEYS[var]] = None
+    for key in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"):
+        if ctx.model.get(key) is True:
+            change[key] = False
+    return change
+
+
+def layout_text(layers: int, pp: int, vp: int, mtp: int = 0) -> str:
+    """A ``--pipeline-model-parallel-layout`` of ``pp * vp`` stages holding ``layers`` decoder
+    layers (``t``), as even as can be: the layers left over go to the middle stages first (the
+    first holds the embedding ``E``, the last the MTP layers ``m`` and the loss ``L``, as
+    megatron-core's PipelineParallelLayerLayout asks)."""
+    stages = pp * vp
+    counts = [layers // stages] * stages
+    order = list(range(1, stages - 1)) + [0, stages - 1]
+    for i in order[:layers % stages]:
+        counts[i] += 1
+    parts = []
+    for i, count in enumerate(counts):
+        text = "t" if count == 1 else (f"t*{count}" if count else "")
+        if i == 0:
+            text = "E" + text
+        if i == stages - 1:
+            text += "m" * mtp + "L"
+        parts.append(text)
+    return "|".join(parts)
+
+
+def kept_string_fix(ctx: CheckContext) -> Optional[Dict[str, Any]]:
+    """Megatron-LM: a layout string or a hybrid pattern with as many stages as PP (VP 1) keeps
+    the user's stages (and their balancing) at the largest PP that makes VP >= 2 and fits the
+    world and the batch (Bridge's DeepSeek-V3 layout of 16 stages: PP 16 -> PP 8, VP 2).
+    {model key: new value}, or None (no such PP)."""
+    if not ctx.layout_string() or ctx.vp() is not None:
+        return None
+    inputs = layout_inputs(ctx)
+    if inputs is None:
+        return None
+    fixed, cur = inputs
+    stages = cur.pp  # VP 1: one stage per rank
+    for vp in range(2, stages // 2 + 1):
+        if stages % vp:
+            continue
+        found = search(fixed, Layout(stages // vp, vp, None, None, cur.n))
+        if found is not None:
+            change = {KEYS["pp"]: found.pp}
+            if found.n != cur.n:
+                change[KEYS["n"]] = found.n
+            return change
+    return None
