@@ -6,7 +6,9 @@ virtual microbatches, and at chunk c's trigger it finishes c's all-gather and bu
 transposes:
 
 * chunk 0 right after the pre-loop launch of chunk 1 (slot 0 on every rank, before the first
-  receive, which module pre-hooks alone could not reach on ranks r > 0);
+  receive, which module pre-hooks alone could not reach on ranks r > 0); with a hold whose loop
+  launches only chunk 0 before the schedule (megatron-core 0.7/0.8's optimizer chain,
+  ``launched_before_loop = 1``), right after that launch;
 * chunk c >= 1 before forward ``v = T_c - r`` on rank r (slot T_c on every rank), which on
   ranks r > 0 falls inside chunk c-1's forwards.
 
@@ -191,7 +193,8 @@ class TransposeAligner:
 
     def on_param_sync_launched(self, chunk: int) -> None:
         """The schedule has just launched ``chunk``'s all-gather. Chunk 0's opens a training
-        step (ending a step still open: no end heard); after chunk 1's, before any pipeline
+        step (ending a step still open: no end heard); after the last pre-loop launch (chunk 1's,
+        or chunk 0's for a hold with ``launched_before_loop = 1``), before any pipeline
         communication, the slot-0 chunks are handled on every rank."""
         if not self.attached:
             return
@@ -204,7 +207,8 @@ class TransposeAligner:
             self._open_step()
         if self._vmid is not None:
             self._launched[chunk] = self._clock()
-        if chunk == 1 and self._vmid == 0 and self.config.policy is Policy.ALIGNED:
+        pre_loop = getattr(self._hold, "launched_before_loop", 2)  # the schedule's: chunks 0, 1
+        if chunk == pre_loop - 1 and self._vmid == 0 and self.config.policy is Policy.ALIGNED:
             if _capturing_cuda_graph():  # a whole step captured (full-iteration graphs)
                 self._refuse_inside_capture(AT_START)
             for c in self._triggers.get(AT_START, []):

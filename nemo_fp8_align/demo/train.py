@@ -65,10 +65,13 @@ def _digest(tensors: List[torch.Tensor]) -> str:
 
 def bind_schedule_funcs(config: Any, chunks: List[Any]) -> None:
     """What Megatron-LM's training loop binds with overlap_param_gather and
-    align_param_gather."""
+    align_param_gather. On megatron-core 0.7/0.8 the chunks launch nothing (no
+    ``start_param_sync``): Megatron-LM of that era binds no ``param_sync_func`` without
+    ``--delay-param-gather``, and the optimizer's chain gathers on its own."""
     from megatron.core.distributed import finalize_model_grads
 
-    config.param_sync_func = [chunk.start_param_sync for chunk in chunks]
+    owned = not callable(getattr(chunks[0], "start_param_sync", None))
+    config.param_sync_func = None if owned else [chunk.start_param_sync for chunk in chunks]
     config.no_sync_func = [chunk.no_sync for chunk in chunks]
     config.finalize_model_grads_func = finalize_model_grads
 
@@ -100,9 +103,11 @@ def _build(opts: DemoOptions, pp_rank: int):
         **_group_size(TransformerConfig, opts.group_size))
     mxfp8 = dict(fp8_param_gather=True, reuse_grad_buf_for_mxfp8_param_ag=True) \
         if opts.recipe == "mxfp8" else {}  # the grad-buffer-reuse branch of _post_param_sync
-    ddp_config = DistributedDataParallelConfig(
+    ddp_config = DistributedDataParallelConfig(**_own_fields(
+        DistributedDataParallelConfig,
+        dict(overlap_param_gather=True, align_param_gather=True),  # 0.9 on (else the optimizer's)
         grad_reduce_in_fp32=True, overlap_grad_reduce=True, use_distributed_optimizer=True,
-        overlap_param_gather=True, align_param_gather=True, bucket_size=20000, **mxfp8)
+        bucket_size=20000, **mxfp8))
     backend = ReferenceBackend(check_provenance=opts.check_provenance)
     chunks = []
     for c in range(opts.vp):
@@ -113,7 +118,7 @@ def _build(opts: DemoOptions, pp_rank: int):
                           post_process=pp_rank == opts.pp - 1 and c == opts.vp - 1, backend=backend)
         # As Megatron-LM does: only the first chunk is bucketed.
         chunks.append(DistributedDataParallel(config=config, ddp_config=ddp_config, module=module,
-                                              disable_bucketing=c > 0))
+                                              disable_bucketing=c > 0, **_ddp_groups()))
     if not opts.rebinding_loop:  # else bound after the plugin attached, as train() does
         bind_schedule_funcs(config, chunks)
     return config, chunks, backend
@@ -122,12 +127,37 @@ def _build(opts: DemoOptions, pp_rank: int):
 def _optimizer(chunks, opts: DemoOptions):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    cfg = OptimizerConfig(
+    with_step = opts.overlap_param_gather_with_optimizer_step
+    cfg = OptimizerConfig(**_own_fields(
+        OptimizerConfig,
+        # 0.7/0.8: the optimizer's all-gather overlap (>= 0.9 reads the DDP config's); the
+        # optimizer-step dispatch exists from 0.9 (the demo's input check refuses it before).
+        dict(overlap_param_gather=True, overlap_param_gather_with_optimizer_step=with_step),
         optimizer="adam", lr=1e-3, weight_decay=0.0, clip_grad=1.0,
         use_distributed_optimizer=True, params_dtype=torch.float32,
-        overlap_param_gather_with_optimizer_step=opts.overlap_param_gather_with_optimizer_step,
-        loss_scale=None if opts.skip_step_at is None else 1.0)
+        loss_scale=None if opts.skip_step_at is None else 1.0))
     return get_megatron_optimizer(cfg, chunks)
+
+
+def _own_fields(config_class: Any, versioned: Dict[str, Any], **always: Any) -> Dict[str, Any]:
+    """``always`` plus those of ``versioned`` that this megatron-core's ``config_class`` has:
+    no field a version lacks is passed to it."""
+    names = {f.name for f in dataclasses.fields(config_class)}
+    return dict(always, **{k: v for k, v in versioned.items() if k in names})
+
+
+def _ddp_groups() -> Dict[str, Any]:
+    """megatron-core 0.7's DistributedDataParallel takes its data-parallel groups as arguments
+    (0.8 on reads them from parallel_state itself)."""
+    import inspect
+
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel
+
+    if "data_parallel_group" not in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {}
+    return {"data_parallel_group": parallel_state.get_data_parallel_group(with_context_parallel=True),
+            "expert_data_parallel_group": parallel_state.get_data_modulo_expert_parallel_group()}
 
 
 class PipelineRun:
@@ -154,7 +184,8 @@ class PipelineRun:
         self.aligner = align_fp8_transposes(
             self.chunks, num_microbatches=opts.microbatches, backend=self.backend,
             weights_of=lambda chunk: chunk.module.fp8_weights(), config=self.config,
-            align_config=AlignConfig(policy=opts.policy, telemetry_path=telemetry_path))
+            align_config=AlignConfig(policy=opts.policy, telemetry_path=telemetry_path),
+            optimizer=self.optimizer)  # read on megatron-core 0.7/0.8 (the optimizer's gather)
         if opts.rebinding_loop:
             bind_schedule_funcs(self.config, self.chunks)
         self._fwd_bwd = get_forward_backward_func()
@@ -239,7 +270,8 @@ def _train(opts: DemoOptions, telemetry_path: Optional[str], out_dir: str) -> Di
                               "skipped_steps": [], "gather_by_optimizer": [
                                   bool(getattr(c, "overlap_param_gather_with_optimizer_step",
                                                False)) for c in run.chunks],
-                              "bucket_groups": [len(c.bucket_groups) for c in run.chunks],
+                              "bucket_groups": [len(getattr(c, "bucket_groups", c.buffers))
+                                                for c in run.chunks],
                               "forced_sync_watch": run.aligner.forced_syncs is not None,
                               "forced_sync_rebuilds": 0}
     for step in range(opts.steps):

@@ -65,7 +65,8 @@ def mcore_features() -> McoreFeatures:
 
     fields = {f.name for f in dataclasses.fields(DistributedDataParallelConfig)}
     return McoreFeatures(hasattr(pgb, "post_all_gather_processing"),
-                         callable(getattr(pgb._ParamAndGradBucketGroup, "_post_param_sync", None)),
+                         callable(getattr(getattr(pgb, "_ParamAndGradBucketGroup", None),
+                                          "_post_param_sync", None)),  # no bucket groups < 0.9
                          getattr(megatron.core, "__version__", "?"),
                          fp4_param_gather="fp4_param_gather" in fields)
 
