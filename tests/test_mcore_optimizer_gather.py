@@ -80,3 +80,53 @@ def test_without_the_optimizer_align_fp8_transposes_says_how():
                        r"all-gather belongs to the DistributedOptimizer.*optimizer=<what "
                        "get_megatron_optimizer returned>"):
         _optimizer_owned(None)
+
+
+def test_the_hold_on_a_real_optimizer_chain_and_nothing_left_after_restore():
+    """One process, megatron-core's own DDP chunks and DistributedOptimizer (DP 1): launches are
+    the dispatches of each chunk's first all-gather; a chunk is complete only once this step's
+    chain has gathered it (after an optimizer step, an older chain's record says nothing);
+    restore leaves no instance attribute behind."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer import TransformerConfig
+
+    from nemo_fp8_align.backends.reference import ReferenceBackend
+    from nemo_fp8_align.demo.model import DemoModelConfig, GPTChunk
+    from nemo_fp8_align.demo.options import DemoOptions
+    from nemo_fp8_align.demo.train import _ddp_groups, _optimizer
+    from nemo_fp8_align.sync.mcore_optimizer import McoreOptimizerParamSync
+    from nemo_fp8_align.sync.mcore_optimizer_hold import McoreOptimizerHold
+    from support.one_process import gloo_world
+
+    with gloo_world():
+        parallel_state.initialize_model_parallel(1, 1)
+        config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
+                                   params_dtype=torch.float32, use_cpu_initialization=True)
+        ddp = DistributedDataParallelConfig(use_distributed_optimizer=True,
+                                            overlap_grad_reduce=True)
+        chunks = [DistributedDataParallel(config, ddp, GPTChunk(
+            DemoModelConfig(), config=config, stage=0, vp_stage=v, pre_process=v == 0,
+            post_process=v == 1, backend=ReferenceBackend()), **_ddp_groups()) for v in range(2)]
+        optimizer = _optimizer(chunks, DemoOptions())
+        sync = McoreOptimizerParamSync(optimizer)
+        hold = McoreOptimizerHold(chunks, sync)
+        launched, ends = [], []
+        hold.install(launched.append, lambda: ends.append(1))
+        (inner,) = sync.optimizers
+        assert "_dispatch_gather_model_params" in vars(inner)
+        optimizer.zero_grad()  # before any update: nothing to gather, the bytes are complete
+        assert launched == [0] and sync.finished(0) and sync.finished(1)
+        optimizer.step()
+        assert not sync.finished(0) and not sync.finished(1)  # new bytes, nothing dispatched
+        optimizer.zero_grad()
+        assert launched == [0, 0] and not sync.finished(0)  # in flight
+        assert sync.finish(0) and launched == [0, 0, 1]  # waiting chunk 0 dispatched chunk 1's
+        assert not sync.finished(1) and sync.finish(1)
+        with pytest.raises(AssertionError, match="Communication call has not been issued"):
+            chunks[0].finish_grad_sync()  # megatron-core's own, after the step end: no backward ran
+        assert ends == [1]
+        hold.restore()
+        assert "_dispatch_gather_model_params" not in vars(inner)
+        assert "finish_grad_sync" not in vars(chunks[0])

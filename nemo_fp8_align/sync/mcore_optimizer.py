@@ -12,8 +12,11 @@ same collectives in the same order, only earlier; a handle not yet dispatched is
 
 A handle of None means either "not dispatched yet" or "waited": :meth:`record` (called by
 :class:`~nemo_fp8_align.sync.mcore_optimizer_hold.McoreOptimizerHold` for every dispatch)
-tells them apart. A step whose optimizer update did not succeed (before the first step, or
-skipped for inf/nan) dispatches nothing: the parameters are unchanged, hence complete.
+tells them apart, for the chain under way: each optimizer step starts a new list of handles
+(``_reset_metadata_and_sync_gather_all_model_params``), so dispatches recorded into an older
+list say nothing about the new bytes. A step whose optimizer update did not succeed (before the
+first step, or skipped for inf/nan) dispatches nothing: the parameters are unchanged, hence
+complete.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class McoreOptimizerParamSync:
                     "all-gather in flight to align. Fix: OptimizerConfig(overlap_param_gather="
                     "True) (Megatron-LM --overlap-param-gather), or policy=off")
         self._dispatched: List[Set[int]] = [set() for _ in self.optimizers]
+        self._chain: List[Any] = [None for _ in self.optimizers]  # the handle list they went to
         self._first: List[Dict[int, int]] = [  # per optimizer: first index -> its chunk
             {ids[0]: chunk for chunk, ids in
              opt.model_index_to_all_gather_handle_index_map.items() if ids}
@@ -66,8 +70,9 @@ class McoreOptimizerParamSync:
     def record(self, k: int, index: int) -> Optional[int]:
         """Optimizer ``k`` has just dispatched all-gather ``index``: remember it; return the
         chunk whose chain it starts (None if it is not a chunk's first)."""
-        if index == 0:  # the chain starts again: zero_grad, or a forced all-gather of all
-            self._dispatched[k] = set()
+        handles = self.optimizers[k].all_gather_handles
+        if index == 0 or handles is not self._chain[k]:  # a new chain: zero_grad, a forced
+            self._dispatched[k], self._chain[k] = set(), handles  # all-gather, a step between
         self._dispatched[k].add(index)
         return self._first[k].get(index)
 
@@ -82,5 +87,7 @@ class McoreOptimizerParamSync:
     def _complete(self, k: int, opt: Any, chunk: int) -> bool:
         if not opt.update_successful:  # nothing was gathered: the bytes did not change
             return True
+        if opt.all_gather_handles is not self._chain[k]:  # stepped since: nothing dispatched
+            return False
         ids = opt.model_index_to_all_gather_handle_index_map.get(chunk, [])
         return all(i in self._dispatched[k] and opt.all_gather_handles[i] is None for i in ids)
