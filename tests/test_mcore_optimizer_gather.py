@@ -72,6 +72,20 @@ def test_bit_identical_to_the_plugin_off():
         assert differences(_run(policy), off) == [], policy
 
 
+def test_schedule_finishing_each_chunk_itself_delay_param_gather():
+    """Megatron-LM's ``--delay-param-gather`` of that era binds the optimizer's
+    ``finish_param_sync`` as the schedule's ``param_sync_func`` (here one per chunk): the
+    schedule then waits chunk c's chain at its launch slot, before the aligned one; the hold
+    sees those dispatches too, and the run stays aligned and bit-identical to off."""
+    pp, vp, _, m = _shape()
+    model = InterleavedSchedule(pp, vp, m, legacy_order=True)
+    run = demo(*_shape(), "aligned", steps=3, delay_param_gather=True)
+    assert alignment_problems(run) == []
+    for chunk in range(vp):
+        assert set(_slots(run, 2, chunk).values()) == {model.aligned_slot(chunk)}
+    assert differences(run, _run("off")) == []
+
+
 def test_without_the_optimizer_align_fp8_transposes_says_how():
     from nemo_fp8_align.errors import UnsupportedSetupError
     from nemo_fp8_align.integrations.megatron_core import _optimizer_owned

@@ -139,6 +139,19 @@ def _optimizer(chunks, opts: DemoOptions):
     return get_megatron_optimizer(cfg, chunks)
 
 
+def _delayed_param_gather(optimizer: Any, chunks: int) -> List[Any]:
+    """megatron-core 0.7/0.8's ``--delay-param-gather`` binding, each entry for its own chunk:
+    the schedule's call for chunk c waits c's chained all-gathers (and so dispatches the next)."""
+    if not hasattr(optimizer, "model_index_to_all_gather_handle_index_map"):
+        raise ValueError("delay_param_gather: megatron-core 0.7/0.8's DistributedOptimizer only "
+                         "(>= 0.9 launches through the chunks' start_param_sync)")
+    return [partial(_finish_chunk, optimizer, c) for c in range(chunks)]
+
+
+def _finish_chunk(optimizer: Any, chunk: int, *params: Any) -> None:
+    optimizer.finish_param_sync(chunk)
+
+
 def _own_fields(config_class: Any, versioned: Dict[str, Any], **always: Any) -> Dict[str, Any]:
     """``always`` plus those of ``versioned`` that this megatron-core's ``config_class`` has:
     no field a version lacks is passed to it."""
@@ -179,6 +192,8 @@ class PipelineRun:
         with torch.device(opts.device):
             self.config, self.chunks, self.backend = _build(opts, self.pp_rank)
         self.optimizer = _optimizer(self.chunks, opts)
+        if opts.delay_param_gather:
+            self.config.param_sync_func = _delayed_param_gather(self.optimizer, len(self.chunks))
         self.weights = [w for chunk in self.chunks for w in chunk.module.fp8_weights()]
         # Policy off still builds the aligner (unattached), so every policy runs the same code.
         self.aligner = align_fp8_transposes(
