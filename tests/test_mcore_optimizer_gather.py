@@ -86,6 +86,21 @@ def test_schedule_finishing_each_chunk_itself_delay_param_gather():
     assert differences(run, _run("off")) == []
 
 
+@pytest.mark.parametrize("fault,seen", [
+    ("no_wait", "StaleFP8Error"),  # the chain's finish skipped: built before the gather
+    ("slot_shift", "aligned slot"),  # one forward late on every rank but the first
+])
+def test_the_fault_battery_s_engine_faults_are_caught_here_too(fault, seen):
+    from nemo_fp8_align.demo.launch import DemoRankError
+
+    try:
+        run = demo(*_shape(), "aligned", steps=3, fault=fault)
+        problems = alignment_problems(run) + differences(run, _run("off"))
+    except DemoRankError as err:
+        problems = str(err).splitlines()
+    assert any(seen in p for p in problems), problems
+
+
 def test_without_the_optimizer_align_fp8_transposes_says_how():
     from nemo_fp8_align.errors import UnsupportedSetupError
     from nemo_fp8_align.integrations.megatron_core import _optimizer_owned
