@@ -101,6 +101,23 @@ def test_the_fault_battery_s_engine_faults_are_caught_here_too(fault, seen):
     assert any(seen in p for p in problems), problems
 
 
+@pytest.mark.parametrize("fault", ["mismatch_on_one_rank", "extra_forward_on_one_rank"])
+def test_an_error_on_one_rank_stops_every_rank_at_the_step_end(fault):
+    """The step end of this hold (chunk 0's finish_grad_sync) carries the agreement: the faulty
+    rank's error stops every rank there, each with its own message (test_no_hang's check)."""
+    from nemo_fp8_align.config import Policy
+    from nemo_fp8_align.demo.launch import DemoRankError, run_demo
+    from nemo_fp8_align.demo.train import DemoOptions
+    from support.rank_errors import check_every_rank_stopped
+
+    pp, _, dp, m = _shape()  # VP 2: the messages support/rank_errors.py expects
+    opts = DemoOptions(pp=pp, vp=2, dp=dp, microbatches=m, steps=2, policy=Policy.ALIGNED,
+                       fault=fault, pg_timeout_s=60.0)
+    with pytest.raises(DemoRankError) as info:
+        run_demo(opts)
+    check_every_rank_stopped(opts, info.value, fault)
+
+
 def test_without_the_optimizer_align_fp8_transposes_says_how():
     from nemo_fp8_align.errors import UnsupportedSetupError
     from nemo_fp8_align.integrations.megatron_core import _optimizer_owned
