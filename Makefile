@@ -109,9 +109,11 @@ MCORE_LINE_TESTS = tests/test_schedule.py tests/test_refusals.py tests/test_forc
 MCORE_OLD_LINE_TESTS = $(MCORE_LINE_TESTS) tests/test_engine_mcore.py tests/test_faults.py \
 	tests/test_no_hang.py tests/test_entry_points.py tests/test_api.py tests/test_mcore_versions.py
 # On 0.7.0 and 0.8.0: the schedule model against their own schedule, the version's own rules
-# and refusals, and the engine through the optimizer's all-gather chain (one shared demo run per
-# policy: aligned, lazy, off; 0.7.0 at PP 4, which it needs for interleaving).
+# and refusals (the refusal rows, the recipes, the attach-time checks), and the engine through
+# the optimizer's all-gather chain (one shared demo run per policy: aligned, lazy, off; 0.7.0 at
+# PP 4, which it needs for interleaving).
 MCORE_OPTIMIZER_LINE_TESTS = tests/test_schedule.py tests/test_mcore_versions.py \
+	tests/test_refusals.py tests/test_recipe_support.py tests/test_api.py \
 	tests/test_mcore_optimizer_gather.py
 
 test: install install-mcore016 install-mcore019 $(MCORE_TREES)/.installed $(OLD_TREES) $(BRIDGE_WHEEL)/.installed $(TE_TREES)/.installed

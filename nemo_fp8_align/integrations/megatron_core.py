@@ -132,9 +132,9 @@ def align_fp8_transposes(
     try:
         with agreed(label=f"rank {_global_rank()} (attaching nemo_fp8_align)", group=group):
             config = config if config is not None else model[0].config
-            owned = _optimizer_owned(optimizer)
             refuse_unsupported(Setup(config=config, chunks=model))
             check_telemetry_path(align_config.telemetry_path)
+            owned = _optimizer_owned(optimizer)
             if backend is None:  # an inactive plugin imports nothing
                 backend = default_backend(align_config) if align_config.active \
                     else _InactiveBackend()
