@@ -139,6 +139,13 @@ def _optimizer(chunks, opts: DemoOptions):
     return get_megatron_optimizer(cfg, chunks)
 
 
+def _chain_handles(optimizer: Any, chunks: int) -> List[int]:
+    """megatron-core 0.7/0.8: each chunk's number of chained all-gathers (buckets); [] where
+    the DDP chunks own the all-gather."""
+    handles = getattr(optimizer, "model_index_to_all_gather_handle_index_map", None)
+    return [] if handles is None else [len(handles.get(c, [])) for c in range(chunks)]
+
+
 def _delayed_param_gather(optimizer: Any, chunks: int) -> List[Any]:
     """megatron-core 0.7/0.8's ``--delay-param-gather`` binding, each entry for its own chunk:
     the schedule's call for chunk c waits c's chained all-gathers (and so dispatches the next)."""
@@ -287,6 +294,7 @@ def _train(opts: DemoOptions, telemetry_path: Optional[str], out_dir: str) -> Di
                                                False)) for c in run.chunks],
                               "bucket_groups": [len(getattr(c, "bucket_groups", c.buffers))
                                                 for c in run.chunks],
+                              "chain_handles": _chain_handles(run.optimizer, len(run.chunks)),
                               "forced_sync_watch": run.aligner.forced_syncs is not None,
                               "forced_sync_rebuilds": 0}
     for step in range(opts.steps):
