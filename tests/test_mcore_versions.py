@@ -131,3 +131,21 @@ def test_a_chunk_without_overlap_param_gather_is_refused_with_the_nemo_20_fix():
     with pytest.raises(UnsupportedSetupError, match="model chunk 1: DistributedDataParallelConfig"
                        r".overlap_param_gather=False.*model.optim.overlap_param_gather=true"):
         McoreParamSync([chunk(True), chunk(False)])
+
+
+def test_nemos_mcore_optimizer_is_refused_where_the_optimizer_owns_the_gather():
+    """NeMo's mcore_distributed_optim path holds the DDP chunks' launches; on 0.7/0.8 (NeMo
+    2.0.0rc0/rc1's containers, never run with the plugin) it is refused with the version and
+    the fixes. The model is a holder of the one flag read (NeMo does not install with them)."""
+    from types import SimpleNamespace
+
+    from nemo_fp8_align.integrations.nemo.build import _param_sync
+
+    model = SimpleNamespace(use_mcore_dist_optim=True)
+    if not OPTIMIZER_OWNED:
+        assert _param_sync(model, []) is not None
+        return
+    with pytest.raises(UnsupportedSetupError, match=f"megatron-core "
+                       f"{mcore_version.installed_version()} with NeMo's mcore_distributed_optim"
+                       r".*distributed_fused_adam.*megatron-core >= 0\.9\.0.*policy=off"):
+        _param_sync(model, [])

@@ -17,7 +17,8 @@ import dataclasses
 from typing import Any, Optional, Sequence
 
 __all__ = ["fp8_parameter_problem", "has_group_size", "installed_version", "interleaved_pp_problem",
-           "missing_optimizer_problem", "optimizer_owns_gather", "pp_multiple_problem"]
+           "missing_optimizer_problem", "nemo_optimizer_owned_problem", "optimizer_owns_gather",
+           "pp_multiple_problem"]
 
 
 def installed_version() -> str:
@@ -62,6 +63,18 @@ def missing_optimizer_problem() -> str:
             "Config has no overlap_param_gather and the chunks no start_param_sync), so the "
             "plugin holds the optimizer's all-gathers. Fix: align_fp8_transposes(model, "
             "optimizer=<what get_megatron_optimizer returned>, ...)")
+
+
+def nemo_optimizer_owned_problem() -> str:
+    """NeMo's megatron-core optimizer (``mcore_distributed_optim``) on 0.7/0.8: the plugin's
+    NeMo path holds the DDP chunks' launches, which those versions do not have, and NeMo of that
+    era (2.0.0rc0/rc1) with the optimizer's chain was never run with the plugin."""
+    return (f"megatron-core {installed_version()} with NeMo's mcore_distributed_optim: the "
+            "parameter all-gather belongs to the DistributedOptimizer (no per-chunk "
+            "start_param_sync), and the plugin's NeMo path was not built or run for it. Fix: "
+            "model.optim.name=distributed_fused_adam (Apex; the plugin's NeMo path for these "
+            "containers), or megatron-core >= 0.9.0 (NeMo Framework 24.09 or later), or "
+            "policy=off")
 
 
 def fp8_parameter_problem(params: Sequence[Any]) -> Optional[str]:
