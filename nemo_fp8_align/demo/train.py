@@ -176,7 +176,8 @@ def _ddp_groups() -> Dict[str, Any]:
 
     if "data_parallel_group" not in inspect.signature(DistributedDataParallel.__init__).parameters:
         return {}
-    return {"data_parallel_group": parallel_state.get_data_parallel_group(with_context_parallel=True),
+    return {"data_parallel_group":
+            parallel_state.get_data_parallel_group(with_context_parallel=True),
             "expert_data_parallel_group": parallel_state.get_data_modulo_expert_parallel_group()}
 
 
