@@ -145,7 +145,8 @@ def test_the_hold_on_a_real_optimizer_chain_and_nothing_left_after_restore():
     from nemo_fp8_align.backends.reference import ReferenceBackend
     from nemo_fp8_align.demo.model import DemoModelConfig, GPTChunk
     from nemo_fp8_align.demo.options import DemoOptions
-    from nemo_fp8_align.demo.train import _ddp_groups, _optimizer
+    from nemo_fp8_align.demo.mcore_versions import ddp_groups
+    from nemo_fp8_align.demo.train import _optimizer
     from nemo_fp8_align.sync.mcore_optimizer import McoreOptimizerParamSync
     from nemo_fp8_align.sync.mcore_optimizer_hold import McoreOptimizerHold
     from support.one_process import gloo_world
@@ -158,7 +159,7 @@ def test_the_hold_on_a_real_optimizer_chain_and_nothing_left_after_restore():
                                             overlap_grad_reduce=True)
         chunks = [DistributedDataParallel(config, ddp, GPTChunk(
             DemoModelConfig(), config=config, stage=0, vp_stage=v, pre_process=v == 0,
-            post_process=v == 1, backend=ReferenceBackend()), **_ddp_groups()) for v in range(2)]
+            post_process=v == 1, backend=ReferenceBackend()), **ddp_groups()) for v in range(2)]
         optimizer = _optimizer(chunks, DemoOptions())
         sync = McoreOptimizerParamSync(optimizer)
         hold = McoreOptimizerHold(chunks, sync)

@@ -1,14 +1,11 @@
 """The aligned FP8-transpose engine: hooks that build each chunk's transposes at its slot.
 
-One :class:`TransposeAligner` per rank. A step starts at the schedule's pre-loop launches
-(chunk 0 then 1, before any pipeline communication); forward pre-hooks count this rank's forward
-virtual microbatches, and at chunk c's trigger it finishes c's all-gather and builds its
-transposes:
+One :class:`TransposeAligner` per rank. A step starts at the pre-loop launches (chunks 0, 1;
+the hold's ``launched_before_loop``); forward pre-hooks count this rank's forward virtual
+microbatches, and at chunk c's trigger it finishes c's all-gather and builds its transposes:
 
-* chunk 0 right after the pre-loop launch of chunk 1 (slot 0 on every rank, before the first
-  receive, which module pre-hooks alone could not reach on ranks r > 0); with a hold whose loop
-  launches only chunk 0 before the schedule (megatron-core 0.7/0.8's optimizer chain,
-  ``launched_before_loop = 1``), right after that launch;
+* chunk 0 right after the last pre-loop launch (slot 0 on every rank, before the first
+  receive, which module pre-hooks alone could not reach on ranks r > 0);
 * chunk c >= 1 before forward ``v = T_c - r`` on rank r (slot T_c on every rank), which on
   ranks r > 0 falls inside chunk c-1's forwards.
 
@@ -193,9 +190,8 @@ class TransposeAligner:
 
     def on_param_sync_launched(self, chunk: int) -> None:
         """The schedule has just launched ``chunk``'s all-gather. Chunk 0's opens a training
-        step (ending a step still open: no end heard); after the last pre-loop launch (chunk 1's,
-        or chunk 0's for a hold with ``launched_before_loop = 1``), before any pipeline
-        communication, the slot-0 chunks are handled on every rank."""
+        step (ending a step still open: no end heard); after the last pre-loop launch, before
+        any pipeline communication, the slot-0 chunks are handled on every rank."""
         if not self.attached:
             return
         if chunk == 0 and self._vmid is not None:

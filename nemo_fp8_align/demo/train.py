@@ -23,6 +23,8 @@ import torch.distributed as dist
 from nemo_fp8_align.config import AlignConfig, Policy
 from nemo_fp8_align.demo.model import GPTChunk
 from nemo_fp8_align.demo.options import DemoOptions
+from nemo_fp8_align.demo.mcore_versions import (chain_handles, ddp_groups, delayed_param_gather,
+                                                own_fields)
 from nemo_fp8_align.demo.ranks import write_error, write_result
 
 __all__ = ["DemoOptions", "run_rank"]
@@ -103,7 +105,7 @@ def _build(opts: DemoOptions, pp_rank: int):
         **_group_size(TransformerConfig, opts.group_size))
     mxfp8 = dict(fp8_param_gather=True, reuse_grad_buf_for_mxfp8_param_ag=True) \
         if opts.recipe == "mxfp8" else {}  # the grad-buffer-reuse branch of _post_param_sync
-    ddp_config = DistributedDataParallelConfig(**_own_fields(
+    ddp_config = DistributedDataParallelConfig(**own_fields(
         DistributedDataParallelConfig,
         dict(overlap_param_gather=True, align_param_gather=True),  # 0.9 on (else the optimizer's)
         grad_reduce_in_fp32=True, overlap_grad_reduce=True, use_distributed_optimizer=True,
@@ -118,7 +120,7 @@ def _build(opts: DemoOptions, pp_rank: int):
                           post_process=pp_rank == opts.pp - 1 and c == opts.vp - 1, backend=backend)
         # As Megatron-LM does: only the first chunk is bucketed.
         chunks.append(DistributedDataParallel(config=config, ddp_config=ddp_config, module=module,
-                                              disable_bucketing=c > 0, **_ddp_groups()))
+                                              disable_bucketing=c > 0, **ddp_groups()))
     if not opts.rebinding_loop:  # else bound after the plugin attached, as train() does
         bind_schedule_funcs(config, chunks)
     return config, chunks, backend
@@ -128,7 +130,7 @@ def _optimizer(chunks, opts: DemoOptions):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     with_step = opts.overlap_param_gather_with_optimizer_step
-    cfg = OptimizerConfig(**_own_fields(
+    cfg = OptimizerConfig(**own_fields(
         OptimizerConfig,
         # 0.7/0.8: the optimizer's all-gather overlap (>= 0.9 reads the DDP config's); the
         # optimizer-step dispatch exists from 0.9 (the demo's input check refuses it before).
@@ -137,48 +139,6 @@ def _optimizer(chunks, opts: DemoOptions):
         use_distributed_optimizer=True, params_dtype=torch.float32,
         loss_scale=None if opts.skip_step_at is None else 1.0))
     return get_megatron_optimizer(cfg, chunks)
-
-
-def _chain_handles(optimizer: Any, chunks: int) -> List[int]:
-    """megatron-core 0.7/0.8: each chunk's number of chained all-gathers (buckets); [] where
-    the DDP chunks own the all-gather."""
-    handles = getattr(optimizer, "model_index_to_all_gather_handle_index_map", None)
-    return [] if handles is None else [len(handles.get(c, [])) for c in range(chunks)]
-
-
-def _delayed_param_gather(optimizer: Any, chunks: int) -> List[Any]:
-    """megatron-core 0.7/0.8's ``--delay-param-gather`` binding, each entry for its own chunk:
-    the schedule's call for chunk c waits c's chained all-gathers (and so dispatches the next)."""
-    if not hasattr(optimizer, "model_index_to_all_gather_handle_index_map"):
-        raise ValueError("delay_param_gather: megatron-core 0.7/0.8's DistributedOptimizer only "
-                         "(>= 0.9 launches through the chunks' start_param_sync)")
-    return [partial(_finish_chunk, optimizer, c) for c in range(chunks)]
-
-
-def _finish_chunk(optimizer: Any, chunk: int, *params: Any) -> None:
-    optimizer.finish_param_sync(chunk)
-
-
-def _own_fields(config_class: Any, versioned: Dict[str, Any], **always: Any) -> Dict[str, Any]:
-    """``always`` plus those of ``versioned`` that this megatron-core's ``config_class`` has:
-    no field a version lacks is passed to it."""
-    names = {f.name for f in dataclasses.fields(config_class)}
-    return dict(always, **{k: v for k, v in versioned.items() if k in names})
-
-
-def _ddp_groups() -> Dict[str, Any]:
-    """megatron-core 0.7's DistributedDataParallel takes its data-parallel groups as arguments
-    (0.8 on reads them from parallel_state itself)."""
-    import inspect
-
-    from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel
-
-    if "data_parallel_group" not in inspect.signature(DistributedDataParallel.__init__).parameters:
-        return {}
-    return {"data_parallel_group":
-            parallel_state.get_data_parallel_group(with_context_parallel=True),
-            "expert_data_parallel_group": parallel_state.get_data_modulo_expert_parallel_group()}
 
 
 class PipelineRun:
@@ -201,7 +161,7 @@ class PipelineRun:
             self.config, self.chunks, self.backend = _build(opts, self.pp_rank)
         self.optimizer = _optimizer(self.chunks, opts)
         if opts.delay_param_gather:
-            self.config.param_sync_func = _delayed_param_gather(self.optimizer, len(self.chunks))
+            self.config.param_sync_func = delayed_param_gather(self.optimizer, len(self.chunks))
         self.weights = [w for chunk in self.chunks for w in chunk.module.fp8_weights()]
         # Policy off still builds the aligner (unattached), so every policy runs the same code.
         self.aligner = align_fp8_transposes(
@@ -295,7 +255,7 @@ def _train(opts: DemoOptions, telemetry_path: Optional[str], out_dir: str) -> Di
                                                False)) for c in run.chunks],
                               "bucket_groups": [len(getattr(c, "bucket_groups", c.buffers))
                                                 for c in run.chunks],
-                              "chain_handles": _chain_handles(run.optimizer, len(run.chunks)),
+                              "chain_handles": chain_handles(run.optimizer, len(run.chunks)),
                               "forced_sync_watch": run.aligner.forced_syncs is not None,
                               "forced_sync_rebuilds": 0}
     for step in range(opts.steps):

@@ -77,8 +77,8 @@ class McoreOptimizerParamSync:
         return self._first[k].get(index)
 
     def finish(self, chunk: int) -> bool:
-        for opt in self.optimizers:
-            opt.finish_param_sync(chunk)  # waits what is in flight; dispatches nothing new
+        for opt in self.optimizers:  # waits what is in flight; dispatches only the chain's next
+            opt.finish_param_sync(chunk)
         return self.finished(chunk)
 
     def finished(self, chunk: int) -> bool:
