@@ -44,13 +44,13 @@ demo: install
 # .venv-mcore019's Python ahead of its own 0.19.2 (MCORE_LINE_TESTS). 0.9.0, 0.10.0 and 0.11.0
 # (the NeMo Framework containers 24.09 to early 2025): their Python 3.11 wheels' megatron/core,
 # read by .venv's Python ahead of its 0.12.3 (MCORE_OLD_LINE_TESTS). 0.7.0 and 0.8.0 (24.05,
-# 24.07), whose all-gather the plugin refuses (the optimizer's, not the chunks'): the same, plus
-# setuptools < 70's pkg_resources, which they import (MCORE_REFUSED_LINE_TESTS).
+# 24.07), whose all-gather is the DistributedOptimizer's chain (the plugin's optimizer hold):
+# the same, plus setuptools < 70's pkg_resources, which they import (MCORE_OPTIMIZER_LINE_TESTS).
 MCORE_LINES ?= 0.17.1 0.18.2
 MCORE_OLD_LINES ?= 0.9.0 0.10.0 0.11.0
-MCORE_REFUSED_LINES ?= 0.7.0 0.8.0
+MCORE_OPTIMIZER_LINES ?= 0.7.0 0.8.0
 MCORE_TREES = .mcore-wheels
-OLD_TREES = $(foreach v,$(MCORE_OLD_LINES) $(MCORE_REFUSED_LINES),$(MCORE_TREES)/$(v)/.unpacked)
+OLD_TREES = $(foreach v,$(MCORE_OLD_LINES) $(MCORE_OPTIMIZER_LINES),$(MCORE_TREES)/$(v)/.unpacked)
 
 $(MCORE_TREES)/.installed: $(VENV19)/.installed $(VENV)/.installed
 	for v in $(MCORE_LINES); do \
@@ -108,8 +108,13 @@ MCORE_LINE_TESTS = tests/test_schedule.py tests/test_refusals.py tests/test_forc
 # no-hang agreement, the entry points and the refusals (0.9.0: the pre-0.10 legacy order).
 MCORE_OLD_LINE_TESTS = $(MCORE_LINE_TESTS) tests/test_engine_mcore.py tests/test_faults.py \
 	tests/test_no_hang.py tests/test_entry_points.py tests/test_api.py tests/test_mcore_versions.py
-# On 0.7.0 and 0.8.0: the schedule model against their own schedule, and the refusal.
-MCORE_REFUSED_LINE_TESTS = tests/test_schedule.py tests/test_mcore_versions.py
+# On 0.7.0 and 0.8.0: the schedule model against their own schedule, the version's own rules
+# and refusals (the refusal rows, the recipes, the attach-time checks), and the engine through
+# the optimizer's all-gather chain (one shared demo run per policy: aligned, lazy, off; 0.7.0 at
+# PP 4, which it needs for interleaving).
+MCORE_OPTIMIZER_LINE_TESTS = tests/test_schedule.py tests/test_mcore_versions.py \
+	tests/test_refusals.py tests/test_recipe_support.py tests/test_api.py \
+	tests/test_mcore_optimizer_gather.py
 
 test: install install-mcore016 install-mcore019 $(MCORE_TREES)/.installed $(OLD_TREES) $(BRIDGE_WHEEL)/.installed $(TE_TREES)/.installed
 	$(VENV)/bin/python -m pytest -q
@@ -127,9 +132,9 @@ test: install install-mcore016 install-mcore019 $(MCORE_TREES)/.installed $(OLD_
 	  PYTHONPATH=$(CURDIR)/$(MCORE_TREES)/$$v $(VENV)/bin/python -m pytest -q -m "not nemo" \
 	    $(MCORE_OLD_LINE_TESTS) || exit 1; \
 	done
-	for v in $(MCORE_REFUSED_LINES); do \
+	for v in $(MCORE_OPTIMIZER_LINES); do \
 	  PYTHONPATH=$(CURDIR)/$(MCORE_TREES)/$$v $(VENV)/bin/python -m pytest -q -m "not nemo" \
-	    $(MCORE_REFUSED_LINE_TESTS) || exit 1; \
+	    $(MCORE_OPTIMIZER_LINE_TESTS) || exit 1; \
 	done
 	$(VENV19)/bin/python -m pytest -q $(MEGATRON_LM_TESTS) tests/test_doc_snippets.py \
 		-k "not test_block_runs_as_documented or megatron_lm_snippet or bridge_snippet"

@@ -5,7 +5,7 @@ off switch, never a recipe change."""
 
 import pytest
 
-mcore = pytest.importorskip("megatron.core")
+pytest.importorskip("megatron.core")
 
 from packaging.version import Version  # noqa: E402
 
@@ -15,7 +15,10 @@ from nemo_fp8_align.errors import UnsupportedSetupError  # noqa: E402
 from nemo_fp8_align.integrations.recipe_support import (mcore_features, recipe_refusals,  # noqa: E402
                                                         refuse_recipes, weights_with_work)
 
-MCORE = Version(Version(mcore.__version__).base_version)
+from nemo_fp8_align.integrations.mcore_version import installed_version  # noqa: E402
+
+# megatron-core 0.7.0 has no megatron.core.__version__ (its package_info has).
+MCORE = Version(Version(installed_version()).base_version)
 
 
 def test_features_are_read_from_megatron_core_itself():

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-mcore = pytest.importorskip("megatron.core")
+pytest.importorskip("megatron.core")
 
 from packaging.version import Version  # noqa: E402
 from megatron.core.transformer import TransformerConfig  # noqa: E402
@@ -16,7 +16,10 @@ from nemo_fp8_align.errors import UnsupportedSetupError  # noqa: E402
 from nemo_fp8_align.integrations.megatron_core import align_fp8_transposes  # noqa: E402
 from nemo_fp8_align.integrations.refusals import REFUSALS, Setup, fired  # noqa: E402
 
-MCORE = Version(Version(mcore.__version__).base_version)
+from nemo_fp8_align.integrations.mcore_version import installed_version  # noqa: E402
+
+# megatron-core 0.7.0 has no megatron.core.__version__ (its package_info has).
+MCORE = Version(Version(installed_version()).base_version)
 FIELDS = {f.name for f in dataclasses.fields(TransformerConfig)}
 BASE = dict(num_layers=4, hidden_size=8, num_attention_heads=2)
 MOE = dict(num_moe_experts=4, expert_model_parallel_size=2, moe_token_dispatcher_type="alltoall",

@@ -200,11 +200,29 @@ def _faults() -> Any:
 
 
 def version_problem(args: argparse.Namespace) -> Optional[str]:
-    """Why the installed megatron-core cannot run the demo (None: it can): 0.7/0.8's all-gather
-    is the optimizer's (refused)."""
+    """Why the installed megatron-core cannot run the demo as asked (None: it can). On 0.7/0.8
+    the optimizer owns the all-gather: the flags that model >= 0.9's DDP all-gather paths
+    (the optimizer-step dispatch, DDP's forced all-gather, post-processing, checkpoints) are
+    refused, named with the version."""
+    from nemo_fp8_align.cli.deps import _importable
+
+    if not _importable("megatron.core"):
+        return None  # the missing dependency is reported on its own
     from nemo_fp8_align.integrations import mcore_version
 
-    return mcore_version.gather_problem()
+    if not mcore_version.optimizer_owns_gather():
+        return None
+    flags = [flag for flag, on in (
+        ("--overlap-param-gather-with-optimizer-step",
+         getattr(args, "overlap_param_gather_with_optimizer_step", False)),
+        ("--eval-between-steps", getattr(args, "eval_between_steps", False)),
+        ("--resume-at", getattr(args, "resume_at", None) is not None),
+        ("--loop megatron-lm", getattr(args, "loop", LOOPS[0]) != LOOPS[0])) if on]
+    if not flags:
+        return None
+    return (f"{flags[0]}: megatron-core {mcore_version.installed_version()} (before 0.9) has no "
+            "such path: its all-gather is the DistributedOptimizer's chain, which the demo runs "
+            "with the plain step only; leave the flag out, or use megatron-core >= 0.9")
 
 
 def legacy_schedule_problem(args: argparse.Namespace) -> Optional[str]:
@@ -224,6 +242,9 @@ def legacy_schedule_problem(args: argparse.Namespace) -> Optional[str]:
                 f"{mcore_version.installed_version()} (before 0.10) has no "
                 "microbatch_group_size_per_vp_stage; its interleaved schedule runs forwards in "
                 "groups of PP: leave --group-size out")
+    pp_rule = mcore_version.interleaved_pp_problem(args.pp)
+    if pp_rule is not None:
+        return f"--pp {args.pp}: {pp_rule}"
     multiple = mcore_version.pp_multiple_problem(args.pp, args.microbatches)
     return None if multiple is None else f"--microbatches {args.microbatches}: {multiple}"
 

@@ -1,11 +1,10 @@
 """The aligned FP8-transpose engine: hooks that build each chunk's transposes at its slot.
 
-One :class:`TransposeAligner` per rank. A step starts at the schedule's pre-loop launches
-(chunk 0 then 1, before any pipeline communication); forward pre-hooks count this rank's forward
-virtual microbatches, and at chunk c's trigger it finishes c's all-gather and builds its
-transposes:
+One :class:`TransposeAligner` per rank. A step starts at the pre-loop launches (chunks 0, 1;
+the hold's ``launched_before_loop``); forward pre-hooks count this rank's forward virtual
+microbatches, and at chunk c's trigger it finishes c's all-gather and builds its transposes:
 
-* chunk 0 right after the pre-loop launch of chunk 1 (slot 0 on every rank, before the first
+* chunk 0 right after the last pre-loop launch (slot 0 on every rank, before the first
   receive, which module pre-hooks alone could not reach on ranks r > 0);
 * chunk c >= 1 before forward ``v = T_c - r`` on rank r (slot T_c on every rank), which on
   ranks r > 0 falls inside chunk c-1's forwards.
@@ -191,8 +190,8 @@ class TransposeAligner:
 
     def on_param_sync_launched(self, chunk: int) -> None:
         """The schedule has just launched ``chunk``'s all-gather. Chunk 0's opens a training
-        step (ending a step still open: no end heard); after chunk 1's, before any pipeline
-        communication, the slot-0 chunks are handled on every rank."""
+        step (ending a step still open: no end heard); after the last pre-loop launch, before
+        any pipeline communication, the slot-0 chunks are handled on every rank."""
         if not self.attached:
             return
         if chunk == 0 and self._vmid is not None:
@@ -204,7 +203,8 @@ class TransposeAligner:
             self._open_step()
         if self._vmid is not None:
             self._launched[chunk] = self._clock()
-        if chunk == 1 and self._vmid == 0 and self.config.policy is Policy.ALIGNED:
+        pre_loop = getattr(self._hold, "launched_before_loop", 2)  # the schedule's: chunks 0, 1
+        if chunk == pre_loop - 1 and self._vmid == 0 and self.config.policy is Policy.ALIGNED:
             if _capturing_cuda_graph():  # a whole step captured (full-iteration graphs)
                 self._refuse_inside_capture(AT_START)
             for c in self._triggers.get(AT_START, []):

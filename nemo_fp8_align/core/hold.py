@@ -8,7 +8,9 @@ how it hears them; there are two:
 * :class:`~nemo_fp8_align.sync.mcore_hold.McoreChunkHold`: megatron-core DDP chunks, for every
   megatron-core loop (Megatron-LM's ``train()``, Megatron-Bridge, NeMo's mcore optimizer,
   ``align_fp8_transposes`` in a user's loop);
-* :class:`~nemo_fp8_align.sync.apex_hold.ApexHold`: NeMo's Apex ``DistributedFusedAdam`` path.
+* :class:`~nemo_fp8_align.sync.apex_hold.ApexHold`: NeMo's Apex ``DistributedFusedAdam`` path;
+* :class:`~nemo_fp8_align.sync.mcore_optimizer_hold.McoreOptimizerHold`: megatron-core 0.7/0.8,
+  whose DistributedOptimizer owns the all-gather (launched from ``zero_grad``, then chained).
 
 One definition of "a launch" (:func:`is_launch`): the schedule's call, i.e. not forced (a
 synchronous all-gather before an evaluation or a save, or the optimizer's dispatch) and made
@@ -41,6 +43,11 @@ class ScheduleHold(Protocol):
 
     #: Whether the hold reports the step end itself (else the caller calls ``on_step_end``).
     owns_step_end: bool
+
+    #: How many chunks are launched before the schedule's loop, before any pipeline
+    #: communication (the schedule's pre-loop calls: 2; an optimizer's chain: 1). After the
+    #: last of them the aligner handles the slot-0 chunks on every rank. Default: 2.
+    launched_before_loop: int
 
     def install(self, on_launch: Callable[[int], None], on_end: Callable[[], None]) -> None:
         """Start reporting launches (``on_launch(chunk)``) and, if :attr:`owns_step_end`, the

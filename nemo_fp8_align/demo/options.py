@@ -67,6 +67,12 @@ class DemoOptions:
     #: ``train()`` does, and run the first step as its first iteration (no launches).
     rebinding_loop: bool = False
 
+    #: megatron-core 0.7/0.8 only: bind ``config.param_sync_func`` to the optimizer's
+    #: ``finish_param_sync(chunk)``, one per chunk, as Megatron-LM's ``--delay-param-gather``
+    #: meant to (its lambdas all capture the last chunk index): the schedule then finishes each
+    #: chunk's chained all-gather at the launch slot itself.
+    delay_param_gather: bool = False
+
     #: ``--device cuda`` (``--loop megatron-lm``): the process groups of the ranks sharing the one
     #: GPU (demo/megatron_lm_gpu.py ``GROUPS``), and Megatron-LM's ``--eval-interval`` (0: none).
     gpu_groups: str = "host_staging"

@@ -23,6 +23,8 @@ import torch.distributed as dist
 from nemo_fp8_align.config import AlignConfig, Policy
 from nemo_fp8_align.demo.model import GPTChunk
 from nemo_fp8_align.demo.options import DemoOptions
+from nemo_fp8_align.demo.mcore_versions import (chain_handles, ddp_groups, delayed_param_gather,
+                                                own_fields)
 from nemo_fp8_align.demo.ranks import write_error, write_result
 
 __all__ = ["DemoOptions", "run_rank"]
@@ -65,10 +67,13 @@ def _digest(tensors: List[torch.Tensor]) -> str:
 
 def bind_schedule_funcs(config: Any, chunks: List[Any]) -> None:
     """What Megatron-LM's training loop binds with overlap_param_gather and
-    align_param_gather."""
+    align_param_gather. On megatron-core 0.7/0.8 the chunks launch nothing (no
+    ``start_param_sync``): Megatron-LM of that era binds no ``param_sync_func`` without
+    ``--delay-param-gather``, and the optimizer's chain gathers on its own."""
     from megatron.core.distributed import finalize_model_grads
 
-    config.param_sync_func = [chunk.start_param_sync for chunk in chunks]
+    owned = not callable(getattr(chunks[0], "start_param_sync", None))
+    config.param_sync_func = None if owned else [chunk.start_param_sync for chunk in chunks]
     config.no_sync_func = [chunk.no_sync for chunk in chunks]
     config.finalize_model_grads_func = finalize_model_grads
 
@@ -100,9 +105,11 @@ def _build(opts: DemoOptions, pp_rank: int):
         **_group_size(TransformerConfig, opts.group_size))
     mxfp8 = dict(fp8_param_gather=True, reuse_grad_buf_for_mxfp8_param_ag=True) \
         if opts.recipe == "mxfp8" else {}  # the grad-buffer-reuse branch of _post_param_sync
-    ddp_config = DistributedDataParallelConfig(
+    ddp_config = DistributedDataParallelConfig(**own_fields(
+        DistributedDataParallelConfig,
+        dict(overlap_param_gather=True, align_param_gather=True),  # 0.9 on (else the optimizer's)
         grad_reduce_in_fp32=True, overlap_grad_reduce=True, use_distributed_optimizer=True,
-        overlap_param_gather=True, align_param_gather=True, bucket_size=20000, **mxfp8)
+        bucket_size=20000, **mxfp8))
     backend = ReferenceBackend(check_provenance=opts.check_provenance)
     chunks = []
     for c in range(opts.vp):
@@ -113,7 +120,7 @@ def _build(opts: DemoOptions, pp_rank: int):
                           post_process=pp_rank == opts.pp - 1 and c == opts.vp - 1, backend=backend)
         # As Megatron-LM does: only the first chunk is bucketed.
         chunks.append(DistributedDataParallel(config=config, ddp_config=ddp_config, module=module,
-                                              disable_bucketing=c > 0))
+                                              disable_bucketing=c > 0, **ddp_groups()))
     if not opts.rebinding_loop:  # else bound after the plugin attached, as train() does
         bind_schedule_funcs(config, chunks)
     return config, chunks, backend
@@ -122,11 +129,15 @@ def _build(opts: DemoOptions, pp_rank: int):
 def _optimizer(chunks, opts: DemoOptions):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    cfg = OptimizerConfig(
+    with_step = opts.overlap_param_gather_with_optimizer_step
+    cfg = OptimizerConfig(**own_fields(
+        OptimizerConfig,
+        # 0.7/0.8: the optimizer's all-gather overlap (>= 0.9 reads the DDP config's); the
+        # optimizer-step dispatch exists from 0.9 (the demo's input check refuses it before).
+        dict(overlap_param_gather=True, overlap_param_gather_with_optimizer_step=with_step),
         optimizer="adam", lr=1e-3, weight_decay=0.0, clip_grad=1.0,
         use_distributed_optimizer=True, params_dtype=torch.float32,
-        overlap_param_gather_with_optimizer_step=opts.overlap_param_gather_with_optimizer_step,
-        loss_scale=None if opts.skip_step_at is None else 1.0)
+        loss_scale=None if opts.skip_step_at is None else 1.0))
     return get_megatron_optimizer(cfg, chunks)
 
 
@@ -149,12 +160,15 @@ class PipelineRun:
         with torch.device(opts.device):
             self.config, self.chunks, self.backend = _build(opts, self.pp_rank)
         self.optimizer = _optimizer(self.chunks, opts)
+        if opts.delay_param_gather:
+            self.config.param_sync_func = delayed_param_gather(self.optimizer, len(self.chunks))
         self.weights = [w for chunk in self.chunks for w in chunk.module.fp8_weights()]
         # Policy off still builds the aligner (unattached), so every policy runs the same code.
         self.aligner = align_fp8_transposes(
             self.chunks, num_microbatches=opts.microbatches, backend=self.backend,
             weights_of=lambda chunk: chunk.module.fp8_weights(), config=self.config,
-            align_config=AlignConfig(policy=opts.policy, telemetry_path=telemetry_path))
+            align_config=AlignConfig(policy=opts.policy, telemetry_path=telemetry_path),
+            optimizer=self.optimizer)  # read on megatron-core 0.7/0.8 (the optimizer's gather)
         if opts.rebinding_loop:
             bind_schedule_funcs(self.config, self.chunks)
         self._fwd_bwd = get_forward_backward_func()
@@ -239,7 +253,9 @@ def _train(opts: DemoOptions, telemetry_path: Optional[str], out_dir: str) -> Di
                               "skipped_steps": [], "gather_by_optimizer": [
                                   bool(getattr(c, "overlap_param_gather_with_optimizer_step",
                                                False)) for c in run.chunks],
-                              "bucket_groups": [len(c.bucket_groups) for c in run.chunks],
+                              "bucket_groups": [len(getattr(c, "bucket_groups", c.buffers))
+                                                for c in run.chunks],
+                              "chain_handles": chain_handles(run.optimizer, len(run.chunks)),
                               "forced_sync_watch": run.aligner.forced_syncs is not None,
                               "forced_sync_rebuilds": 0}
     for step in range(opts.steps):

@@ -87,6 +87,7 @@ def align_fp8_transposes(
     weights_of: Optional[Callable[[torch.nn.Module], List[Any]]] = None, config: Any = None,
     align_config: AlignConfig = AlignConfig(), pp_rank: Optional[int] = None,
     dp_rank: Optional[int] = None, pg_collection: Any = None, error_group: Any = _DERIVED,
+    optimizer: Any = None,
 ) -> TransposeAligner:
     """Attach the aligned FP8-transpose engine to megatron-core DDP model chunks.
 
@@ -109,24 +110,31 @@ def align_fp8_transposes(
             (:mod:`nemo_fp8_align.integrations.groups`).
         error_group: the ranks that stop together when one finds an error (default: every rank
             of the model, :func:`~nemo_fp8_align.integrations.groups.model_group`).
+        optimizer: what ``get_megatron_optimizer`` returned. Needed on megatron-core 0.7/0.8,
+            whose DistributedOptimizer owns the parameter all-gather (not read on >= 0.9, where
+            the DDP chunks own it).
 
     The engine hears the schedule through the chunks (:class:`~nemo_fp8_align.sync.mcore_hold.
     McoreChunkHold`): each chunk's ``start_param_sync`` and chunk 0's ``finish_grad_sync``, so a
     loop may bind ``config.param_sync_func = [chunk.start_param_sync for chunk in model]`` before
-    or after this call, and re-bind it (Megatron-LM's ``train()``, Megatron-Bridge, NeMo).
+    or after this call, and re-bind it (Megatron-LM's ``train()``, Megatron-Bridge, NeMo). On
+    megatron-core 0.7/0.8 it hears the optimizer's all-gather chain instead (:class:`~nemo_fp8_
+    align.sync.mcore_optimizer_hold.McoreOptimizerHold`), launched by ``optimizer.zero_grad()``.
     """
     from nemo_fp8_align.core.step_end import agreed
     from nemo_fp8_align.integrations.groups import model_group, resolve_ranks
     from nemo_fp8_align.sync.mcore_hold import McoreChunkHold
+    from nemo_fp8_align.sync.mcore_optimizer import McoreOptimizerParamSync
+    from nemo_fp8_align.sync.mcore_optimizer_hold import McoreOptimizerHold
 
     group = model_group(model, pg_collection) if error_group is _DERIVED else error_group
     aligner: Optional[TransposeAligner] = None
     try:
         with agreed(label=f"rank {_global_rank()} (attaching nemo_fp8_align)", group=group):
             config = config if config is not None else model[0].config
-            _refuse_optimizer_owned_gather()
             refuse_unsupported(Setup(config=config, chunks=model))
             check_telemetry_path(align_config.telemetry_path)
+            owned = _optimizer_owned(optimizer)
             if backend is None:  # an inactive plugin imports nothing
                 backend = default_backend(align_config) if align_config.active \
                     else _InactiveBackend()
@@ -138,7 +146,9 @@ def align_fp8_transposes(
             weights = [weights_with_work(chunk, list(weights_of(chunk)), backend)
                        for chunk in model]
             refuse_recipes(list(kinds_of(weights, backend)), mcore_features())
-            param_sync = McoreParamSync(model)
+            if owned:
+                _refuse_fp8_parameters(weights)
+            param_sync = McoreOptimizerParamSync(optimizer) if owned else McoreParamSync(model)
             aligner = TransposeAligner(
                 model, schedule=schedule,
                 pp_rank=ranks.pp_rank if pp_rank is None else pp_rank,
@@ -147,8 +157,8 @@ def align_fp8_transposes(
                 telemetry=telemetry_writer(align_config.telemetry_path),
                 num_microbatches=num_microbatches if callable(num_microbatches) else None,
                 error_group=group, dp_size=ranks.dp_size)
-            aligner.attach(McoreChunkHold(model, config,
-                                          forced_sync=(param_sync, weights, backend)))
+            aligner.attach(McoreOptimizerHold(model, param_sync) if owned else McoreChunkHold(
+                model, config, forced_sync=(param_sync, weights, backend)))
     except BaseException:
         if aligner is not None:
             aligner.detach()
@@ -156,12 +166,26 @@ def align_fp8_transposes(
     return aligner
 
 
-def _refuse_optimizer_owned_gather() -> None:
-    """megatron-core 0.7/0.8: the all-gather is the optimizer's, not the chunks' (refused)."""
+def _optimizer_owned(optimizer: Any) -> bool:
+    """Whether this megatron-core's DistributedOptimizer owns the all-gather (0.7/0.8); there
+    the optimizer must be given."""
     from nemo_fp8_align.errors import UnsupportedSetupError
-    from nemo_fp8_align.integrations.mcore_version import gather_problem
+    from nemo_fp8_align.integrations import mcore_version
 
-    problem = gather_problem()
+    if not mcore_version.optimizer_owns_gather():
+        return False
+    if optimizer is None:
+        raise UnsupportedSetupError(mcore_version.missing_optimizer_problem())
+    return True
+
+
+def _refuse_fp8_parameters(weights: Sequence[Sequence[Any]]) -> None:
+    """0.7/0.8: Transformer Engine FP8 parameters never receive the all-gather (refused)."""
+    from nemo_fp8_align.errors import UnsupportedSetupError
+    from nemo_fp8_align.integrations.mcore_version import fp8_parameter_problem
+    from nemo_fp8_align.sync.forced_sync import param_of
+
+    problem = fp8_parameter_problem([param_of(w) for chunk in weights for w in chunk])
     if problem is not None:
         raise UnsupportedSetupError(problem)
 

@@ -51,7 +51,7 @@ def attach(model: Sequence[Any], *, backend: Any = None,
            weights_of: Optional[Callable[[Any], List[Any]]] = None,
            align_config: AlignConfig = AlignConfig(), args: Any = None,
            log_metrics: bool = True, step_number: Optional[Callable[[], int]] = None,
-           pg_collection: Any = None, error_group: Any = None) -> Any:
+           pg_collection: Any = None, error_group: Any = None, optimizer: Any = None) -> Any:
     """Attach the aligner to Megatron-LM's DDP model chunks; returns it.
 
     Args:
@@ -67,6 +67,9 @@ def attach(model: Sequence[Any], *, backend: Any = None,
             chunks' own groups, else ``parallel_state``; :mod:`~.groups`).
         error_group: the ranks that stop together on an error (None: every rank of the model,
             derived from ``pg_collection``).
+        optimizer: the optimizer ``setup_model_and_optimizer`` returned; needed only on
+            megatron-core 0.7/0.8, whose DistributedOptimizer owns the all-gather (not run with
+            a Megatron-LM checkout of that era).
     """
     import torch
 
@@ -83,7 +86,7 @@ def attach(model: Sequence[Any], *, backend: Any = None,
     aligner = align_fp8_transposes(
         list(model), num_microbatches=get_num_microbatches, backend=backend,
         weights_of=weights_of, config=get_model_config(model[0]), align_config=align_config,
-        pg_collection=pg_collection, **extra)
+        pg_collection=pg_collection, optimizer=optimizer, **extra)
     try:
         if step_number is not None:
             aligner.step_number = step_number

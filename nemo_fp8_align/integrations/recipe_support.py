@@ -59,14 +59,16 @@ def mcore_features() -> McoreFeatures:
     """Probe the installed megatron-core (by what its module holds, not its version string)."""
     import dataclasses
 
-    import megatron.core
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.distributed import param_and_grad_buffer as pgb
 
+    from nemo_fp8_align.integrations.mcore_version import installed_version
+
     fields = {f.name for f in dataclasses.fields(DistributedDataParallelConfig)}
     return McoreFeatures(hasattr(pgb, "post_all_gather_processing"),
-                         callable(getattr(pgb._ParamAndGradBucketGroup, "_post_param_sync", None)),
-                         getattr(megatron.core, "__version__", "?"),
+                         callable(getattr(getattr(pgb, "_ParamAndGradBucketGroup", None),
+                                          "_post_param_sync", None)),  # no bucket groups < 0.9
+                         installed_version(),  # 0.7.0's megatron.core has no __version__
                          fp4_param_gather="fp4_param_gather" in fields)
 
 

@@ -23,6 +23,7 @@ class ApexHold:
     """
 
     owns_step_end = False
+    launched_before_loop = 2  #: the schedule's pre-loop calls (chunks 0 and 1)
 
     def __init__(self, chunks: Sequence[torch.nn.Module]) -> None:
         # ``id`` of each chunk's first parameter -> chunk: the schedule passes

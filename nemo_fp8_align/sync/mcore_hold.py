@@ -39,6 +39,8 @@ class McoreChunkHold:
             no watch).
     """
 
+    launched_before_loop = 2  #: the schedule's pre-loop calls (chunks 0 and 1)
+
     def __init__(self, chunks: Sequence[Any], config: Any = None, *, owns_step_end: bool = True,
                  forced_sync: Optional[tuple] = None) -> None:
         for i, chunk in enumerate(chunks):

@@ -11,7 +11,7 @@ from nemo_fp8_align.demo.train import DemoOptions
 def demo(pp, vp, dp, m, policy, steps=2, n=None, eval_after_each_step=False, fault=None,
          check_provenance=True, resume_at=None, eval_forced_sync=False, foreign_forwards=False,
          gather_with_optimizer=False, skip_step_at=None, manual_post_processing=False,
-         recipe="delayed"):
+         recipe="delayed", delay_param_gather=False):
     return run_demo(DemoOptions(pp=pp, vp=vp, dp=dp, microbatches=m, group_size=n, steps=steps,
                                 policy=Policy(policy), eval_after_each_step=eval_after_each_step,
                                 fault=fault, check_provenance=check_provenance,
@@ -19,4 +19,5 @@ def demo(pp, vp, dp, m, policy, steps=2, n=None, eval_after_each_step=False, fau
                                 foreign_forwards=foreign_forwards,
                                 overlap_param_gather_with_optimizer_step=gather_with_optimizer,
                                 skip_step_at=skip_step_at,
-                                manual_post_processing=manual_post_processing, recipe=recipe))
+                                manual_post_processing=manual_post_processing, recipe=recipe,
+                                delay_param_gather=delay_param_gather))

@@ -23,6 +23,7 @@ import torch
 
 from nemo_fp8_align.core.aligner import TransposeAligner
 from nemo_fp8_align.sync.mcore import McoreParamSync
+from nemo_fp8_align.sync.mcore_optimizer import McoreOptimizerParamSync
 from nemo_fp8_align.core.schedule import AT_START, InterleavedSchedule
 from nemo_fp8_align.backends.reference import ReferenceBackend
 from nemo_fp8_align.demo import train
@@ -39,10 +40,12 @@ def _patch(owner: Any, name: str, value: Any) -> Undo:
 
 
 def no_wait() -> Undo:
-    """Finishing a chunk's all-gather returns at once and claims it is complete."""
+    """Finishing a chunk's all-gather returns at once and claims it is complete (the DDP
+    chunks' on >= 0.9, the DistributedOptimizer's chain on 0.7/0.8)."""
     undo_wait = _patch(McoreParamSync, "wait", lambda self, chunk: None)
     undo_finish = _patch(McoreParamSync, "finish", lambda self, chunk: True)
-    return lambda: (undo_finish(), undo_wait())
+    undo_chain = _patch(McoreOptimizerParamSync, "finish", lambda self, chunk: True)
+    return lambda: (undo_chain(), undo_finish(), undo_wait())
 
 
 def transpose_before_all_gather() -> Undo:

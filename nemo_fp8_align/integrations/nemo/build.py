@@ -163,7 +163,14 @@ def _refuse_recipes(model: Any, weights: List[List[Any]], backend: Any) -> None:
 
 def _param_sync(model: Any, chunks: Sequence[torch.nn.Module]) -> Any:
     if getattr(model, "use_mcore_dist_optim", False):
+        from nemo_fp8_align.integrations.mcore_version import (nemo_optimizer_owned_problem,
+                                                               optimizer_owns_gather)
         from nemo_fp8_align.sync.mcore import McoreParamSync
+
+        if optimizer_owns_gather():
+            from nemo_fp8_align.errors import UnsupportedSetupError
+
+            raise UnsupportedSetupError(nemo_optimizer_owned_problem())
 
         return McoreParamSync(chunks)
     from nemo_fp8_align.sync.apex import ApexParamSync

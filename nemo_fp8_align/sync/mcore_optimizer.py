@@ -1,0 +1,93 @@
+"""Finishing a model chunk's parameter all-gather where megatron-core's DistributedOptimizer
+owns it (megatron-core 0.7 and 0.8: ``OptimizerConfig.overlap_param_gather``).
+
+There the all-gathers are one chain per optimizer instance, bucket after bucket in forward
+order across all chunks (``model_index_to_all_gather_handle_index_map`` names each chunk's
+indices): ``zero_grad`` dispatches the first; whoever waits index i (the optimizer's global
+forward pre-hook at each rank's first use, or ``finish_param_sync(model_index)``) dispatches
+i + 1. The DDP chunks have no ``start_param_sync``. ``finish_param_sync(chunk)`` waits the
+chunk's in-flight handles in index order, dispatching each next one as the pre-hook would: the
+same collectives in the same order, only earlier; a handle not yet dispatched is left alone
+(no new collective).
+
+A handle of None means either "not dispatched yet" or "waited": :meth:`record` (called by
+:class:`~nemo_fp8_align.sync.mcore_optimizer_hold.McoreOptimizerHold` for every dispatch)
+tells them apart, for the chain under way: each optimizer step starts a new list of handles
+(``_reset_metadata_and_sync_gather_all_model_params``), so dispatches recorded into an older
+list say nothing about the new bytes. A step whose optimizer update did not succeed (before the
+first step, or skipped for inf/nan) dispatches nothing: the parameters are unchanged, hence
+complete.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Set
+
+__all__ = ["McoreOptimizerParamSync", "distributed_optimizers"]
+
+
+def distributed_optimizers(optimizer: Any) -> List[Any]:
+    """The DistributedOptimizer instances under ``optimizer`` (a ``ChainedOptimizer`` holds
+    one for the dense and one for the expert-parallel parameters), dense first."""
+    inner = getattr(optimizer, "chained_optimizers", None)
+    found = [optimizer] if inner is None else list(inner)
+    return [o for o in found if hasattr(o, "model_index_to_all_gather_handle_index_map")]
+
+
+class McoreOptimizerParamSync:
+    """:class:`~nemo_fp8_align.core.param_sync.ChunkParamSync` over megatron-core 0.7/0.8's
+    DistributedOptimizer all-gather chain.
+
+    Args:
+        optimizer: what ``get_megatron_optimizer`` returned (DistributedOptimizer or
+            ChainedOptimizer of them).
+    """
+
+    def __init__(self, optimizer: Any) -> None:
+        from nemo_fp8_align.errors import UnsupportedSetupError
+
+        self.optimizers = distributed_optimizers(optimizer)
+        if not self.optimizers:
+            raise UnsupportedSetupError(
+                f"optimizer={type(optimizer).__name__}: not megatron-core's DistributedOptimizer "
+                "(nor a ChainedOptimizer of them), whose parameter all-gather the plugin aligns "
+                "on megatron-core 0.7/0.8. Fix: get_megatron_optimizer(OptimizerConfig("
+                "use_distributed_optimizer=True, overlap_param_gather=True), model)")
+        for opt in self.optimizers:
+            if not getattr(opt, "overlap_param_gather", False):
+                raise UnsupportedSetupError(
+                    "OptimizerConfig.overlap_param_gather=False: the distributed optimizer "
+                    "all-gathers every parameter synchronously inside its step, so there is no "
+                    "all-gather in flight to align. Fix: OptimizerConfig(overlap_param_gather="
+                    "True) (Megatron-LM --overlap-param-gather), or policy=off")
+        self._dispatched: List[Set[int]] = [set() for _ in self.optimizers]
+        self._chain: List[Any] = [None for _ in self.optimizers]  # the handle list they went to
+        self._first: List[Dict[int, int]] = [  # per optimizer: first index -> its chunk
+            {ids[0]: chunk for chunk, ids in
+             opt.model_index_to_all_gather_handle_index_map.items() if ids}
+            for opt in self.optimizers]
+
+    def record(self, k: int, index: int) -> Optional[int]:
+        """Optimizer ``k`` has just dispatched all-gather ``index``: remember it; return the
+        chunk whose chain it starts (None if it is not a chunk's first)."""
+        handles = self.optimizers[k].all_gather_handles
+        if index == 0 or handles is not self._chain[k]:  # a new chain: zero_grad, a forced
+            self._dispatched[k], self._chain[k] = set(), handles  # all-gather, a step between
+        self._dispatched[k].add(index)
+        return self._first[k].get(index)
+
+    def finish(self, chunk: int) -> bool:
+        for opt in self.optimizers:  # waits what is in flight; dispatches only the chain's next
+            opt.finish_param_sync(chunk)
+        return self.finished(chunk)
+
+    def finished(self, chunk: int) -> bool:
+        return all(self._complete(k, opt, chunk) for k, opt in enumerate(self.optimizers))
+
+    def _complete(self, k: int, opt: Any, chunk: int) -> bool:
+        if not opt.update_successful:  # nothing was gathered: the bytes did not change
+            return True
+        if opt.all_gather_handles is not self._chain[k]:  # stepped since: nothing dispatched
+            return False
+        ids = opt.model_index_to_all_gather_handle_index_map.get(chunk, [])
+        return all(i in self._dispatched[k] and opt.all_gather_handles[i] is None for i in ids)

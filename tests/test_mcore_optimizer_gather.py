@@ -1,0 +1,183 @@
+"""megatron-core 0.7.0 and 0.8.0, whose DistributedOptimizer owns the parameter all-gather (one
+chain per optimizer from ``zero_grad``, no per-chunk ``start_param_sync``): the engine through
+:class:`~nemo_fp8_align.sync.mcore_optimizer_hold.McoreOptimizerHold`, on the real schedule,
+DDP and DistributedOptimizer of the installed version (make test puts each first on
+PYTHONPATH). One shared multi-rank run per policy: aligned, lazy (megatron-core alone), off.
+
+0.7.0 refuses interleaving with PP = 2 (its own check), so it runs PP = 4; 0.8.0 runs PP = 2
+with three chunks (chunk 2's all-gather is chained from chunk 1's, inside the loop). DP = 2:
+the next step's bytes of the other rank's shard arrive only through the all-gather that the
+aligned finish waits for.
+"""
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from nemo_fp8_align.integrations import mcore_version  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+    not mcore_version.optimizer_owns_gather(),
+    reason="megatron-core >= 0.9: the DDP chunks own the all-gather (test_engine_mcore)")]
+
+from nemo_fp8_align.core.schedule import InterleavedSchedule  # noqa: E402
+from nemo_fp8_align.demo.launch import alignment_problems, differences  # noqa: E402
+from support.demo_runs import demo  # noqa: E402
+
+
+def _shape():
+    """(pp, vp, dp, m): PP 4 on 0.7 (it refuses PP 2 with interleaving), else PP 2 and VP 3."""
+    if mcore_version.installed_version().startswith("0.7."):
+        return 4, 2, 2, 4
+    return 2, 3, 2, 4
+
+
+def _run(policy):
+    return demo(*_shape(), policy, steps=3)
+
+
+def _slots(result, step, chunk):
+    return {r["pp_rank"]: r["slot"] for r in result.records
+            if r["step"] == step and r["chunk"] == chunk and r["dp_rank"] == 0}
+
+
+def test_aligned_same_slot_on_every_rank_once_per_step_after_the_gather():
+    pp, vp, _, m = _shape()
+    model = InterleavedSchedule(pp, vp, m, legacy_order=True)
+    run = _run("aligned")
+    assert alignment_problems(run) == []
+    for step in range(3):
+        for chunk in range(vp):
+            assert set(_slots(run, step, chunk).values()) == {model.aligned_slot(chunk)}, \
+                (step, chunk, _slots(run, step, chunk))
+    assert all(r["after_all_gather"] and r["transposed"] == r["weights"] for r in run.records)
+    assert all(r["legacy_order"] for r in run.records)  # before 0.10: groups of PP
+    for rank in run.ranks:  # pipeline rank 0's chunk 0 is bucketed (megatron-core buckets
+        # nothing else): its chain runs through several all-gathers inside the chunk
+        assert all(n >= 1 for n in rank["chain_handles"])
+        assert (rank["chain_handles"][0] > 1) == (rank["pp_rank"] == 0), rank["chain_handles"]
+    for rank in run.ranks:
+        assert all(b == 1 for step in rank["builds_per_step"] for b in step)
+
+
+def test_lazy_is_megatron_core_alone_each_rank_at_its_first_use():
+    pp, vp, _, m = _shape()
+    model = InterleavedSchedule(pp, vp, m, legacy_order=True)
+    run = _run("lazy")
+    assert alignment_problems(run) == []
+    for chunk in range(vp):
+        assert _slots(run, 2, chunk) == {r: model.aligned_slot(chunk) + r for r in range(pp)}
+
+
+def test_bit_identical_to_the_plugin_off():
+    off = _run("off")
+    assert off.records == []  # off: never attached
+    for policy in ("aligned", "lazy"):
+        assert differences(_run(policy), off) == [], policy
+
+
+def test_schedule_finishing_each_chunk_itself_delay_param_gather():
+    """Megatron-LM's ``--delay-param-gather`` of that era binds the optimizer's
+    ``finish_param_sync`` as the schedule's ``param_sync_func`` (here one per chunk): the
+    schedule then waits chunk c's chain at its launch slot, before the aligned one; the hold
+    sees those dispatches too, and the run stays aligned and bit-identical to off."""
+    pp, vp, _, m = _shape()
+    model = InterleavedSchedule(pp, vp, m, legacy_order=True)
+    run = demo(*_shape(), "aligned", steps=3, delay_param_gather=True)
+    assert alignment_problems(run) == []
+    for chunk in range(vp):
+        assert set(_slots(run, 2, chunk).values()) == {model.aligned_slot(chunk)}
+    assert differences(run, _run("off")) == []
+
+
+@pytest.mark.parametrize("fault,seen", [
+    ("no_wait", "StaleFP8Error"),  # the chain's finish skipped: built before the gather
+    ("slot_shift", "aligned slot"),  # one forward late on every rank but the first
+])
+def test_the_fault_battery_s_engine_faults_are_caught_here_too(fault, seen):
+    from nemo_fp8_align.demo.launch import DemoRankError
+
+    try:
+        run = demo(*_shape(), "aligned", steps=3, fault=fault)
+        problems = alignment_problems(run) + differences(run, _run("off"))
+    except DemoRankError as err:
+        problems = str(err).splitlines()
+    assert any(seen in p for p in problems), problems
+
+
+@pytest.mark.parametrize("fault", ["mismatch_on_one_rank", "extra_forward_on_one_rank"])
+def test_an_error_on_one_rank_stops_every_rank_at_the_step_end(fault):
+    """The step end of this hold (chunk 0's finish_grad_sync) carries the agreement: the faulty
+    rank's error stops every rank there, each with its own message (test_no_hang's check)."""
+    from nemo_fp8_align.config import Policy
+    from nemo_fp8_align.demo.launch import DemoRankError, run_demo
+    from nemo_fp8_align.demo.train import DemoOptions
+    from support.rank_errors import check_every_rank_stopped
+
+    pp, _, dp, m = _shape()  # VP 2: the messages support/rank_errors.py expects
+    opts = DemoOptions(pp=pp, vp=2, dp=dp, microbatches=m, steps=2, policy=Policy.ALIGNED,
+                       fault=fault, pg_timeout_s=60.0)
+    with pytest.raises(DemoRankError) as info:
+        run_demo(opts)
+    check_every_rank_stopped(opts, info.value, fault)
+
+
+def test_without_the_optimizer_align_fp8_transposes_says_how():
+    from nemo_fp8_align.errors import UnsupportedSetupError
+    from nemo_fp8_align.integrations.megatron_core import _optimizer_owned
+
+    with pytest.raises(UnsupportedSetupError, match=r"megatron-core 0\.[78]\.0: the parameter "
+                       r"all-gather belongs to the DistributedOptimizer.*optimizer=<what "
+                       "get_megatron_optimizer returned>"):
+        _optimizer_owned(None)
+
+
+def test_the_hold_on_a_real_optimizer_chain_and_nothing_left_after_restore():
+    """One process, megatron-core's own DDP chunks and DistributedOptimizer (DP 1): launches are
+    the dispatches of each chunk's first all-gather; a chunk is complete only once this step's
+    chain has gathered it (after an optimizer step, an older chain's record says nothing);
+    restore leaves no instance attribute behind."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer import TransformerConfig
+
+    from nemo_fp8_align.backends.reference import ReferenceBackend
+    from nemo_fp8_align.demo.model import DemoModelConfig, GPTChunk
+    from nemo_fp8_align.demo.options import DemoOptions
+    from nemo_fp8_align.demo.mcore_versions import ddp_groups
+    from nemo_fp8_align.demo.train import _optimizer
+    from nemo_fp8_align.sync.mcore_optimizer import McoreOptimizerParamSync
+    from nemo_fp8_align.sync.mcore_optimizer_hold import McoreOptimizerHold
+    from support.one_process import gloo_world
+
+    with gloo_world():
+        parallel_state.initialize_model_parallel(1, 1)
+        config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
+                                   params_dtype=torch.float32, use_cpu_initialization=True)
+        ddp = DistributedDataParallelConfig(use_distributed_optimizer=True,
+                                            overlap_grad_reduce=True)
+        chunks = [DistributedDataParallel(config, ddp, GPTChunk(
+            DemoModelConfig(), config=config, stage=0, vp_stage=v, pre_process=v == 0,
+            post_process=v == 1, backend=ReferenceBackend()), **ddp_groups()) for v in range(2)]
+        optimizer = _optimizer(chunks, DemoOptions())
+        sync = McoreOptimizerParamSync(optimizer)
+        hold = McoreOptimizerHold(chunks, sync)
+        launched, ends = [], []
+        hold.install(launched.append, lambda: ends.append(1))
+        (inner,) = sync.optimizers
+        assert "_dispatch_gather_model_params" in vars(inner)
+        optimizer.zero_grad()  # before any update: nothing to gather, the bytes are complete
+        assert launched == [0] and sync.finished(0) and sync.finished(1)
+        optimizer.step()
+        assert not sync.finished(0) and not sync.finished(1)  # new bytes, nothing dispatched
+        optimizer.zero_grad()
+        assert launched == [0, 0] and not sync.finished(0)  # in flight
+        assert sync.finish(0) and launched == [0, 0, 1]  # waiting chunk 0 dispatched chunk 1's
+        assert not sync.finished(1) and sync.finish(1)
+        with pytest.raises(AssertionError, match="Communication call has not been issued"):
+            chunks[0].finish_grad_sync()  # megatron-core's own, after the step end: no backward ran
+        assert ends == [1]
+        hold.restore()
+        assert "_dispatch_gather_model_params" not in vars(inner)
+        assert "finish_grad_sync" not in vars(chunks[0])
