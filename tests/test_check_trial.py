@@ -274,3 +274,48 @@ def test_a_hybrid_pattern_of_one_segment_per_rank_is_kept_at_a_smaller_pipeline_
     status, payload = run(argv)
     assert status == 2 and payload["fix_passes"] is True, payload
     assert payload["fix_text"] == "--pipeline-model-parallel-size 2", payload["fix_text"]
+
+
+# --- the third trial (docs/check-trial.md, "Third trial") -----------------------------------
+
+
+CP_A2A_P2P = "ft_gpt3_mcore_te_tp1_pp2_cp4_a2a_p2p_nondeterministic"
+PLUGIN_FLAGS = ["--fp8-format", "hybrid", "--fp8-param-gather", "--use-distributed-optimizer",
+                "--overlap-param-gather", "--overlap-grad-reduce",
+                "--num-virtual-stages-per-pipeline-rank", "2"]
+
+
+def _hierarchical(argv: List[str]) -> Tuple[int, List[int]]:
+    """(--context-parallel-size, --hierarchical-context-parallel-sizes) as Megatron-LM reads
+    them: the last occurrence of each."""
+    cp = int(argv[len(argv) - 1 - argv[::-1].index("--context-parallel-size") + 1])
+    at = len(argv) - 1 - argv[::-1].index("--hierarchical-context-parallel-sizes") + 1
+    sizes = []
+    while at < len(argv) and not argv[at].startswith("--"):
+        sizes.append(int(argv[at]))
+        at += 1
+    return cp, sizes
+
+
+def test_a_cp_fix_keeps_the_hierarchical_cp_sizes_multiplying_to_it():
+    """Megatron-LM's TP 1 x PP 2 x CP 4 a2a+p2p test (hierarchical CP sizes 2 2) on 4 GPUs: the
+    fix changed CP to 2 and left the sizes 2 2, which the re-check passed but Megatron-LM 0.19.2
+    asserts on (context_parallel_size == prod(hierarchical_context_parallel_sizes))."""
+    argv = ["--megatron-lm", "--world-size", "4", "--", *args_of(CP_A2A_P2P), *PLUGIN_FLAGS]
+    status, payload = run(argv)
+    assert status == 2 and payload["fix_passes"] is True, payload
+    assert "--hierarchical-context-parallel-sizes" in payload["fix_text"], payload["fix_text"]
+    cp, sizes = _hierarchical(payload["fixed_argv"])
+    assert cp == 2 and len(sizes) == 2 and sizes[0] * sizes[1] == cp, (cp, sizes)
+    assert run(argv[:3] + ["--", *payload["fixed_argv"]])[0] == 0
+
+
+def test_hierarchical_cp_sizes_that_do_not_multiply_to_cp_are_named():
+    """The same list on its 8 GPUs passes; sizes 2 4 for CP 4 are what Megatron-LM asserts on."""
+    argv = ["--megatron-lm", "--world-size", "8", "--", *args_of(CP_A2A_P2P), *PLUGIN_FLAGS]
+    assert run(argv)[0] == 0
+    status, payload = run(argv + ["--hierarchical-context-parallel-sizes", "2", "4"])
+    assert status == 2 and [v["key"] for v in payload["violations"]] == [
+        "--hierarchical-context-parallel-sizes"], payload["violations"]
+    cp, sizes = _hierarchical(payload["fixed_argv"])
+    assert cp == 4 and sizes[0] * sizes[1] == 4, (cp, sizes)

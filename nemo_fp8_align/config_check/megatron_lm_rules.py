@@ -9,6 +9,7 @@ Megatron-LM has (FSDP, the optimizer step's all-gather). The rules shared with N
 
 from __future__ import annotations
 
+import math
 import re
 import shlex
 from typing import Any, List, Mapping, Optional, Tuple, Union
@@ -251,7 +252,36 @@ def megatron_lm_only(args: Mapping[str, Any], world: Optional[int]) -> List[Viol
                                  "more (the full parameters and gradients of its model-parallel "
                                  "part): or do not attach the plugin",
                                  f"drop {flag}; --use-distributed-optimizer"))
-    return out + _fsdp_only(args)
+    return out + _fsdp_only(args) + _hierarchical_cp(args)
+
+
+def _hierarchical_cp(args: Mapping[str, Any]) -> List[Violation]:
+    """Megatron-LM asserts that the hierarchical CP sizes multiply to the CP size: a fix that
+    changes CP (a world it fills) must change them too, or the line passes here and not there."""
+    sizes, cp = args.get("hierarchical_context_parallel_sizes"), _int(args.get(
+        "context_parallel_size", 1))
+    if not sizes or cp is None or any(type(s) is not int or s < 1 for s in sizes):
+        return []
+    if math.prod(sizes) == cp:
+        return []
+    return [Violation("--hierarchical-context-parallel-sizes", " ".join(map(str, sizes)),
+                      f"sizes whose product is --context-parallel-size {cp} (Megatron-LM "
+                      "asserts 'context_parallel_size == prod(hierarchical_context_parallel_"
+                      "sizes)')", "--hierarchical-context-parallel-sizes "
+                      + " ".join(map(str, _sizes_for(list(sizes), cp))))]
+
+
+def _sizes_for(sizes: List[int], cp: int) -> List[int]:
+    """The given levels rescaled to multiply to ``cp``: a smaller CP takes its factor out of
+    the outer (last) levels first; otherwise the last level takes what the others leave."""
+    ratio, total = divmod(math.prod(sizes), cp)
+    if total == 0:
+        for i in reversed(range(len(sizes))):
+            g = math.gcd(sizes[i], ratio)
+            sizes[i], ratio = sizes[i] // g, ratio // g
+        return sizes
+    inner = math.prod(sizes[:-1])
+    return sizes[:-1] + [cp // inner] if cp % inner == 0 else [cp] + [1] * (len(sizes) - 1)
 
 
 def _fsdp_only(args: Mapping[str, Any]) -> List[Violation]:
