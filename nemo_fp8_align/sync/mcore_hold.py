@@ -23,7 +23,7 @@ import torch
 from nemo_fp8_align import errors
 from nemo_fp8_align.core.hold import is_launch
 
-__all__ = ["McoreChunkHold"]
+__all__ = ["GradSyncStepEnd", "McoreChunkHold"]
 
 
 class McoreChunkHold:
@@ -48,10 +48,7 @@ class McoreChunkHold:
                 raise TypeError(f"model chunk {i} is a {type(chunk).__name__} without "
                                 "start_param_sync: wrap each chunk in megatron-core's "
                                 "DistributedDataParallel with overlap_param_gather=True")
-        if owns_step_end and not callable(getattr(chunks[0], "finish_grad_sync", None)):
-            raise TypeError(f"model chunk 0 is a {type(chunks[0]).__name__} without "
-                            "finish_grad_sync: wrap each chunk in megatron-core's "
-                            "DistributedDataParallel")
+        self._end = GradSyncStepEnd(chunks[0]) if owns_step_end else None
         self.chunks = list(chunks)
         self.config = config
         self.owns_step_end = owns_step_end
@@ -59,7 +56,6 @@ class McoreChunkHold:
         self._originals: List[Any] = []
         self._wrapped: List[Any] = []
         self._watch: Any = None
-        self._end: Any = None
         self._rebound: Optional[tuple] = None  # (the list a loop had bound, ours in its place)
 
     def install(self, on_launch: Callable[[int], None], on_end: Callable[[], None]) -> None:
@@ -69,9 +65,8 @@ class McoreChunkHold:
                              for i, fn in enumerate(self._originals)]
             for chunk, fn in zip(self.chunks, self._wrapped):
                 chunk.start_param_sync = fn  # an instance attribute: every lookup finds it
-            if self.owns_step_end:
-                self._end = _end_then(self.chunks[0].finish_grad_sync, on_end)
-                self.chunks[0].finish_grad_sync = self._end
+            if self._end is not None:
+                self._end.install(on_end)
             self._rebind_bound_list()
             if self._forced_sync is not None:
                 from nemo_fp8_align.sync.forced_sync import watch_forced_syncs
@@ -119,9 +114,8 @@ class McoreChunkHold:
         for chunk, fn in zip(self.chunks, self._wrapped):
             if chunk.__dict__.get("start_param_sync") is fn:
                 del chunk.__dict__["start_param_sync"]
-        if self._end is not None and self.chunks[0].__dict__.get("finish_grad_sync") is self._end:
-            del self.chunks[0].__dict__["finish_grad_sync"]
-        self._end = None
+        if self._end is not None:
+            self._end.restore()
         funcs = getattr(self.config, "param_sync_func", None)
         if self._rebound is not None and funcs is self._rebound[1]:
             self.config.param_sync_func = self._rebound[0]  # the very object it was
@@ -143,8 +137,35 @@ def _launch_then(chunk: int, fn: Callable[..., Any],
     return start_param_sync
 
 
-def _end_then(finish: Callable[..., Any], on_end: Callable[[], None]) -> Callable[..., Any]:
-    def finish_grad_sync(*args: Any, **kwargs: Any) -> Any:
-        on_end()  # before the grad collectives: at the same point on every rank
-        return finish(*args, **kwargs)
-    return finish_grad_sync
+class GradSyncStepEnd:
+    """The step end both megatron-core holds report: chunk 0's ``finish_grad_sync``, wrapped on
+    the instance (the first thing ``finalize_model_grads`` does on every rank, before the
+    gradient collectives), with its undo.
+
+    Args:
+        chunk: model chunk 0, a megatron-core ``DistributedDataParallel``.
+    """
+
+    def __init__(self, chunk: Any) -> None:
+        if not callable(getattr(chunk, "finish_grad_sync", None)):
+            raise TypeError(f"model chunk 0 is a {type(chunk).__name__} without "
+                            "finish_grad_sync: wrap each chunk in megatron-core's "
+                            "DistributedDataParallel")
+        self.chunk = chunk
+        self._wrapper: Any = None
+
+    def install(self, on_end: Callable[[], None]) -> None:
+        finish = self.chunk.finish_grad_sync
+
+        def finish_grad_sync(*args: Any, **kwargs: Any) -> Any:
+            on_end()  # before the grad collectives: at the same point on every rank
+            return finish(*args, **kwargs)
+        self._wrapper = finish_grad_sync
+        self.chunk.finish_grad_sync = finish_grad_sync
+
+    def restore(self) -> None:
+        """Remove the wrapper if it is still the one in place (a later wrap stays)."""
+        if self._wrapper is not None \
+                and self.chunk.__dict__.get("finish_grad_sync") is self._wrapper:
+            del self.chunk.__dict__["finish_grad_sync"]
+        self._wrapper = None

@@ -21,7 +21,7 @@ from typing import Any, Callable, List, Sequence, Tuple
 import torch
 
 from nemo_fp8_align.core.hold import is_launch
-from nemo_fp8_align.sync.mcore_hold import _end_then
+from nemo_fp8_align.sync.mcore_hold import GradSyncStepEnd
 from nemo_fp8_align.sync.mcore_optimizer import McoreOptimizerParamSync
 
 __all__ = ["McoreOptimizerHold"]
@@ -42,15 +42,11 @@ class McoreOptimizerHold:
 
     def __init__(self, chunks: Sequence[Any], param_sync: McoreOptimizerParamSync, *,
                  owns_step_end: bool = True) -> None:
-        if owns_step_end and not callable(getattr(chunks[0], "finish_grad_sync", None)):
-            raise TypeError(f"model chunk 0 is a {type(chunks[0]).__name__} without "
-                            "finish_grad_sync: wrap each chunk in megatron-core's "
-                            "DistributedDataParallel")
+        self._end = GradSyncStepEnd(chunks[0]) if owns_step_end else None
         self.chunks = list(chunks)
         self.param_sync = param_sync
         self.owns_step_end = owns_step_end
         self._wrapped: List[Tuple[Any, Any]] = []  # (optimizer, its wrapper)
-        self._end: Any = None
 
     def install(self, on_launch: Callable[[int], None], on_end: Callable[[], None]) -> None:
         try:
@@ -59,9 +55,8 @@ class McoreOptimizerHold:
                                          on_launch if k == 0 else None)  # dense chain: launches
                 opt._dispatch_gather_model_params = wrapper
                 self._wrapped.append((opt, wrapper))
-            if self.owns_step_end:
-                self._end = _end_then(self.chunks[0].finish_grad_sync, on_end)
-                self.chunks[0].finish_grad_sync = self._end
+            if self._end is not None:
+                self._end.install(on_end)
         except BaseException:
             self.restore()
             raise
@@ -77,9 +72,8 @@ class McoreOptimizerHold:
             if opt.__dict__.get("_dispatch_gather_model_params") is wrapper:
                 del opt.__dict__["_dispatch_gather_model_params"]
         self._wrapped = []
-        if self._end is not None and self.chunks[0].__dict__.get("finish_grad_sync") is self._end:
-            del self.chunks[0].__dict__["finish_grad_sync"]
-        self._end = None
+        if self._end is not None:
+            self._end.restore()
 
 
 def _dispatch_then(k: int, dispatch: Callable[..., Any], param_sync: McoreOptimizerParamSync,
