@@ -25,7 +25,6 @@ RUNS = ROOT / "benchmarks" / "results" / "pipeline_step_time_mps_h200"
 FIT = ("call2_mcore0192_pp4",)
 HELD_OUT = ("call2_mcore0161_pp4", "call1_mcore0192_pp4", "call2_mcore0192_pp2",
             "call1_mcore0192_pp2", "call1_mcore0161_pp2")
-MLMGPU = Path("/work/wt-mlmgpu/benchmarks/results")
 
 
 def shape_argv(bench: Dict[str, Any]) -> List[str]:
@@ -172,14 +171,12 @@ def markdown(rows: List[Dict[str, Any]], slowdown: float, argv: List[str]) -> st
 
 
 def mlm_summaries() -> List[Path]:
-    """Helper mlmgpu's Megatron-LM-loop step-time summaries (benchmarks/megatron_lm_step_time.py's
-    summary.json), in this repository once merged, else in that helper's worktree."""
-    for base in (ROOT / "benchmarks" / "results", MLMGPU):
-        found = sorted(p for p in base.glob("megatron_lm*/**/*summary.json")
-                       if p.is_file() and {"chunks", "paired"} <= set(json.loads(p.read_text())))
-        if found:  # (the checks' and resume's summaries carry no step times)
-            return found
-    return []
+    """The Megatron-LM-loop step-time summaries (benchmarks/megatron_lm_step_time.py's
+    summary.json) under benchmarks/results/megatron_lm*/; the checks' and resume's summaries
+    carry no step times and are skipped."""
+    base = ROOT / "benchmarks" / "results"
+    return sorted(p for p in base.glob("megatron_lm*/**/*summary.json")
+                  if p.is_file() and {"chunks", "paired"} <= set(json.loads(p.read_text())))
 
 
 def mlm_rows(path: Path, slowdown: float) -> List[Dict[str, Any]]:
