@@ -163,6 +163,11 @@ def markdown(rows: List[Dict[str, Any]], slowdown: float, argv: List[str]) -> st
               "ms). A reading the data allow but do not prove: where a rank's aligned slot is "
               "its own first forward of the chunk (rank 0), the aligned transposes can fill "
               "that forward's host wait as the lazy ones do; the model charges them in full.",
+              "- That reading was tried on 2026-12-06 (second session) and not adopted: with "
+              "the aligned transposes overlapping the host wait where the aligned slot is the "
+              "rank's own first forward of the chunk, every PP=4 prediction rose by 3-6 ms, "
+              "the fit shape's generic-transpose row left its spread and 7 of 10 held-out "
+              "shapes were inside (against 8). The model above is unchanged.",
               "- What is specific to this setup: the host wait exists because the IPC receive "
               "blocks the host (NCCL's does not), and the slowdown because the ranks share one "
               "GPU's memory. On a cluster, leave out `--measured-host-wait-ms` (or measure it) "
