@@ -104,3 +104,51 @@ def test_a_larger_group_size_with_the_layout_keeps_the_global_batch():
     assert not any("global_batch_size" in o or "micro_batch_size" in o for o in line), line
     assert "model.pipeline_model_parallel_size=5" in line, line
     assert run(argv + line)[0] == 0
+
+
+# --- the weaker lines the third trial left, and this trial met again --------------------------
+
+UNTIE = "ft_gpt3_mcore_te_tp1_pp4_untie_embeddings_and_outputs"
+MIXTRAL_22B = "ft_mixtral_8x22b_tp2pp8ep8vpp1_release"
+MIXTRAL_7B = "ft_mixtral_8x7b_alltoall_tp2pp4ep4_release"
+
+
+@pytest.mark.parametrize("name,world,extra,vp", [
+    (UNTIE, 8, PLUGIN, "3"),  # 12 layers at PP 4: one a chunk (was VP 2, a first stage of 6)
+    (MIXTRAL_22B, 128, ["--fp8-format", "hybrid", "--fp8-param-gather"], "7"),  # was first 14
+    ("ft_gpt3_mcore_te_tp2_pp1_gdn", 8, PLUGIN, "3"),  # 6 layers at PP 2 (was a first stage of 2)
+])
+def test_a_missing_vp_gets_the_vp_that_splits_evenly(name, world, extra, vp):
+    """The VP rule gave VP 2 and the split rule then added a first stage that made VP 2 fit
+    (6 layers on the first rank of Megatron-LM's untied-embedding test, 1 on each chunk of the
+    others); the VP is now the layout search's, which tries an even split before a first/last
+    one."""
+    status, payload = megatron_lm(world, args_of(name) + extra)
+    assert status == 2 and payload["fix_passes"] is True, payload
+    fixed = payload["fixed_argv"]
+    assert fixed[len(fixed) - 1 - fixed[::-1].index("--num-virtual-stages-per-pipeline-rank")
+                 + 1] == vp, payload["fix_text"]
+    assert "--decoder-first-pipeline-num-layers" not in payload["fix_text"], payload["fix_text"]
+    assert megatron_lm(world, fixed)[0] == 0
+
+
+def test_an_ep_that_fits_the_layouts_pp_is_kept():
+    """Mixtral 8x22B (ETP 2, EP 8, PP 8) on 64 GPUs: 2 * 8 * 8 = 128 divides no 64, and the
+    line changed both PP (8 -> 4, where 2 * 8 * 4 = 64 divides) and EP (8 -> 4, worked out at
+    the given PP 8). The layout's PP is enough: EP stays 8."""
+    status, payload = megatron_lm(64, args_of(MIXTRAL_22B))
+    assert status == 2 and payload["fix_passes"] is True, payload
+    assert "--expert-model-parallel-size" not in payload["fix_overrides"], payload["fix_text"]
+    assert "--pipeline-model-parallel-size" in payload["fix_overrides"], payload["fix_text"]
+    assert megatron_lm(64, payload["fixed_argv"])[0] == 0
+
+
+def test_mixtral_8x7b_on_48_gpus_keeps_ep_4_at_pp_3():
+    """The third trial's Mixtral 8x7B (ETP 2, EP 4, PP 4) on 48 GPUs got EP 2 with PP 3; EP 4
+    fits at PP 3 (2 * 4 * 3 = 24 divides 48)."""
+    argv = args_of(MIXTRAL_7B) + ["--fp8-format", "hybrid", "--fp8-param-gather",
+                                  "--num-virtual-stages-per-pipeline-rank", "2"]
+    status, payload = megatron_lm(48, argv)
+    assert status == 2 and payload["fix_passes"] is True, payload
+    assert "--expert-model-parallel-size" not in payload["fix_overrides"], payload["fix_text"]
+    assert megatron_lm(48, payload["fixed_argv"])[0] == 0
