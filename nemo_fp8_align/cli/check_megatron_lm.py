@@ -115,8 +115,9 @@ def _notes(world: Optional[int], argv: List[str]) -> List[str]:
                      "stages); a VP fix cuts it into segments")
     given = script_flags_given(argv)
     if given:
-        notes.append(f"not read: {' '.join(given)} (Megatron-LM's GPT pretraining script adds "
-                     "them to its parser itself: ModelOpt's arguments)")
+        notes.append(f"not read: {' '.join(given)} (Megatron-LM's GPT and hybrid pretraining "
+                     "scripts add them to their parser themselves where nvidia-modelopt is "
+                     "installed: ModelOpt's arguments)")
     return notes
 
 

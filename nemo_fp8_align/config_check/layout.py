@@ -143,12 +143,19 @@ def _candidates(var: str, fixed: Fixed, cur: Layout) -> List[Any]:
         values = [None] + list(range(1, min(fixed.layers, 64)))
         return sorted((v for v in values if v != old),
                       key=lambda v: (abs((v or 0) - (old or 0)), v is not None))
-    # n: null (= PP) first, then counts near the current one
+    return _n_candidates(fixed, cur)
+
+
+def _n_candidates(fixed: Fixed, cur: Layout, pp: Optional[int] = None) -> List[Optional[int]]:
+    """N values other than the current one: null (= PP) first, then counts near the current
+    one; with ``pp`` (the PP of the layout being tried) only counts above it, nearest it
+    first: megatron-core asks PP <= N <= M, and null is PP itself."""
+    old = cur.n
     # N <= M; M grows as another PP shrinks DP, so bound N by the largest M (DP 1), not by the
     # current PP's M (PP 1 on 192 GPUs has M < 2, and N = 4 at PP 3 was never tried)
     top = (fixed.gbs // fixed.mbs) if fixed.mbs and fixed.gbs else 64
-    values = [None] + list(range(2, min(top, 256) + 1))
-    base = old if old is not None else cur.pp
+    values = [None] + list(range(2 if pp is None else max(pp + 1, 2), min(top, 256) + 1))
+    base = old if old is not None else (cur.pp if pp is None else pp)
     return sorted((v for v in values if v != old),
                   key=lambda v: (v is not None, abs((v or base) - base)))
 
@@ -187,11 +194,22 @@ def _distance(cur: Layout, lay: Layout) -> int:
 def _layouts(fixed: Fixed, cur: Layout, changed: Sequence[str]) -> Iterator[Layout]:
     # Several at once: only the nearest values of each (a suggestion is never worth a hang).
     width = {1: None, 2: 24, 3: 4, 4: 4}[len(changed)]
-    pools = [_candidates(var, fixed, cur)[:width] for var in changed]
+    others = [var for var in changed if var != "n"]
+    pools = [_candidates(var, fixed, cur)[:width] for var in others]
     base = {var: getattr(cur, var) for var in _ORDER}
     for values in itertools.product(*pools):
-        base.update(zip(changed, values))
-        yield Layout(**base)
+        base.update(zip(others, values))
+        if "n" not in changed:
+            yield Layout(**base)
+            continue
+        # Up to three settings at once, N next to the PP of this layout, not the given one:
+        # megatron-core asks PP <= N, so with PP going from 1 to 5 the N nearest 1 (2, 3, 4)
+        # never fit, and 8 does (LLaMA-1 13B on 20 nodes kept its batch of 2048). Four at
+        # once keep N near the given PP: wider, they would trade a node count for PP, both
+        # end stages and N together, further from what the user wrote.
+        pp = base["pp"] if len(changed) <= 3 else None
+        for n in _n_candidates(fixed, cur, pp)[:width]:
+            yield Layout(**{**base, "n": n})
 
 
 def search(fixed: Fixed, cur: Layout) -> Optional[Layout]:

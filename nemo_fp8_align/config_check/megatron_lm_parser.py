@@ -32,11 +32,20 @@ MEGATRON_LM_VERSION = "0.19.2"
 SPEC_FILE = Path(__file__).with_name("megatron_lm_flags.txt")
 
 #: Spellings users bring from NeMo or older Megatron-LM that are not Megatron-LM 0.19.2 flags.
-#: Flags that Megatron-LM's ``pretrain_gpt.py`` adds to the parser itself (its
-#: ``extra_args_provider``: ModelOpt's ``megatron/post_training/arguments.py``, which the wheel
-#: does not ship), as Megatron-LM's own gpt-oss example passes them: not read, not errors (a fix
-#: that dropped them would break that script); named in a note (:func:`script_flags_given`).
-SCRIPT_FLAGS = ("--enable-gpt-oss", "--export-force-local-attention")
+#: Flags that Megatron-LM's ``pretrain_gpt.py`` and ``pretrain_hybrid.py`` add to the parser
+#: themselves where nvidia-modelopt is installed (their ``extra_args_provider``: ModelOpt's group,
+#: ``add_modelopt_args`` in ``megatron/post_training/arguments.py`` at ``core_v0.19.0``, which the
+#: wheel does not ship), as Megatron-LM's gpt-oss example and its QAD test pass them: not read,
+#: not errors (a fix that dropped them would break those runs: no distillation teacher, another
+#: model class); named in a note (:func:`script_flags_given`).
+SCRIPT_FLAGS = (
+    "--export-model-type", "--export-legacy-megatron", "--export-te-mcore-model",
+    "--export-default-te-spec", "--export-force-local-attention", "--export-kv-cache-quant",
+    "--export-real-quant-cfg", "--export-quant-cfg", "--export-kd-teacher-load",
+    "--export-kd-teacher-model-config", "--export-kd-teacher-ckpt-format", "--export-kd-cfg",
+    "--finetune-hf-dataset", "--finetune-data-split", "--qad-train-target",
+    "--freeze-base-for-mtp", "--export-qk-l2-norm", "--export-moe-apply-probs-on-input",
+    "--export-offline-model", "--modelopt-enabled", "--enable-gpt-oss")
 
 _MEANT = {
     "--virtual-pipeline-model-parallel-size": "--num-virtual-stages-per-pipeline-rank",

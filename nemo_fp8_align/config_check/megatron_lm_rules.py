@@ -252,7 +252,23 @@ def megatron_lm_only(args: Mapping[str, Any], world: Optional[int]) -> List[Viol
                                  "more (the full parameters and gradients of its model-parallel "
                                  "part): or do not attach the plugin",
                                  f"drop {flag}; --use-distributed-optimizer"))
-    return out + _fsdp_only(args) + _hierarchical_cp(args)
+    return out + _fsdp_only(args) + _hierarchical_cp(args) + _emerging_optimizer(args)
+
+
+def _emerging_optimizer(args: Mapping[str, Any]) -> List[Violation]:
+    """Megatron-LM 0.19.2 trains any optimizer but Adam and SGD (muon, lion, soap, ...) with its
+    LayerWiseDistributedOptimizer: validate_args turns --use-distributed-optimizer off, so the
+    DistributedOptimizer the plugin was built and run on is not there. The optimizer is a
+    training choice: never a fix (as with the FP8 recipe); the plugin is what to leave off."""
+    name = args.get("optimizer")
+    if name in (None, "adam", "sgd"):
+        return []
+    return [Violation("--optimizer", repr(name), "adam or sgd: Megatron-LM 0.19.2 trains "
+                      f"{name} with its LayerWiseDistributedOptimizer (validate_args turns "
+                      "--use-distributed-optimizer off), whose parameter all-gather the plugin "
+                      "has not been run on; not supported by this plugin",
+                      f"none that keeps --optimizer {name}: train without the plugin (do not "
+                      "attach it)")]
 
 
 def _hierarchical_cp(args: Mapping[str, Any]) -> List[Violation]:

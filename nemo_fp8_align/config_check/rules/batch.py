@@ -88,10 +88,19 @@ def rule_expert_world_size(ctx: CheckContext) -> None:
         return
     if world % (etp * ep * pp) == 0:
         return
-    ctx.model.add("expert_model_parallel_size", ep, (
-        f"expert TP * EP * PP = {etp} * {ep} * {pp} to divide the world size {world} "
-        "(megatron-core raises 'decoder world_size ... is not divisible by "
-        "expert_tensor_model_pipeline_parallel size')"), expert_parallel_fix(ctx))
+    why = (f"expert TP * EP * PP = {etp} * {ep} * {pp} to divide the world size {world} "
+           "(megatron-core raises 'decoder world_size ... is not divisible by "
+           "expert_tensor_model_pipeline_parallel size')")
+    # The layout search holds EP and finds the PP it divides with: where it does, that layout
+    # is the fix and EP stays (an EP worked out at the given PP was changed needlessly: EP 8
+    # -> 4 beside the PP 4 at which EP 8 fits)
+    change = layout_fix(ctx)
+    new_pp = (change or {}).get("pipeline_model_parallel_size")
+    if type(new_pp) is int and world % (etp * ep * new_pp) == 0:
+        ctx.model.add("expert_model_parallel_size", ep, f"{why}; the layout fix keeps EP "
+                      f"(PP {new_pp})", fix=layout_overrides(ctx, change))
+        return
+    ctx.model.add("expert_model_parallel_size", ep, why, expert_parallel_fix(ctx))
 
 
 def rule_data_parallel_value(ctx: CheckContext) -> None:
