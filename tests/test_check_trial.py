@@ -8,15 +8,12 @@ rows took 12 to 27 s under load); the second trial's rows are at the end."""
 
 from __future__ import annotations
 
-import argparse
-import io
-import json
 from pathlib import Path
 from typing import List, Tuple
 
 import pytest
 
-from nemo_fp8_align.cli.check import add_check_parser
+from support.check_json import check_json
 
 UP = Path(__file__).parent / "data" / "upstream"
 pytestmark = pytest.mark.filterwarnings("ignore:provider=hydra.searchpath")
@@ -30,18 +27,7 @@ PLUGIN = ("fp8", "fp8_params", "fp8_hybrid", "optim.align_param_gather",
           "optim.overlap_param_sync", "optim.overlap_grad_sync", "cpu_offloading")
 
 
-def run(argv: List[str]) -> Tuple[int, dict]:
-    parser = argparse.ArgumentParser(prog="nemo-fp8-align")
-    add_check_parser(parser.add_subparsers(dest="command", required=True))
-    if "--" in argv:
-        at = argv.index("--")
-        argv = argv[:at] + ["--format", "json"] + argv[at:]
-    else:
-        argv = argv + ["--format", "json"]
-    args = parser.parse_args(["check", *argv])
-    out = io.StringIO()
-    status = args.func(args, out=out, err=io.StringIO())
-    return status, json.loads(out.getvalue().strip().splitlines()[-1])
+run = check_json
 
 
 def _key(override: str) -> str:

@@ -7,15 +7,12 @@ failing), then every case's line. In-process calls: 55 tests in 12 s on the 2 sh
 
 from __future__ import annotations
 
-import argparse
-import io
-import json
 from pathlib import Path
 from typing import List, Tuple
 
 import pytest
 
-from nemo_fp8_align.cli.check import add_check_parser
+from support.check_json import check_json
 
 UP = Path(__file__).parent / "data" / "upstream"
 pytestmark = pytest.mark.filterwarnings("ignore:provider=hydra.searchpath")
@@ -27,18 +24,7 @@ PLUGIN = ["--fp8-format", "hybrid", "--fp8-param-gather", "--use-distributed-opt
           "--overlap-param-gather", "--overlap-grad-reduce"]
 
 
-def run(argv: List[str]) -> Tuple[int, dict]:
-    parser = argparse.ArgumentParser(prog="nemo-fp8-align")
-    add_check_parser(parser.add_subparsers(dest="command", required=True))
-    if "--" in argv:
-        at = argv.index("--")
-        argv = argv[:at] + ["--format", "json"] + argv[at:]
-    else:
-        argv = argv + ["--format", "json"]
-    args = parser.parse_args(["check", *argv])
-    out = io.StringIO()
-    status = args.func(args, out=out, err=io.StringIO())
-    return status, json.loads(out.getvalue().strip().splitlines()[-1])
+run = check_json
 
 
 def args_of(name: str) -> List[str]:
