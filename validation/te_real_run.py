@@ -65,11 +65,18 @@ def main() -> int:
     except ImportError:
         post_all_gather_processing = None
     dims = [(1024, 4096), (4096, 1024), (768, 2304), (2304, 768)]  # (in, out)
-    torch.manual_seed(0)
     import inspect  # TE 1.x's fp8_model_init takes no recipe (delayed scaling)
     init_kw = {"recipe": fp8_recipe} if "recipe" in inspect.signature(model_init).parameters else {}
-    with model_init(enabled=True, **init_kw):
-        layers = [te.Linear(i, o, bias=False, params_dtype=torch.bfloat16, device="cuda") for i, o in dims]
+
+    def make_layers():
+        torch.manual_seed(0)
+        with model_init(enabled=True, **init_kw):
+            return [te.Linear(i, o, bias=False, params_dtype=torch.bfloat16, device="cuda") for i, o in dims]
+
+    layers = make_layers()
+    # delayed scaling carries amax history and scales from one run to the next: each compared
+    # run then gets its own fresh, identically seeded layers (current scaling has no such state)
+    delayed = isinstance(fp8_recipe, te_recipe.DelayedScaling)
     weights = [layer.weight for layer in layers]
     backend = TEBackend()
     needed, reason = backend.transpose_needed()
@@ -113,13 +120,15 @@ def main() -> int:
 
     # 6. forward / backward after the backend's build, vs TE building lazily
     def fwd_bwd(build_with):
-        for w in weights:
+        run_layers = make_layers() if delayed else layers
+        run_weights = [layer.weight for layer in run_layers]
+        for w in run_weights:
             w._reset_caches()
         if build_with is not None:
-            build_with.build_transposes(weights)
+            build_with.build_transposes(run_weights)
         torch.manual_seed(1)
         grads = []
-        for layer, (i, o) in zip(layers, dims):
+        for layer, (i, o) in zip(run_layers, dims):
             x = torch.randn(256, i, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             with te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe):
                 y = layer(x)
