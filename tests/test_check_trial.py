@@ -35,7 +35,9 @@ def run(argv: List[str]) -> Tuple[int, dict]:
     add_check_parser(parser.add_subparsers(dest="command", required=True))
     if "--" in argv:
         at = argv.index("--")
-        argv = argv[:at] + ["--format", "json"] + argv[at:]
+        # the argument lists are Megatron-LM's of the 0.19 era (layout strings, which
+        # megatron-core < 0.13 lacks): judged as 0.19.2 judges them, whatever is installed
+        argv = argv[:at] + ["--format", "json", "--megatron-core", "0.19.2"] + argv[at:]
     else:
         argv = argv + ["--format", "json"]
     args = parser.parse_args(["check", *argv])

@@ -149,6 +149,8 @@ def rule_batch_sizes(ctx: CheckContext) -> None:
 
 
 def rule_group_size(ctx: CheckContext) -> None:
+    if ctx.legacy():
+        return  # no N before 0.10: rules/version.py reports a given one
     ctx.model.optional_int("microbatch_group_size_per_vp_stage", 1,
                            "N, microbatches per group; null means PP")
 
@@ -171,7 +173,8 @@ def rule_microbatches(ctx: CheckContext) -> None:
     pp, vp, dp = ctx.pp(), ctx.vp(), ctx.data_parallel()
     mbs, gbs = ctx.model.peek_int("micro_batch_size"), ctx.model.peek_int("global_batch_size")
     raw_n = ctx.model.get("microbatch_group_size_per_vp_stage")
-    n = None if raw_n is ABSENT or raw_n is None else raw_n
+    # before 0.10 there is no N (its rule in rules/version.py reports a given one)
+    n = None if raw_n is ABSENT or raw_n is None or ctx.legacy() else raw_n
     if (pp is None or dp is None or mbs is None or gbs is None
             or (n is not None and not (type(n) is int and n >= 1))):
         return
@@ -182,11 +185,17 @@ def rule_microbatches(ctx: CheckContext) -> None:
                  "being trainer.devices * trainer.num_nodes / (TP * PP * CP) "
                  "(megatron-core's microbatch calculator requires it)")
     elif pp >= 2 and vp is not None:
-        error = _schedule_error(pp, vp, m, n)
+        error = _schedule_error(pp, vp, m, n, ctx.legacy())
         if error is None:
             return
-        error += (f" (M = global_batch_size / (micro_batch_size * DP), N = "
-                  "microbatch_group_size_per_vp_stage, PP = pipeline_model_parallel_size)")
+        if ctx.legacy():  # the version's own rule, spelled for it
+            error = (f"megatron-core {ctx.mcore.version}: {error} (M = global_batch_size / "
+                     "(micro_batch_size * DP), PP = pipeline_model_parallel_size; megatron-core "
+                     "raises RuntimeError 'number of microbatches is not divisible by "
+                     "pipeline-model-parallel-size when using interleaved schedule')")
+        else:
+            error += (f" (M = global_batch_size / (micro_batch_size * DP), N = "
+                      "microbatch_group_size_per_vp_stage, PP = pipeline_model_parallel_size)")
     else:
         return  # the schedule needs a valid PP and VP: reported by their rules
     found = f"{gbs} (M = {gbs} / ({mbs} * DP {dp}) = {gbs / per_microbatch:g})"
@@ -215,7 +224,7 @@ def _batch_fallback(ctx: CheckContext, error: str, found: str, sizes: tuple) -> 
         pp, dp = 2, _data_parallel_at(ctx, 2)
         judged = f" (judged at PP 2, which the plugin needs: DP {dp})"
     interleaved = pp >= 2
-    smaller = micro_batch_fix(pp, vp, dp, mbs, gbs, n) if interleaved else None
+    smaller = micro_batch_fix(pp, vp, dp, mbs, gbs, n, ctx.legacy()) if interleaved else None
     if smaller is None and _micro_batch_with_layout(ctx, error, found, mbs):
         return
     if smaller is not None:
@@ -224,7 +233,7 @@ def _batch_fallback(ctx: CheckContext, error: str, found: str, sizes: tuple) -> 
                       f"{smaller}{judged}, which keeps the global batch (the training recipe) "
                       "in more, smaller microbatches", smaller)
         return
-    micro, fixed = nearest_batch(pp, vp, dp, mbs, gbs, n)
+    micro, fixed = nearest_batch(pp, vp, dp, mbs, gbs, n, ctx.legacy())
     also = ("" if micro == mbs else f" with micro_batch_size {micro} (was {mbs}, which "
             "makes the batch's steps finer)")
     fix = " ".join(([ctx.model.override("micro_batch_size", micro, present=True)]
@@ -263,9 +272,11 @@ def _data_parallel_at(ctx: CheckContext, pp: int) -> Optional[int]:
     return world // (tp * pp * cp) if world % (tp * pp * cp) == 0 else None
 
 
-def _schedule_error(pp: int, vp: int, m: int, n: Optional[int]) -> Optional[str]:
+def _schedule_error(pp: int, vp: int, m: int, n: Optional[int],
+                    legacy: bool = False) -> Optional[str]:
     try:
-        InterleavedSchedule(pp=pp, vp=vp, microbatches=m, group_size=n)
+        InterleavedSchedule(pp=pp, vp=vp, microbatches=m, group_size=None if legacy else n,
+                            legacy_order=legacy)
     except ScheduleError as err:
         return str(err)
     return None
