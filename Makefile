@@ -114,10 +114,14 @@ MCORE_OLD_LINE_TESTS = $(MCORE_LINE_TESTS) tests/test_engine_mcore.py tests/test
 # On 0.7.0 and 0.8.0: the schedule model against their own schedule, the version's own rules
 # and refusals (the refusal rows, the recipes, the attach-time checks), and the engine through
 # the optimizer's all-gather chain (one shared demo run per policy: aligned, lazy, off; 0.7.0 at
-# PP 4, which it needs for interleaving).
+# PP 4, which it needs for interleaving); the fault battery and the no-hang agreement on that
+# chain (0.7.0: PP 4 only; no DDP bucket groups there), ~20 s more a version. test_entry_points
+# skips itself (no DDP start_param_sync; test_mcore_optimizer_gather has the all-or-nothing
+# attach with optimizer=).
 MCORE_OPTIMIZER_LINE_TESTS = tests/test_schedule.py tests/test_mcore_versions.py \
 	tests/test_refusals.py tests/test_recipe_support.py tests/test_api.py \
-	tests/test_mcore_optimizer_gather.py
+	tests/test_mcore_optimizer_gather.py tests/test_faults.py tests/test_no_hang.py \
+	tests/test_entry_points.py
 
 test: install install-mcore016 install-mcore019 $(MCORE_TREES)/.installed $(OLD_TREES) $(BRIDGE_WHEEL)/.installed $(TE_TREES)/.installed
 	$(VENV)/bin/python -m pytest -q
