@@ -65,12 +65,25 @@ def test_a_malformed_or_unknown_version_is_an_error_naming_the_flag(given):
 
 def test_without_megatron_core_the_newest_rules_apply_and_the_note_says_so(monkeypatch):
     monkeypatch.setattr(check_version, "importable_version", lambda: None)
+    monkeypatch.setattr(check_version, "importable_rules", lambda: None)
     # N = 5 with M = 5: megatron-core >= 0.10's rule holds (PP <= N <= M, M mod N = 0)
     status, out, _ = check(CONF, "model.global_batch_size=20",
                            "+model.microbatch_group_size_per_vp_stage=5")
     assert status == 0, out
     assert "note: megatron-core is not installed: checked against the newest megatron-core's " \
            "rules; pass --megatron-core X.Y to check against another" in out
+
+
+def test_an_installed_version_outside_the_known_ones_gets_the_newest_rules_said_so(monkeypatch):
+    from nemo_fp8_align.integrations import mcore_version
+
+    monkeypatch.setattr(mcore_version, "importable_version", lambda: "0.20.1")
+    monkeypatch.setattr(check_version, "importable_version", lambda: "0.20.1")
+    monkeypatch.setattr(check_version, "importable_rules", mcore_version.importable_rules)
+    status, out, _ = check(CONF)
+    assert status == 0
+    assert "note: megatron-core 0.20.1 is installed, outside the versions the check knows (0.7 " \
+           "to 0.19): checked against the newest megatron-core's rules" in out
 
 
 def test_the_version_is_read_from_the_tree_python_would_import_without_importing_it():

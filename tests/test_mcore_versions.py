@@ -239,3 +239,25 @@ def test_check_takes_this_version_by_default():
     refused = mcore_version.installed_rules().interleaved_pp_rule(2) is not None
     assert status == (2 if refused else 0), payload
     assert refused == version.startswith("0.7."), version
+
+
+def test_nemos_startup_check_judges_by_this_version():
+    """At model construction (NeMo's startup check) the config is judged by the megatron-core
+    NeMo runs on, as ``check`` does: on 0.7.0 the example config's PP 2 with interleaving is a
+    violation named for 0.7.0; elsewhere the config passes."""
+    from pathlib import Path
+
+    pytest.importorskip("hydra")
+    from nemo_fp8_align.cli.check_load import load_source
+    from nemo_fp8_align.config_check.check import FP8AlignConfigError
+    from nemo_fp8_align.integrations.nemo.build import startup_check
+
+    conf = Path(__file__).resolve().parents[1] / "conf" / "megatron_gpt_fp8_align.yaml"
+    _, cfg = load_source(conf, [])
+    version = mcore_version.installed_version()
+    if not version.startswith("0.7."):
+        assert startup_check(cfg).active
+        return
+    with pytest.raises(FP8AlignConfigError, match=f"megatron-core {version} refuses the "
+                       "interleaved schedule with PP 2"):
+        startup_check(cfg)

@@ -10,8 +10,8 @@ import re
 from typing import NamedTuple, Optional
 
 from nemo_fp8_align.integrations.mcore_version import (NEWEST, OLDEST, VersionRules,
-                                                       importable_version, parse_version,
-                                                       rules_for)
+                                                       importable_rules, importable_version,
+                                                       parse_version, rules_for)
 
 __all__ = ["FLAG", "Target", "megatron_core_target"]
 
@@ -40,14 +40,13 @@ def megatron_core_target(args: argparse.Namespace) -> Target:
                           f"({_KNOWN}); pass one of them, or leave the flag out to check "
                           "against the installed megatron-core")
         return Target(rules_for(given), f"checked against megatron-core {given} ({FLAG})")
-    installed = importable_version()
+    installed, rules = importable_version(), importable_rules()
     if installed is None:
         return Target(None, "megatron-core is not installed: checked against the newest "
                       f"megatron-core's rules; pass {FLAG} X.Y to check against another")
-    parsed = parse_version(installed)
-    if parsed is None or not OLDEST <= parsed[:2] <= NEWEST:
+    if rules is None:
         return Target(None, f"megatron-core {installed} is installed, outside the versions the "
                       f"check knows ({_KNOWN}): checked against the newest megatron-core's "
                       f"rules; pass {FLAG} X.Y to check against another")
-    return Target(rules_for(installed), f"checked against megatron-core {installed} (the "
-                  f"installed one; {FLAG} X.Y for another)")
+    return Target(rules, f"checked against megatron-core {installed} (the installed one; "
+                  f"{FLAG} X.Y for another)")

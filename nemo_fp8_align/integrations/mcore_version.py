@@ -20,10 +20,11 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence, Tuple
 
-__all__ = ["FP8_PARAMS_WHY", "NEWEST", "OLDEST", "VersionRules", "fp8_parameter_problem", "has_group_size",
-           "importable_version", "installed_rules", "installed_version", "interleaved_pp_problem",
-           "missing_optimizer_problem", "nemo_optimizer_owned_problem", "optimizer_owns_gather",
-           "parse_version", "pp_multiple_problem", "rules_for"]
+__all__ = ["FP8_PARAMS_WHY", "NEWEST", "OLDEST", "VersionRules", "fp8_parameter_problem",
+           "has_group_size", "importable_rules", "importable_version", "installed_rules",
+           "installed_version", "interleaved_pp_problem", "missing_optimizer_problem",
+           "nemo_optimizer_owned_problem", "optimizer_owns_gather", "parse_version",
+           "pp_multiple_problem", "rules_for"]
 
 #: The megatron-core lines whose rules are known (``check --megatron-core`` accepts these).
 OLDEST, NEWEST = (0, 7), (0, 19)
@@ -150,9 +151,9 @@ def installed_rules() -> VersionRules:
 
 def importable_version() -> Optional[str]:
     """The version of the megatron-core ``import megatron.core`` would load, read without
-    importing it (no torch): its ``package_info`` module's source on ``sys.path`` (so a megatron/core tree
-    put first on PYTHONPATH counts, as it does for the import), else the installed
-    distribution's metadata; None when there is neither."""
+    importing it (no torch): its ``package_info`` module's source on ``sys.path`` (so a
+    megatron/core tree put first on PYTHONPATH counts, as it does for the import), else the
+    installed distribution's metadata; None when there is neither."""
     import ast
     from importlib import machinery, metadata
 
@@ -172,6 +173,17 @@ def importable_version() -> Optional[str]:
         return metadata.version("megatron-core")
     except metadata.PackageNotFoundError:
         return None
+
+
+def importable_rules() -> Optional[VersionRules]:
+    """:func:`rules_for` the :func:`importable_version` (no import), None where megatron-core
+    is absent or outside the known versions (the newest rules then apply): what the startup
+    checks at attach (NeMo's model, Megatron-LM's arguments) judge by, as ``check`` does."""
+    version = importable_version()
+    parsed = None if version is None else parse_version(version)
+    if parsed is None or not OLDEST <= parsed[:2] <= NEWEST:
+        return None
+    return rules_for(version)
 
 
 def installed_version() -> str:
@@ -223,12 +235,12 @@ def nemo_optimizer_owned_problem(version: Optional[str] = None) -> str:
     NeMo path holds the DDP chunks' launches, which those versions do not have, and NeMo of that
     era (2.0.0rc0/rc1) with the optimizer's chain was never run with the plugin. ``version``:
     the one to name (default: the installed one; ``check --megatron-core`` names another)."""
-    return (f"megatron-core {version or installed_version()} with NeMo's mcore_distributed_optim: the "
-            "parameter all-gather belongs to the DistributedOptimizer (no per-chunk "
-            "start_param_sync), and the plugin's NeMo path was not built or run for it. Fix: "
-            "model.optim.name=distributed_fused_adam (Apex; the plugin's NeMo path for these "
-            "containers), or megatron-core >= 0.9.0 (NeMo Framework 24.09 or later), or "
-            "policy=off")
+    return (f"megatron-core {version or installed_version()} with NeMo's "
+            "mcore_distributed_optim: the parameter all-gather belongs to the "
+            "DistributedOptimizer (no per-chunk start_param_sync), and the plugin's NeMo path "
+            "was not built or run for it. Fix: model.optim.name=distributed_fused_adam (Apex; "
+            "the plugin's NeMo path for these containers), or megatron-core >= 0.9.0 (NeMo "
+            "Framework 24.09 or later), or policy=off")
 
 
 def fp8_parameter_problem(params: Sequence[Any]) -> Optional[str]:
