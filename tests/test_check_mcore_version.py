@@ -126,6 +126,9 @@ def test_nemo_before_010_has_no_group_size_and_needs_m_a_multiple_of_pp():
     assert n["fix"] == "model.microbatch_group_size_per_vp_stage=null"
     assert m["expected"].startswith("megatron-core 0.9.0: num_microbatches=5 is not a "
                                     "multiple of pipeline_model_parallel_size=2")
+    # the search said to have varied only what 0.9.0 has (NeMo's first/last keys are 0.11's)
+    assert "the search (of PP and VP, the layout settings megatron-core 0.9.0 has" in \
+        m["expected"]
     # no N offered as a fix; M = 24 / 4 = 6, a multiple of PP
     assert payload["fix_overrides"] == ["model.microbatch_group_size_per_vp_stage=null",
                                         "model.global_batch_size=24"]

@@ -25,7 +25,7 @@ from nemo_fp8_align.config_check.reader import ABSENT
 from nemo_fp8_align.config_check.split_math import layer_split_error
 from nemo_fp8_align.core.schedule import InterleavedSchedule, ScheduleError
 
-__all__ = ["FIXED_WHY", "KEYS", "Fixed", "Layout", "layout_fix", "layout_inputs",
+__all__ = ["FIXED_WHY", "KEYS", "Fixed", "Layout", "fixed_why", "layout_fix", "layout_inputs",
            "layout_overrides", "layout_problem", "micro_batch_layout_fix",
            "smaller_micro_batch_layout", "split_error"]
 
@@ -40,6 +40,19 @@ FIXED_WHY = ("the search (up to three of PP, VP, the first/last stage split and 
              "N, nearest values first) found no layout that fits with the model, the batch and "
              "the node count held")
 _MAX_CHANGED = 4
+
+
+def fixed_why(ctx: CheckContext) -> str:
+    """:data:`FIXED_WHY`, naming only the settings the megatron-core version checked against
+    has (no N before 0.10, no first/last split in NeMo's spelling before 0.11)."""
+    if not ctx.legacy() and ctx.has_stage_split():
+        return FIXED_WHY
+    settings = ["PP", "VP"] + (["the first/last stage split"] if ctx.has_stage_split() else [])
+    return (f"the search (of {', '.join(settings[:-1])} and {settings[-1]}, the layout settings "
+            f"megatron-core {ctx.mcore.version} has, nearest values first) found no layout that "
+            "fits with the model, the batch and the node count held")
+
+
 _MAX_TRIED = 40_000  # candidate layouts per search: a suggestion is never worth a hang
 
 

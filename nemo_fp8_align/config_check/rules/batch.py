@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 from nemo_fp8_align.core.schedule import InterleavedSchedule, ScheduleError
 from nemo_fp8_align.config_check.batch_fix import micro_batch_fix, nearest_batch
 from nemo_fp8_align.config_check.context import CheckContext
-from nemo_fp8_align.config_check.layout import (FIXED_WHY, layout_fix, layout_overrides,
+from nemo_fp8_align.config_check.layout import (fixed_why, layout_fix, layout_overrides,
                                                 smaller_micro_batch_layout)
 from nemo_fp8_align.config_check.reader import ABSENT, Violation, show_value
 from nemo_fp8_align.config_check.rules.parallel import expert_parallel_fix
@@ -69,7 +69,7 @@ def rule_world_size(ctx: CheckContext) -> None:
         mbs, change = smaller_layout
         fix = " ".join([ctx.model.override("micro_batch_size", mbs, present=True),
                         layout_overrides(ctx, change)])
-        ctx.model.add("pipeline_model_parallel_size", ctx.pp(), f"{why}; {FIXED_WHY}, so "
+        ctx.model.add("pipeline_model_parallel_size", ctx.pp(), f"{why}; {fixed_why(ctx)}, so "
                       f"the fix lowers micro_batch_size to {mbs} with the layout that then "
                       "fits, which keeps the node count and the global batch (in more, "
                       "smaller microbatches)", fix=fix)
@@ -77,7 +77,7 @@ def rule_world_size(ctx: CheckContext) -> None:
     step = mp // gcd(devices, mp)  # num_nodes must be a multiple of this
     fixed = -(-nodes // step) * step
     ctx.trainer.add("num_nodes", ctx.trainer.get("num_nodes"), (
-        f"{why}; {FIXED_WHY}, so the fix changes the node count (a multiple of {step}): or "
+        f"{why}; {fixed_why(ctx)}, so the fix changes the node count (a multiple of {step}): or "
         "change TP or CP yourself"), fixed)
 
 
@@ -229,7 +229,7 @@ def _batch_fallback(ctx: CheckContext, error: str, found: str, sizes: tuple) -> 
         return
     if smaller is not None:
         ctx.model.add("micro_batch_size", mbs, f"{error}; global_batch_size = {found}; "
-                      f"{FIXED_WHY}, so the fix lowers micro_batch_size from {mbs} to "
+                      f"{fixed_why(ctx)}, so the fix lowers micro_batch_size from {mbs} to "
                       f"{smaller}{judged}, which keeps the global batch (the training recipe) "
                       "in more, smaller microbatches", smaller)
         return
@@ -239,7 +239,7 @@ def _batch_fallback(ctx: CheckContext, error: str, found: str, sizes: tuple) -> 
     fix = " ".join(([ctx.model.override("micro_batch_size", micro, present=True)]
                     if micro != mbs else []) + [f"model.global_batch_size={fixed}"])
     ctx.violations.append(Violation(
-        "model.global_batch_size", found, f"{error}; {FIXED_WHY}, and no smaller "
+        "model.global_batch_size", found, f"{error}; {fixed_why(ctx)}, and no smaller "
         f"micro_batch_size fits, so the fix changes the global batch from {gbs} to {fixed}"
         f"{also}{judged} (the nearest that fits, {abs(fixed - gbs)} samples per step "
         f"{'fewer' if fixed < gbs else 'more'}), which changes the training recipe: or train "
@@ -258,7 +258,7 @@ def _micro_batch_with_layout(ctx: CheckContext, error: str, found: str, mbs: int
                     layout_overrides(ctx, change)]).strip()
     ctx.violations.append(Violation(
         "model.micro_batch_size", str(mbs), f"{error}; global_batch_size = {found}; "
-        f"{FIXED_WHY}, so the fix lowers micro_batch_size from {mbs} to {smaller} with the "
+        f"{fixed_why(ctx)}, so the fix lowers micro_batch_size from {mbs} to {smaller} with the "
         "layout that then fits, which keeps the global batch (the training recipe) in "
         "more, smaller microbatches", fix))
     return True
