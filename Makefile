@@ -98,23 +98,30 @@ $(TE_TREES)/.installed: | $(VENV)/.installed
 MCORE019_TESTS = tests/test_schedule.py tests/test_engine_mcore.py tests/test_faults.py \
 	tests/test_refusals.py tests/test_api.py tests/test_cpu_compat.py tests/test_gather_with_optimizer.py \
 	tests/test_groups.py tests/test_forced_sync.py tests/test_no_hang.py tests/test_entry_points.py tests/test_bridge_callback.py \
-	tests/test_megatron_lm_parser_019.py tests/test_recipe_support.py tests/test_recipes_demo.py
+	tests/test_megatron_lm_parser_019.py tests/test_recipe_support.py tests/test_recipes_demo.py \
+	tests/test_mcore_versions.py
 
 # On 0.17.1 and 0.18.2: the schedule tables, the refusal rows, and the two paths that changed
-# between them (0.18 post-processes forced all-gathers itself; the optimizer-step all-gather).
+# between them (0.18 post-processes forced all-gathers itself; the optimizer-step all-gather);
+# and `check --megatron-core`'s version table against each line's classes.
 MCORE_LINE_TESTS = tests/test_schedule.py tests/test_refusals.py tests/test_forced_sync.py \
-	tests/test_gather_with_optimizer.py tests/test_recipe_support.py
+	tests/test_gather_with_optimizer.py tests/test_recipe_support.py tests/test_mcore_versions.py
 # On 0.9.0, 0.10.0 and 0.11.0: the engine on the real schedule and DDP, the fault battery, the
-# no-hang agreement, the entry points and the refusals (0.9.0: the pre-0.10 legacy order).
+# no-hang agreement, the entry points and the refusals (0.9.0: the pre-0.10 legacy order); the
+# check's verdicts against the version's own schedule validation (test_mcore_versions).
 MCORE_OLD_LINE_TESTS = $(MCORE_LINE_TESTS) tests/test_engine_mcore.py tests/test_faults.py \
-	tests/test_no_hang.py tests/test_entry_points.py tests/test_api.py tests/test_mcore_versions.py
+	tests/test_no_hang.py tests/test_entry_points.py tests/test_api.py
 # On 0.7.0 and 0.8.0: the schedule model against their own schedule, the version's own rules
 # and refusals (the refusal rows, the recipes, the attach-time checks), and the engine through
 # the optimizer's all-gather chain (one shared demo run per policy: aligned, lazy, off; 0.7.0 at
-# PP 4, which it needs for interleaving).
+# PP 4, which it needs for interleaving); the fault battery and the no-hang agreement on that
+# chain (0.7.0: PP 4 only; no DDP bucket groups there), ~20 s more a version. test_entry_points
+# skips itself (no DDP start_param_sync; test_mcore_optimizer_gather has the all-or-nothing
+# attach with optimizer=).
 MCORE_OPTIMIZER_LINE_TESTS = tests/test_schedule.py tests/test_mcore_versions.py \
 	tests/test_refusals.py tests/test_recipe_support.py tests/test_api.py \
-	tests/test_mcore_optimizer_gather.py
+	tests/test_mcore_optimizer_gather.py tests/test_faults.py tests/test_no_hang.py \
+	tests/test_entry_points.py
 
 test: install install-mcore016 install-mcore019 $(MCORE_TREES)/.installed $(OLD_TREES) $(BRIDGE_WHEEL)/.installed $(TE_TREES)/.installed
 	$(VENV)/bin/python -m pytest -q
@@ -122,7 +129,7 @@ test: install install-mcore016 install-mcore019 $(MCORE_TREES)/.installed $(OLD_
 		tests/test_refusals.py tests/test_api.py tests/test_pipeline_step_time_mps.py \
 		tests/test_groups.py tests/test_forced_sync.py tests/test_gather_with_optimizer.py \
 		tests/test_no_hang.py tests/test_entry_points.py tests/test_recipe_support.py \
-		tests/test_recipes_demo.py
+		tests/test_recipes_demo.py tests/test_mcore_versions.py
 	$(VENV19)/bin/python -m pytest -q -m "not nemo" $(MCORE019_TESTS)
 	for v in $(MCORE_LINES); do \
 	  PYTHONPATH=$(CURDIR)/$(MCORE_TREES)/$$v $(VENV19)/bin/python -m pytest -q -m "not nemo" \

@@ -10,6 +10,9 @@ the next step's bytes of the other rank's shard arrive only through the all-gath
 aligned finish waits for.
 """
 
+import contextlib
+import sys
+
 import pytest
 
 pytest.importorskip("megatron.core")
@@ -181,3 +184,139 @@ def test_the_hold_on_a_real_optimizer_chain_and_nothing_left_after_restore():
         hold.restore()
         assert "_dispatch_gather_model_params" not in vars(inner)
         assert "finish_grad_sync" not in vars(chunks[0])
+
+
+def _fail(*_a, **_k):
+    raise OSError("injected failure")
+
+
+#: Attach stages on this path, in order, each made to fail (tests/test_entry_points.py's for
+#: the DDP chunks' path, which 0.7/0.8 do not have).
+STAGES = {
+    "claim": lambda mp: mp.setattr("nemo_fp8_align.core.claims.claim", _fail),
+    "forward hooks": lambda mp: mp.setattr("torch.nn.Module.register_forward_hook", _fail),
+    "build observer (telemetry)": lambda mp: mp.setattr(
+        "nemo_fp8_align.core.observe.BuildObserver._started", property(_fail)),
+    "optimizer hold": lambda mp: mp.setattr(
+        "nemo_fp8_align.sync.mcore_optimizer_hold.McoreOptimizerHold.install", _fail),
+}
+
+
+@contextlib.contextmanager
+def _one_process_optimizer(monkeypatch):
+    """megatron-core's own DDP chunks and DistributedOptimizer in a 1-process gloo world (PP 2
+    reported, as tests/support/ddp_chunks.py does for the DDP path): yields (chunks, config,
+    backend, optimizer, the inner optimizers)."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer import TransformerConfig
+
+    from nemo_fp8_align.backends.reference import ReferenceBackend
+    from nemo_fp8_align.demo.mcore_versions import ddp_groups
+    from nemo_fp8_align.demo.model import DemoModelConfig, GPTChunk
+    from nemo_fp8_align.demo.options import DemoOptions
+    from nemo_fp8_align.demo.train import _optimizer
+    from nemo_fp8_align.integrations import groups
+    from support.one_process import gloo_world
+
+    real = groups.resolve_ranks
+    monkeypatch.setattr(groups, "resolve_ranks", lambda *a, **k: groups.ParallelRanks(
+        pp_rank=0, pp_size=2, dp_rank=0, dp_size=1, pp_group=None, pp_source="test",
+        dp_source=real(*a, **k).dp_source))
+    with gloo_world():
+        parallel_state.initialize_model_parallel(1, 1)
+        config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
+                                   params_dtype=torch.float32, use_cpu_initialization=True)
+        ddp = DistributedDataParallelConfig(use_distributed_optimizer=True,
+                                            overlap_grad_reduce=True)
+        backend = ReferenceBackend()
+        chunks = [DistributedDataParallel(config, ddp, GPTChunk(
+            DemoModelConfig(), config=config, stage=0, vp_stage=v, pre_process=v == 0,
+            post_process=v == 1, backend=backend), **ddp_groups()) for v in range(2)]
+        optimizer = _optimizer(chunks, DemoOptions())
+        yield chunks, config, backend, optimizer, list(
+            getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _weights(chunk):
+    return chunk.module.fp8_weights()
+
+
+@pytest.mark.parametrize("stage", sorted(STAGES))
+def test_a_failing_attach_through_the_optimizer_leaves_nothing_and_a_retry_attaches(
+        monkeypatch, stage, tmp_path):
+    """align_fp8_transposes(..., optimizer=) on megatron-core's own DDP chunks and
+    DistributedOptimizer: whichever stage fails, nothing is left (hooks, claims, class
+    patches, the optimizer's dispatch wrapper, chunk 0's step end), and a second try
+    attaches."""
+    from nemo_fp8_align.config import AlignConfig
+    from nemo_fp8_align.core import claims
+    from nemo_fp8_align.core.class_patch import patched_methods
+    from nemo_fp8_align.integrations.megatron_core import align_fp8_transposes
+    from support.attach_leftovers import module_hooks
+
+    with _one_process_optimizer(monkeypatch) as (chunks, config, backend, optimizer, inners):
+        hooks = module_hooks(chunks)
+
+        def leftovers():
+            found = [] if module_hooks(chunks) == hooks else ["module hooks"]
+            found += [f"claim on chunk {c}" for c, chunk in enumerate(chunks)
+                      if claims.holder_of(chunk) is not None]
+            found += [f"class patch {k}" for k in patched_methods()]
+            found += ["dispatch wrapper" for o in inners
+                      if "_dispatch_gather_model_params" in vars(o)]
+            return found + ["chunk 0's finish_grad_sync" for _ in [0]
+                            if "finish_grad_sync" in vars(chunks[0])]
+
+        def attach():
+            return align_fp8_transposes(
+                chunks, num_microbatches=2, config=config, backend=backend, weights_of=_weights,
+                optimizer=optimizer,
+                align_config=AlignConfig(telemetry_path=str(tmp_path / "t.jsonl")))
+
+        with pytest.MonkeyPatch.context() as mp:
+            STAGES[stage](mp)
+            with pytest.raises(OSError, match="injected failure"):
+                attach()
+        assert leftovers() == []
+        aligner = attach()  # nothing refuses a second try
+        assert aligner.attached and any("_dispatch_gather_model_params" in vars(o)
+                                        for o in inners)
+        aligner.detach()
+        assert leftovers() == []
+
+
+def test_megatron_lm_attach_with_the_optimizer_counts_microbatches_as_that_era_does(
+        monkeypatch):
+    """``megatron_lm.attach(model, optimizer=...)``: the microbatch count is megatron-core's
+    calculator on 0.8, and Megatron-LM's own ``megatron.training.global_vars`` on 0.7, which
+    has no megatron-core calculator (it stopped with ModuleNotFoundError). No Megatron-LM of
+    that era is installed here: a module with its ``get_num_microbatches`` stands in for it."""
+    import importlib.util
+    import types
+
+    from nemo_fp8_align.integrations import megatron_lm
+
+    if importlib.util.find_spec("megatron.core.num_microbatches_calculator") is not None:
+        from megatron.core import num_microbatches_calculator as calculator
+
+        # the global is put back as it was after the test (0.8 has no destroy function)
+        monkeypatch.setattr(calculator, "_GLOBAL_NUM_MICROBATCHES_CALCULATOR", None)
+        calculator.init_num_microbatches_calculator(0, None, 2, 1, 1)
+        expected = calculator.get_num_microbatches
+    else:
+        training = types.ModuleType("megatron.training")
+        global_vars = types.ModuleType("megatron.training.global_vars")
+        global_vars.get_num_microbatches = expected = lambda: 2
+        training.global_vars = global_vars
+        monkeypatch.setitem(sys.modules, "megatron.training", training)
+        monkeypatch.setitem(sys.modules, "megatron.training.global_vars", global_vars)
+    with _one_process_optimizer(monkeypatch) as (chunks, _, backend, optimizer, inners):
+        aligner = megatron_lm.attach(chunks, args=None, backend=backend, weights_of=_weights,
+                                     optimizer=optimizer, log_metrics=False)
+        try:
+            assert aligner.attached and aligner._num_microbatches is expected
+            assert any("_dispatch_gather_model_params" in vars(o) for o in inners)
+        finally:
+            aligner.detach()

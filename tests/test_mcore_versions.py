@@ -149,3 +149,115 @@ def test_nemos_mcore_optimizer_is_refused_where_the_optimizer_owns_the_gather():
                        f"{mcore_version.installed_version()} with NeMo's mcore_distributed_optim"
                        r".*distributed_fused_adam.*megatron-core >= 0\.9\.0.*policy=off"):
         _param_sync(model, [])
+
+
+# --- check --megatron-core: the version table and the check's verdicts against this version's
+# --- own code (its classes, its schedule's and initialize_model_parallel's validation)
+
+
+def test_the_checks_version_table_is_this_versions_classes():
+    """rules_for (what ``check --megatron-core X.Y`` uses, no import) gives what the installed
+    classes say (what the demo and the engine use), and the version check reads without an
+    import is this one."""
+    version = mcore_version.installed_version()
+    assert mcore_version.installed_rules() == mcore_version.rules_for(version)
+    assert mcore_version.parse_version(mcore_version.importable_version()) == \
+        mcore_version.parse_version(version)
+
+
+def _check_says(pp, vp, m, n=None):
+    """The violations of conf/megatron_gpt_fp8_align.yaml at PP ``pp``, VP ``vp``, DP 1 and M
+    ``m`` (N ``n``), checked against the installed version."""
+    from pathlib import Path
+
+    pytest.importorskip("hydra")  # the check composes the YAML (not in .venv-mcore016/019)
+    from nemo_fp8_align.cli.check_load import load_source
+    from nemo_fp8_align.config_check.check import find_violations
+
+    overrides = [f"trainer.devices={pp}", f"model.pipeline_model_parallel_size={pp}",
+                 f"model.virtual_pipeline_model_parallel_size={vp}",
+                 f"model.num_layers={pp * vp}", f"model.global_batch_size={m}"]
+    if n is not None:
+        overrides.append(f"+model.microbatch_group_size_per_vp_stage={n}")
+    conf = Path(__file__).resolve().parents[1] / "conf" / "megatron_gpt_fp8_align.yaml"
+    _, cfg = load_source(conf, overrides)
+    return find_violations(cfg, mcore=mcore_version.installed_rules())
+
+
+def _shapes():
+    rows = [(4, 2, m, None) for m in (4, 6, 8)] + [(2, 2, m, None) for m in (2, 3, 4, 5)]
+    if has_group_size():
+        rows += [(2, 2, 5, 5), (2, 2, 5, 3), (2, 2, 7, 3)]
+    return rows
+
+
+@pytest.mark.parametrize("shape", _shapes(), ids=str)
+def test_check_accepts_exactly_the_shapes_this_versions_own_code_accepts(monkeypatch, shape):
+    """A shape the check calls OK passes this version's initialize_model_parallel and its
+    interleaved schedule's own validation (run up to the schedule's start); one it refuses
+    is refused by one of them, and the check names that rule for this version."""
+    from support.real_schedule import model_parallel_error, schedule_error
+
+    pp, vp, m, n = shape
+    found = _check_says(pp, vp, m, n)
+    real = model_parallel_error(monkeypatch, pp, vp) or schedule_error(monkeypatch, pp, vp, m, n)
+    assert (found == []) == (real is None), (found, real)
+    if real is None:
+        return
+    text = " ".join(v.expected for v in found)
+    version = mcore_version.installed_version()
+    if "greater than 2" in real:
+        assert f"megatron-core {version} refuses the interleaved schedule with PP {pp}" in text
+    elif not has_group_size():
+        assert f"megatron-core {version}: num_microbatches={m} is not a multiple of " \
+               f"pipeline_model_parallel_size={pp}" in text
+    else:
+        assert "microbatch_group_size_per_vp_stage" in text
+
+
+def test_check_takes_this_version_by_default():
+    """No --megatron-core: the check applies the version Python would import (read without an
+    import), and says which; on 0.7.0 the example config's PP 2 with interleaving is refused."""
+    import argparse
+    import io
+    import json
+    from pathlib import Path
+
+    from nemo_fp8_align.cli.check import add_check_parser
+
+    pytest.importorskip("hydra")  # the check composes the YAML (not in .venv-mcore016/019)
+    parser = argparse.ArgumentParser(prog="nemo-fp8-align")
+    add_check_parser(parser.add_subparsers(dest="command", required=True))
+    conf = Path(__file__).resolve().parents[1] / "conf" / "megatron_gpt_fp8_align.yaml"
+    args = parser.parse_args(["check", str(conf), "--format", "json"])
+    out = io.StringIO()
+    status = args.func(args, out=out, err=io.StringIO())
+    payload = json.loads(out.getvalue())
+    version = mcore_version.importable_version()
+    assert f"checked against megatron-core {version} (the installed one; --megatron-core X.Y " \
+           "for another)" in payload["notes"], payload
+    refused = mcore_version.installed_rules().interleaved_pp_rule(2) is not None
+    assert status == (2 if refused else 0), payload
+    assert refused == version.startswith("0.7."), version
+
+
+def test_nemos_startup_check_judges_by_this_version():
+    """At model construction (NeMo's startup check) the config is judged by the megatron-core
+    NeMo runs on, as ``check`` does: on 0.7.0 the example config's PP 2 with interleaving is a
+    violation named for 0.7.0; elsewhere the config passes."""
+    from pathlib import Path
+
+    pytest.importorskip("hydra")
+    from nemo_fp8_align.cli.check_load import load_source
+    from nemo_fp8_align.config_check.check import FP8AlignConfigError
+    from nemo_fp8_align.integrations.nemo.build import startup_check
+
+    conf = Path(__file__).resolve().parents[1] / "conf" / "megatron_gpt_fp8_align.yaml"
+    _, cfg = load_source(conf, [])
+    version = mcore_version.installed_version()
+    if not version.startswith("0.7."):
+        assert startup_check(cfg).active
+        return
+    with pytest.raises(FP8AlignConfigError, match=f"megatron-core {version} refuses the "
+                       "interleaved schedule with PP 2"):
+        startup_check(cfg)

@@ -61,6 +61,10 @@ def add_check_parser(subparsers: Any) -> argparse.ArgumentParser:
                              "[--world-size N] -- --pipeline-model-parallel-size 2 ...")
     parser.add_argument("--world-size", type=int, default=None, metavar="N",
                         help="with --megatron-lm: processes of the job (default: $WORLD_SIZE)")
+    parser.add_argument("--megatron-core", default=None, metavar="X.Y[.Z]",
+                        help="check against this megatron-core version's own rules (0.7 to "
+                             "0.19: its schedule rules, the options it has); default: the "
+                             "installed one")
     parser.set_defaults(func=run_check)
     return parser
 
@@ -70,7 +74,11 @@ def run_check(args: argparse.Namespace, *, out: Optional[TextIO] = None,
     """Run the check for parsed ``args``; returns the exit status (0 valid, 2 otherwise)."""
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
-    problem = _mode_problem(args)
+    from nemo_fp8_align.cli.check_version import megatron_core_target
+
+    target = megatron_core_target(args)
+    args.mcore_rules, args.mcore_note = target.rules, target.note
+    problem = _mode_problem(args) or target.error
     if problem is not None:
         if getattr(args, "format", "text") == "json":
             print(json.dumps({"ok": False, "config": args.config, "error": problem,

@@ -40,27 +40,31 @@ def run_megatron_lm_check(args: argparse.Namespace, argv: List[str], out: TextIO
     from nemo_fp8_align.config_check.megatron_lm_args import (megatron_lm_violations,
                                                               parse_megatron_lm_argv)
 
-    violations = megatron_lm_violations(parse_megatron_lm_argv(argv), world_size=world)
+    mcore = getattr(args, "mcore_rules", None)
+    note = getattr(args, "mcore_note", "")
+    violations = megatron_lm_violations(parse_megatron_lm_argv(argv), world_size=world,
+                                        mcore=mcore)
     if not violations:
         state = "OK" if world is not None else ("OK (microbatch checks skipped: world size "
                                                 "unknown, pass --world-size)")
         if as_json:
             _emit(out, {"ok": True, "state": state, "world_size": world, "violations": [],
-                        "fix_overrides": [], "notes": _notes(world, argv)})
+                        "fix_overrides": [], "notes": _notes(world, argv, note)})
         else:
             print(f"Megatron-LM arguments: {state}", file=out)
-            for note in _notes(world, argv)[world is None:]:  # the state says the first
-                print(f"note: {note}", file=out)
+            for text in _notes(world, argv, note)[world is None:]:  # the state says the first
+                print(f"note: {text}", file=out)
         return EXIT_OK
-    line, fixed_argv, fixed_world = _fix_line(violations, argv, world)
+    line, fixed_argv, fixed_world = _fix_line(violations, argv, world, mcore)
     if as_json:
-        _emit(out, _payload(violations, line, fixed_argv, fixed_world, world, argv))
+        _emit(out, _payload(violations, line, fixed_argv, fixed_world, world, argv, note))
     else:
-        _print_text(out, violations, line, world, argv)
+        _print_text(out, violations, line, world, argv, note)
     return EXIT_INVALID
 
 
-def _fix_line(violations: List[Any], argv: List[str], world: Optional[int]) -> Any:
+def _fix_line(violations: List[Any], argv: List[str], world: Optional[int],
+              mcore: Any = None) -> Any:
     """(the re-checked fix line, the argument list and world size it gives)."""
     from nemo_fp8_align.config_check.fixes import fix_line
     from nemo_fp8_align.config_check.megatron_lm_args import (megatron_lm_violations,
@@ -70,14 +74,16 @@ def _fix_line(violations: List[Any], argv: List[str], world: Optional[int]) -> A
     def recheck(edits: List[str]) -> List[Any]:
         # exactly what the printed line asks for: the edited list, parsed and checked again
         new_argv, new_world = apply_edits(argv, edits, world)
-        return megatron_lm_violations(parse_megatron_lm_argv(new_argv), world_size=new_world)
+        return megatron_lm_violations(parse_megatron_lm_argv(new_argv), world_size=new_world,
+                                      mcore=mcore)
 
     line = fix_line(violations, recheck, lambda key: True, MEGATRON_LM)
     return (line, *apply_edits(argv, line.overrides, world))
 
 
 def _payload(violations: List[Any], line: Any, fixed_argv: List[str],
-             fixed_world: Optional[int], world: Optional[int], argv: List[str]) -> Dict[str, Any]:
+             fixed_world: Optional[int], world: Optional[int], argv: List[str],
+             note: str = "") -> Dict[str, Any]:
     """The NeMo mode's keys; ``fix_overrides`` are the flags to set, as argument tokens."""
     import shlex
 
@@ -94,7 +100,7 @@ def _payload(violations: List[Any], line: Any, fixed_argv: List[str],
             "found_on_recheck": [_violation_dict(v, line) for v in line.later],
             "left": [] if line.passes else [_violation_dict(v, line)
                                             for v in (line.left or line.manual)],
-            "plugin_off": PLUGIN_OFF, "notes": _notes(world, argv)}
+            "plugin_off": PLUGIN_OFF, "notes": _notes(world, argv, note)}
 
 
 def _violation_dict(v: Any, line: Any) -> Dict[str, str]:
@@ -104,11 +110,13 @@ def _violation_dict(v: Any, line: Any) -> Dict[str, str]:
             "fix": agreeing(v.fix, line)}
 
 
-def _notes(world: Optional[int], argv: List[str]) -> List[str]:
+def _notes(world: Optional[int], argv: List[str], version_note: str = "") -> List[str]:
     from nemo_fp8_align.config_check.megatron_lm_parser import script_flags_given
 
     notes = [] if world is not None else [
         "microbatch checks skipped: world size unknown, pass --world-size"]
+    if version_note:
+        notes.append(version_note)
     if "--hybrid-layer-pattern" in argv or "--hybrid-override-pattern" in argv:
         notes.append("--hybrid-layer-pattern: read as Megatron-LM 0.19.2 reads it (its symbols "
                      "are the layers, whatever --num-layers says; its '|' segments the PP x VP "
@@ -122,7 +130,7 @@ def _notes(world: Optional[int], argv: List[str]) -> List[str]:
 
 
 def _print_text(out: TextIO, violations: List[Any], line: Any, world: Optional[int],
-                argv: List[str]) -> None:
+                argv: List[str], version_note: str = "") -> None:
     from nemo_fp8_align.config_check.fixes import agreeing
 
     print(f"Megatron-LM arguments: {len(violations)} setting(s) stop the aligned "
@@ -145,7 +153,7 @@ def _print_text(out: TextIO, violations: List[Any], line: Any, world: Optional[i
         print("Still to decide by hand (no combination of the fixes passes):", file=out)
         for v in line.left or line.manual:
             print(f"  - {v.key}: {v.expected} | {v.fix}", file=out)
-    for note in _notes(world, argv):
+    for note in _notes(world, argv, version_note):
         print(f"note: {note}", file=out)
     print(f"Or {PLUGIN_OFF}.", file=out)
 

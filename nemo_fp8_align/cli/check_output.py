@@ -76,7 +76,8 @@ class Report:
 
         return find_violations(cfg, data_parallel_size=self.args.data_parallel_size,
                                data_parallel_name=DP_FLAG,
-                               require_block=not getattr(self.args, "mixin", False))
+                               require_block=not getattr(self.args, "mixin", False),
+                               mcore=getattr(self.args, "mcore_rules", None))
 
     def recheck(self, extra: List[str]) -> List[Violation]:
         """The violations of the same command line with ``extra`` appended as printed."""
@@ -132,7 +133,8 @@ class Report:
             model._get_node("fp8_transpose_align"), DictConfig)
 
     def _notes(self) -> List[str]:
-        notes = []
+        note = getattr(self.args, "mcore_note", "")
+        notes = [note] if note else []
         if self.source is not None and self.source.unread:
             notes.append("not read by the check (the launcher's own settings): "
                          + " ".join(self.source.unread))

@@ -20,13 +20,16 @@ from nemo_fp8_align.core.schedule import InterleavedSchedule, ScheduleError
 __all__ = ["micro_batch_fix", "nearest_batch", "nearest_microbatches", "schedule_fits"]
 
 
-def schedule_fits(pp: int, vp: Optional[int], m: int, n: Optional[int]) -> bool:
+def schedule_fits(pp: int, vp: Optional[int], m: int, n: Optional[int],
+                  legacy: bool = False) -> bool:
     """Whether M microbatches fit megatron-core's interleaved schedule (PP <= N <= M, not
-    0 < M mod N < PP). The rule does not depend on VP; an unknown VP is checked as 2."""
+    0 < M mod N < PP; ``legacy``, before 0.10: M a multiple of PP). The rule does not depend on
+    VP; an unknown VP is checked as 2."""
     if m < 1:
         return False
     try:
-        InterleavedSchedule(pp=pp, vp=vp or 2, microbatches=m, group_size=n)
+        InterleavedSchedule(pp=pp, vp=vp or 2, microbatches=m,
+                            group_size=None if legacy else n, legacy_order=legacy)
     except ScheduleError:
         return False
     return True
@@ -37,38 +40,38 @@ def _span(pp: int, n: Optional[int]) -> int:
     return 2 * max(pp, n or pp) + 2
 
 
-def nearest_microbatches(pp: int, vp: Optional[int], m: float, n: Optional[int]
-                         ) -> Optional[int]:
+def nearest_microbatches(pp: int, vp: Optional[int], m: float, n: Optional[int],
+                         legacy: bool = False) -> Optional[int]:
     """The microbatch count nearest ``m`` (the batch's own count, whole or not) that the
     schedule accepts; a tie goes up (no samples dropped). None: none near (an N below PP)."""
     low, high = math.floor(m), max(math.ceil(m), 1)
     down = next((k for k in range(low, max(low - _span(pp, n), 0), -1)
-                 if schedule_fits(pp, vp, k, n)), None)
+                 if schedule_fits(pp, vp, k, n, legacy)), None)
     up = next((k for k in range(high, high + _span(pp, n))
-               if schedule_fits(pp, vp, k, n)), None)
+               if schedule_fits(pp, vp, k, n, legacy)), None)
     found = [k for k in (down, up) if k is not None]
     return min(found, key=lambda k: (abs(k - m), -k)) if found else None
 
 
 def micro_batch_fix(pp: int, vp: Optional[int], dp: int, mbs: int, gbs: int,
-                    n: Optional[int]) -> Optional[int]:
+                    n: Optional[int], legacy: bool = False) -> Optional[int]:
     """The largest micro batch below ``mbs`` that divides the global batch over DP into a
     microbatch count the schedule accepts (None: no smaller one does)."""
     for smaller in range(mbs - 1, 0, -1):
-        if gbs % (smaller * dp) == 0 and schedule_fits(pp, vp, gbs // (smaller * dp), n):
+        if gbs % (smaller * dp) == 0 and schedule_fits(pp, vp, gbs // (smaller * dp), n, legacy):
             return smaller
     return None
 
 
 def nearest_batch(pp: int, vp: Optional[int], dp: int, mbs: int, gbs: int,
-                  n: Optional[int]) -> Tuple[int, int]:
+                  n: Optional[int], legacy: bool = False) -> Tuple[int, int]:
     """(micro batch, global batch) with the global batch nearest ``gbs`` that fits, over
     ``mbs`` and the 8 micro batches below it (a smaller micro batch makes the batch's steps
     finer: 800 instead of 3200 for 256 on DP 400); on a tie the larger micro batch."""
     best: Optional[Tuple[int, int]] = None
     for micro in range(mbs, max(mbs - 9, 0), -1):
         per = micro * dp
-        count = (nearest_microbatches(pp, vp, gbs / per, n) if pp >= 2
+        count = (nearest_microbatches(pp, vp, gbs / per, n, legacy) if pp >= 2
                  else max(round(gbs / per), 1))
         if count is None:
             continue

@@ -58,6 +58,7 @@ from nemo_fp8_align.config_check.resolvers import upstream_resolvers
 from nemo_fp8_align.config_check.rules import RULES, Rule
 from nemo_fp8_align.config_check.rules.fp8 import PER_TENSOR_RECIPES, SUPPORTED_OPTIMIZERS
 from nemo_fp8_align.config_check.structured import BLOCK_KEY, block_fields, block_schema
+from nemo_fp8_align.integrations.mcore_version import VersionRules
 
 __all__ = ["FP8AlignConfigError", "RULES", "Violation", "align_config_from", "check_config",
            "data_parallel_size_of", "find_violations", "plugin_off_override", "PER_TENSOR_RECIPES",
@@ -112,7 +113,8 @@ def plugin_off_override(cfg: Any) -> str:
 
 def find_violations(cfg: Any, *, data_parallel_size: Any = None,
                     data_parallel_name: str = "data_parallel_size",
-                    require_block: bool = False, dialect: str = "nemo") -> List[Violation]:
+                    require_block: bool = False, dialect: str = "nemo",
+                    mcore: Optional[VersionRules] = None) -> List[Violation]:
     """Every violation in ``cfg``, in :data:`RULES` order; empty when valid, and when the plugin
     block turns the plugin off (errors inside the block itself are still listed).
 
@@ -120,7 +122,9 @@ def find_violations(cfg: Any, *, data_parallel_size: Any = None,
     (the CLI passes ``--data-parallel-size``). ``require_block``: an absent plugin block is a
     violation (the entry-point callback, unlike the mixin, does nothing without it).
     ``dialect``: ``megatron_lm`` for Megatron-LM's arguments mapped onto the keys (NeMo's own
-    assertions left out; :mod:`.megatron_lm_args`).
+    assertions left out; :mod:`.megatron_lm_args`). ``mcore``: the megatron-core version to
+    check against (its own schedule rules and options, :mod:`.rules.version`); None: the
+    newest rules.
     """
     with upstream_resolvers():
         model, trainer, problems = config_nodes(cfg)
@@ -130,7 +134,7 @@ def find_violations(cfg: Any, *, data_parallel_size: Any = None,
         ctx = CheckContext(Reader(model, "model.", found),
                            None if trainer is None else Reader(trainer, "trainer.", found),
                            data_parallel_size, data_parallel_name, found,
-                           require_block=require_block, dialect=dialect)
+                           require_block=require_block, dialect=dialect, mcore=mcore)
         align = _read_block(ctx.model)
         if align.active:
             for rule in RULES:

@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Optional
 from omegaconf import ListConfig
 
 from nemo_fp8_align.config_check.reader import ABSENT, Reader, Violation
+from nemo_fp8_align.integrations.mcore_version import VersionRules
 
 __all__ = ["CheckContext", "device_count"]
 
@@ -43,16 +44,36 @@ class CheckContext:
     #: apply) or ``megatron_lm`` (Megatron-LM's arguments mapped onto the same keys: NeMo's
     #: assertions do not apply, and a ``pipeline_model_parallel_layout`` defines the split).
     dialect: str = "nemo"
+    #: The megatron-core version checked against (its own schedule rules and options); None:
+    #: none named, the newest rules (megatron-core >= 0.12).
+    mcore: Optional[VersionRules] = None
 
     @property
     def nemo(self) -> bool:
         return self.dialect == "nemo"
 
+    def legacy(self) -> bool:
+        """megatron-core before 0.10: no N, M a multiple of PP with interleaving."""
+        return self.mcore is not None and self.mcore.legacy_order
+
+    def min_interleaved_pp(self) -> int:
+        return 2 if self.mcore is None else self.mcore.min_interleaved_pp
+
+    def has_stage_split(self) -> bool:
+        """Whether the version has the first/last stage layer counts under the names this
+        dialect reads: NeMo passes ``num_layers_in_first_pipeline_stage`` by that field name
+        (0.11 on; 0.9 and 0.10 call it ``first_pipeline_num_layers``), Megatron-LM's
+        ``--decoder-first-pipeline-num-layers`` sets either (0.9 on)."""
+        if self.mcore is None:
+            return True
+        field = self.mcore.first_stage_field
+        return field == "num_layers_in_first_pipeline_stage" if self.nemo else field is not None
+
     def layout_string(self) -> bool:
         """Megatron-LM's ``--pipeline-model-parallel-layout``, or a hybrid model's pattern cut
         into segments (``|``), gives the split itself."""
-        if self.nemo:
-            return False
+        if self.nemo or (self.mcore is not None and not self.mcore.layout_string):
+            return False  # a version without one: reported by rules/version.py
         pattern = self.model.get("hybrid_layer_pattern")
         return isinstance(self.model.get("pipeline_model_parallel_layout"), str) or (
             isinstance(pattern, str) and "|" in pattern.split("/", 1)[0])

@@ -25,7 +25,7 @@ from nemo_fp8_align.config_check.reader import ABSENT
 from nemo_fp8_align.config_check.split_math import layer_split_error
 from nemo_fp8_align.core.schedule import InterleavedSchedule, ScheduleError
 
-__all__ = ["FIXED_WHY", "KEYS", "Fixed", "Layout", "layout_fix", "layout_inputs",
+__all__ = ["FIXED_WHY", "KEYS", "Fixed", "Layout", "fixed_why", "layout_fix", "layout_inputs",
            "layout_overrides", "layout_problem", "micro_batch_layout_fix",
            "smaller_micro_batch_layout", "split_error"]
 
@@ -40,6 +40,19 @@ FIXED_WHY = ("the search (up to three of PP, VP, the first/last stage split and 
              "N, nearest values first) found no layout that fits with the model, the batch and "
              "the node count held")
 _MAX_CHANGED = 4
+
+
+def fixed_why(ctx: CheckContext) -> str:
+    """:data:`FIXED_WHY`, naming only the settings the megatron-core version checked against
+    has (no N before 0.10, no first/last split in NeMo's spelling before 0.11)."""
+    if not ctx.legacy() and ctx.has_stage_split():
+        return FIXED_WHY
+    settings = ["PP", "VP"] + (["the first/last stage split"] if ctx.has_stage_split() else [])
+    return (f"the search (of {', '.join(settings[:-1])} and {settings[-1]}, the layout settings "
+            f"megatron-core {ctx.mcore.version} has, nearest values first) found no layout that "
+            "fits with the model, the batch and the node count held")
+
+
 _MAX_TRIED = 40_000  # candidate layouts per search: a suggestion is never worth a hang
 
 
@@ -75,6 +88,10 @@ class Fixed:
     #: Megatron-LM's --pipeline-model-parallel-layout places any number of layers in each
     #: stage: only at least one layer per stage is asked of the split.
     free_split: bool = False
+    #: megatron-core before 0.10 (the version checked against): no N, M a multiple of PP.
+    legacy: bool = False
+    #: The least PP that version's interleaving accepts (0.7: 3).
+    min_pp: int = 2
 
     def dp(self, pp: int) -> Optional[int]:
         """The data-parallel size with ``pp`` (the world's when known, else the given one)."""
@@ -100,6 +117,8 @@ def layout_problem(fixed: Fixed, lay: Layout) -> Optional[str]:
     """The first layout constraint ``lay`` breaks, or None when it fits everything."""
     if lay.pp < 2 or lay.vp is None or lay.vp < 2:
         return "the plugin needs PP >= 2 and VP >= 2"
+    if lay.pp < fixed.min_pp:
+        return f"the megatron-core version checked against needs PP >= {fixed.min_pp} with VP"
     if fixed.world is not None and fixed.world % (fixed.tp * lay.pp * fixed.cp):
         return "TP * PP * CP does not divide the world size"
     if fixed.world is not None and fixed.ep > 1 and fixed.world % (fixed.etp * fixed.ep * lay.pp):
@@ -120,7 +139,8 @@ def layout_problem(fixed: Fixed, lay: Layout) -> Optional[str]:
         return "N < 1"
     try:
         InterleavedSchedule(pp=lay.pp, vp=lay.vp, microbatches=fixed.gbs // (fixed.mbs * dp),
-                            group_size=lay.n)
+                            group_size=None if fixed.legacy else lay.n,
+                            legacy_order=fixed.legacy)
     except ScheduleError as err:
         return str(err)
     return None
@@ -250,25 +270,32 @@ def layout_inputs(ctx: CheckContext) -> Optional[Tuple[Fixed, Layout]]:
     # still get a layout fix (not a world-size or batch change the layout does not need).
     vp = ctx.vp()
     values: Dict[str, Any] = {}
+    # what the version checked against lacks is reported by its own rule (rules/version.py)
+    # and read as that version reads it: absent
+    lacking = ({"n"} if ctx.legacy() else set()) | (
+        set() if ctx.has_stage_split() else {"first", "last"})
     for var in ("first", "last", "n"):
         value = m.get(KEYS[var])
-        value = None if value is ABSENT else value
+        value = None if value is ABSENT or var in lacking else value
         if value is not None and not (type(value) is int and value >= 1):
             return None
         values[var] = value
     flags = []
     for key in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"):
-        value = m.get(key)
+        value = m.get(key) if ctx.mcore is None or ctx.mcore.split_accounting else ABSENT
         if value is not ABSENT and not isinstance(value, bool):
             return None
         flags.append(value is True)
     if ctx.trainer is not None and ctx.trainer.get("devices") not in (ABSENT, -1, "auto", "-1") \
             and ctx.world() is None:
         return None  # invalid devices / num_nodes: reported by their own rule
+    changeable = tuple(v for v in (("n",) if ctx.layout_string() else Fixed.changeable)
+                       if v not in lacking)
     fixed = Fixed(layers, ctx.world(), tp, cp, flags[0], flags[1],
                   m.peek_int("micro_batch_size"), m.peek_int("global_batch_size"),
                   ctx.given_data_parallel() if ctx.world() is None else None, ep, etp,
-                  nemo=ctx.nemo, changeable=("n",) if ctx.layout_string() else Fixed.changeable)
+                  nemo=ctx.nemo, changeable=changeable, legacy=ctx.legacy(),
+                  min_pp=ctx.min_interleaved_pp())
     return fixed, Layout(pp, vp, values["first"], values["last"], values["n"])
 
 

@@ -25,8 +25,10 @@ def layout_string_fix(ctx: CheckContext) -> Optional[Dict[str, Any]]:
     world and the batch, with a ``--pipeline-model-parallel-layout`` that places the layers
     over their stages as evenly as it can (the model kept; the split is then uneven by a
     layer). {model key: new value}, or None (NeMo mode: megatron-core 0.12.3 has no layout
-    string; a hybrid model's pattern; nothing fits)."""
-    if ctx.nemo or ctx.model.get("hybrid_layer_pattern") not in (ABSENT, None):
+    string, nor has the version checked against before 0.13; a hybrid model's pattern;
+    nothing fits)."""
+    if ctx.nemo or ctx.model.get("hybrid_layer_pattern") not in (ABSENT, None) or (
+            ctx.mcore is not None and not ctx.mcore.layout_string):
         return None
     inputs = layout_inputs(ctx)
     if inputs is None:

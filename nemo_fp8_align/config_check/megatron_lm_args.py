@@ -203,9 +203,10 @@ def _put(node: Dict[str, Any], key: str, value: Any) -> None:
         node[head] = value
 
 
-def megatron_lm_violations(args: Mapping[str, Any], world_size: Optional[int] = None
-                           ) -> List[Violation]:
-    """Every violation, keyed and fixed in Megatron-LM's flags; empty when valid."""
+def megatron_lm_violations(args: Mapping[str, Any], world_size: Optional[int] = None,
+                           mcore: Any = None) -> List[Violation]:
+    """Every violation, keyed and fixed in Megatron-LM's flags; empty when valid. ``mcore``:
+    the megatron-core version's rules to check against (None: the newest)."""
     from nemo_fp8_align.config_check.check import find_violations
 
     out: List[Violation] = list(args.get(PARSE_PROBLEMS, ()))
@@ -215,7 +216,7 @@ def megatron_lm_violations(args: Mapping[str, Any], world_size: Optional[int] = 
     # the one to fix (a VP fix would guess the model's layer count).
     vp_unknown = (args.get("num_layers") is None
                   and args.get("num_layers_per_virtual_pipeline_stage") is not None)
-    for v in find_violations(cfg, dialect="megatron_lm"):
+    for v in find_violations(cfg, dialect="megatron_lm", mcore=mcore):
         if step_schedule(args) is not None and v.key == "model.global_batch_size":
             continue  # every entry of the schedule is checked by megatron_lm_rules
         if vp_unknown and v.key == "model.virtual_pipeline_model_parallel_size":

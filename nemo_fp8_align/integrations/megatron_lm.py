@@ -38,8 +38,9 @@ def check_args(args: Any, world_size: Optional[int] = None) -> None:
     """Raise :class:`MegatronLMArgsError` listing every violation in ``args`` (Megatron-LM's
     parsed arguments, ``megatron.training.get_args()``)."""
     from nemo_fp8_align.config_check.megatron_lm_args import megatron_lm_violations
+    from nemo_fp8_align.integrations.mcore_version import importable_rules
 
-    found = megatron_lm_violations(vars(args), world_size=world_size)
+    found = megatron_lm_violations(vars(args), world_size=world_size, mcore=importable_rules())
     if found:
         lines = "\n".join(f"  - {v}" for v in found)
         raise MegatronLMArgsError(
@@ -73,7 +74,6 @@ def attach(model: Sequence[Any], *, backend: Any = None,
     """
     import torch
 
-    from megatron.core.num_microbatches_calculator import get_num_microbatches
     from megatron.core.utils import get_model_config
 
     from nemo_fp8_align.integrations.megatron_core import align_fp8_transposes
@@ -84,7 +84,7 @@ def attach(model: Sequence[Any], *, backend: Any = None,
                    if torch.distributed.is_initialized() else None)
     extra = {} if error_group is None else {"error_group": error_group}
     aligner = align_fp8_transposes(
-        list(model), num_microbatches=get_num_microbatches, backend=backend,
+        list(model), num_microbatches=_num_microbatches_getter(), backend=backend,
         weights_of=weights_of, config=get_model_config(model[0]), align_config=align_config,
         pg_collection=pg_collection, optimizer=optimizer, **extra)
     try:
@@ -101,6 +101,18 @@ def attach(model: Sequence[Any], *, backend: Any = None,
         aligner.detach()  # all or nothing
         raise
     return aligner
+
+
+def _num_microbatches_getter() -> Callable[[], int]:
+    """Megatron-LM's microbatch count: megatron-core's calculator (0.8 on), else Megatron-LM's
+    own of the 0.7 era (``megatron.training.global_vars``; megatron-core 0.7 has none)."""
+    try:
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+    except ModuleNotFoundError as err:
+        if err.name != "megatron.core.num_microbatches_calculator":
+            raise
+        from megatron.training.global_vars import get_num_microbatches
+    return get_num_microbatches
 
 
 def _current_iteration() -> int:

@@ -1,7 +1,8 @@
 """The startup check's rules, one function per rule (``rule(ctx) -> None``), grouped by what they
 read: :mod:`.parallel` (sizes, precision, experts), :mod:`.split` (the layer split), :mod:`.fp8`
 (FP8 and the optimizer), :mod:`.batch` (world size, data-parallel size, microbatches) and
-:mod:`.model` (the model NeMo builds, the plugin block). :data:`RULES` is the list, in report
+:mod:`.model` (the model NeMo builds, the plugin block) and :mod:`.version` (the megatron-core
+version checked against). :data:`RULES` is the list, in report
 order; every rule runs whatever the others found.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 from typing import Callable, Tuple
 
 from nemo_fp8_align.config_check.context import CheckContext
-from nemo_fp8_align.config_check.rules import batch, fp8, model, parallel, refused, split
+from nemo_fp8_align.config_check.rules import batch, fp8, model, parallel, refused, split, version
 
 __all__ = ["RULES", "Rule"]
 
@@ -20,6 +21,8 @@ Rule = Callable[[CheckContext], None]
 RULES: Tuple[Rule, ...] = (
     model.rule_plugin_block, model.rule_mcore_gpt,
     parallel.rule_pipeline_size, parallel.rule_virtual_pipeline_size,
+    version.rule_interleaved_pipeline_size, version.rule_version_options,
+    version.rule_version_optimizer,
     parallel.rule_other_parallel_sizes, parallel.rule_cpu_offloading, model.rule_attention_heads,
     split.rule_num_layers,
     split.rule_split_option_values, split.rule_split_options_exclusive,

@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 from nemo_fp8_align.core.schedule import InterleavedSchedule, ScheduleError
 from nemo_fp8_align.config_check.batch_fix import micro_batch_fix, nearest_batch
 from nemo_fp8_align.config_check.context import CheckContext
-from nemo_fp8_align.config_check.layout import (FIXED_WHY, layout_fix, layout_overrides,
+from nemo_fp8_align.config_check.layout import (fixed_why, layout_fix, layout_overrides,
                                                 smaller_micro_batch_layout)
 from nemo_fp8_align.config_check.reader import ABSENT, Violation, show_value
 from nemo_fp8_align.config_check.rules.parallel import expert_parallel_fix
@@ -69,7 +69,7 @@ def rule_world_size(ctx: CheckContext) -> None:
         mbs, change = smaller_layout
         fix = " ".join([ctx.model.override("micro_batch_size", mbs, present=True),
                         layout_overrides(ctx, change)])
-        ctx.model.add("pipeline_model_parallel_size", ctx.pp(), f"{why}; {FIXED_WHY}, so "
+        ctx.model.add("pipeline_model_parallel_size", ctx.pp(), f"{why}; {fixed_why(ctx)}, so "
                       f"the fix lowers micro_batch_size to {mbs} with the layout that then "
                       "fits, which keeps the node count and the global batch (in more, "
                       "smaller microbatches)", fix=fix)
@@ -77,7 +77,7 @@ def rule_world_size(ctx: CheckContext) -> None:
     step = mp // gcd(devices, mp)  # num_nodes must be a multiple of this
     fixed = -(-nodes // step) * step
     ctx.trainer.add("num_nodes", ctx.trainer.get("num_nodes"), (
-        f"{why}; {FIXED_WHY}, so the fix changes the node count (a multiple of {step}): or "
+        f"{why}; {fixed_why(ctx)}, so the fix changes the node count (a multiple of {step}): or "
         "change TP or CP yourself"), fixed)
 
 
@@ -158,6 +158,8 @@ def rule_batch_sizes(ctx: CheckContext) -> None:
 
 
 def rule_group_size(ctx: CheckContext) -> None:
+    if ctx.legacy():
+        return  # no N before 0.10: rules/version.py reports a given one
     ctx.model.optional_int("microbatch_group_size_per_vp_stage", 1,
                            "N, microbatches per group; null means PP")
 
@@ -180,7 +182,8 @@ def rule_microbatches(ctx: CheckContext) -> None:
     pp, vp, dp = ctx.pp(), ctx.vp(), ctx.data_parallel()
     mbs, gbs = ctx.model.peek_int("micro_batch_size"), ctx.model.peek_int("global_batch_size")
     raw_n = ctx.model.get("microbatch_group_size_per_vp_stage")
-    n = None if raw_n is ABSENT or raw_n is None else raw_n
+    # before 0.10 there is no N (its rule in rules/version.py reports a given one)
+    n = None if raw_n is ABSENT or raw_n is None or ctx.legacy() else raw_n
     if (pp is None or dp is None or mbs is None or gbs is None
             or (n is not None and not (type(n) is int and n >= 1))):
         return
@@ -191,11 +194,17 @@ def rule_microbatches(ctx: CheckContext) -> None:
                  "being trainer.devices * trainer.num_nodes / (TP * PP * CP) "
                  "(megatron-core's microbatch calculator requires it)")
     elif pp >= 2 and vp is not None:
-        error = _schedule_error(pp, vp, m, n)
+        error = _schedule_error(pp, vp, m, n, ctx.legacy())
         if error is None:
             return
-        error += (f" (M = global_batch_size / (micro_batch_size * DP), N = "
-                  "microbatch_group_size_per_vp_stage, PP = pipeline_model_parallel_size)")
+        if ctx.legacy():  # the version's own rule, spelled for it
+            error = (f"megatron-core {ctx.mcore.version}: {error} (M = global_batch_size / "
+                     "(micro_batch_size * DP), PP = pipeline_model_parallel_size; megatron-core "
+                     "raises RuntimeError 'number of microbatches is not divisible by "
+                     "pipeline-model-parallel-size when using interleaved schedule')")
+        else:
+            error += (f" (M = global_batch_size / (micro_batch_size * DP), N = "
+                      "microbatch_group_size_per_vp_stage, PP = pipeline_model_parallel_size)")
     else:
         return  # the schedule needs a valid PP and VP: reported by their rules
     found = f"{gbs} (M = {gbs} / ({mbs} * DP {dp}) = {gbs / per_microbatch:g})"
@@ -224,22 +233,22 @@ def _batch_fallback(ctx: CheckContext, error: str, found: str, sizes: tuple) -> 
         pp, dp = 2, _data_parallel_at(ctx, 2)
         judged = f" (judged at PP 2, which the plugin needs: DP {dp})"
     interleaved = pp >= 2
-    smaller = micro_batch_fix(pp, vp, dp, mbs, gbs, n) if interleaved else None
+    smaller = micro_batch_fix(pp, vp, dp, mbs, gbs, n, ctx.legacy()) if interleaved else None
     if smaller is None and _micro_batch_with_layout(ctx, error, found, mbs):
         return
     if smaller is not None:
         ctx.model.add("micro_batch_size", mbs, f"{error}; global_batch_size = {found}; "
-                      f"{FIXED_WHY}, so the fix lowers micro_batch_size from {mbs} to "
+                      f"{fixed_why(ctx)}, so the fix lowers micro_batch_size from {mbs} to "
                       f"{smaller}{judged}, which keeps the global batch (the training recipe) "
                       "in more, smaller microbatches", smaller)
         return
-    micro, fixed = nearest_batch(pp, vp, dp, mbs, gbs, n)
+    micro, fixed = nearest_batch(pp, vp, dp, mbs, gbs, n, ctx.legacy())
     also = ("" if micro == mbs else f" with micro_batch_size {micro} (was {mbs}, which "
             "makes the batch's steps finer)")
     fix = " ".join(([ctx.model.override("micro_batch_size", micro, present=True)]
                     if micro != mbs else []) + [f"model.global_batch_size={fixed}"])
     ctx.violations.append(Violation(
-        "model.global_batch_size", found, f"{error}; {FIXED_WHY}, and no smaller "
+        "model.global_batch_size", found, f"{error}; {fixed_why(ctx)}, and no smaller "
         f"micro_batch_size fits, so the fix changes the global batch from {gbs} to {fixed}"
         f"{also}{judged} (the nearest that fits, {abs(fixed - gbs)} samples per step "
         f"{'fewer' if fixed < gbs else 'more'}), which changes the training recipe: or train "
@@ -258,7 +267,7 @@ def _micro_batch_with_layout(ctx: CheckContext, error: str, found: str, mbs: int
                     layout_overrides(ctx, change)]).strip()
     ctx.violations.append(Violation(
         "model.micro_batch_size", str(mbs), f"{error}; global_batch_size = {found}; "
-        f"{FIXED_WHY}, so the fix lowers micro_batch_size from {mbs} to {smaller} with the "
+        f"{fixed_why(ctx)}, so the fix lowers micro_batch_size from {mbs} to {smaller} with the "
         "layout that then fits, which keeps the global batch (the training recipe) in "
         "more, smaller microbatches", fix))
     return True
@@ -272,9 +281,11 @@ def _data_parallel_at(ctx: CheckContext, pp: int) -> Optional[int]:
     return world // (tp * pp * cp) if world % (tp * pp * cp) == 0 else None
 
 
-def _schedule_error(pp: int, vp: int, m: int, n: Optional[int]) -> Optional[str]:
+def _schedule_error(pp: int, vp: int, m: int, n: Optional[int],
+                    legacy: bool = False) -> Optional[str]:
     try:
-        InterleavedSchedule(pp=pp, vp=vp, microbatches=m, group_size=n)
+        InterleavedSchedule(pp=pp, vp=vp, microbatches=m, group_size=None if legacy else n,
+                            legacy_order=legacy)
     except ScheduleError as err:
         return str(err)
     return None

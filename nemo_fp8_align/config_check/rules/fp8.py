@@ -34,7 +34,11 @@ def rule_fp8_enabled(ctx: CheckContext) -> None:
 
 
 def rule_fp8_params(ctx: CheckContext) -> None:
-    """Also megatron-core's 'fp8_param must be used together with fp8 mode'."""
+    """Also megatron-core's 'fp8_param must be used together with fp8 mode'. Megatron-LM with
+    megatron-core before 0.9 has no FP8 parameters for the plugin (rules/version.py says so:
+    asking for the flag would be no fix)."""
+    if not ctx.nemo and ctx.mcore is not None and not ctx.mcore.fp8_param_gather:
+        return
     ctx.model.require_true("fp8_params", "FP8 weights are what the plugin transposes")
 
 
@@ -113,6 +117,15 @@ def rule_optimizer_name(ctx: CheckContext) -> None:
     if name in SUPPORTED_OPTIMIZERS:
         return
     experts = ctx.ep() is not None and ctx.ep() > 1  # NeMo refuses Apex's with EP > 1
+    if ctx.mcore is not None and ctx.mcore.optimizer_owns_gather:  # no NeMo path for MCORE_OPTIM
+        ctx.model.add("optim.name", name, f"{APEX_OPTIM} (a distributed optimizer that "
+                      "all-gathers the FP8 parameters; the plugin's NeMo path with megatron-core "
+                      f"{ctx.mcore.version} has no other)", fix=(
+                          f"none with expert parallelism on megatron-core {ctx.mcore.version} "
+                          "(NeMo refuses Apex's optimizer with EP > 1): megatron-core >= 0.9.0"
+                          if experts else ctx.model.override("optim.name", APEX_OPTIM,
+                                                             present=name is not ABSENT)))
+        return
     ctx.model.add("optim.name", name, f"{APEX_OPTIM}, or {MCORE_OPTIM} with "
                   "optim.align_param_gather=True (a distributed optimizer that all-gathers "
                   "the FP8 parameters)", MCORE_OPTIM if experts else APEX_OPTIM)
@@ -141,8 +154,9 @@ def rule_apex_current_scaling(ctx: CheckContext) -> None:
     """NeMo 2.3.3's MegatronDistributedFusedAdam with FP8 parameters and current scaling stops
     at its first step ("'Float8CurrentScalingQuantizer' object has no attribute 'scale'"), with
     Transformer Engine 2.20.2 and with or without the plugin (docs/upstream.md)."""
-    if ctx.model.get("optim.name") != APEX_OPTIM:
-        return
+    if ctx.model.get("optim.name") != APEX_OPTIM or (ctx.mcore is not None
+                                                     and not ctx.mcore.fp8_recipe):
+        return  # no tensorwise before 0.12 (rules/version.py)
     recipes = [ctx.model.get(node + "fp8_recipe") for node in _RECIPE_NODES]
     recipe = next((r for r in reversed(recipes) if r is not ABSENT), "delayed")
     if recipe == "tensorwise":

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from nemo_fp8_align.config_check.context import CheckContext
-from nemo_fp8_align.config_check.layout import (FIXED_WHY, layout_fix, layout_overrides,
+from nemo_fp8_align.config_check.layout import (fixed_why, layout_fix, layout_overrides,
                                                 smaller_micro_batch_layout)
 from nemo_fp8_align.config_check.layout_string import layout_string_fix
 from nemo_fp8_align.config_check.reader import ABSENT
@@ -118,7 +118,7 @@ def _no_layout_fits(ctx: CheckContext, key: str, why: str, split: Tuple[Any, ...
         return
     uneven = layout_string_fix(ctx)
     if uneven is not None:  # Megatron-LM: a layout string keeps the model and the batch
-        ctx.model.add("num_layers", layers, f"{why}; {FIXED_WHY}, so the fix gives the split "
+        ctx.model.add("num_layers", layers, f"{why}; {fixed_why(ctx)}, so the fix gives the split "
                       "as a pipeline layout string (stages of unequal size, by a layer), "
                       "which keeps the model and the batch", fix=_with_layout(ctx, uneven))
         return
@@ -127,7 +127,7 @@ def _no_layout_fits(ctx: CheckContext, key: str, why: str, split: Tuple[Any, ...
         mbs, change = smaller_layout
         fix = " ".join([ctx.model.override("micro_batch_size", mbs, present=True),
                         layout_overrides(ctx, change)])
-        ctx.model.add("num_layers", layers, f"{why}; {FIXED_WHY}, so the fix lowers "
+        ctx.model.add("num_layers", layers, f"{why}; {fixed_why(ctx)}, so the fix lowers "
                       f"micro_batch_size to {mbs} with the layout that then fits, which keeps "
                       "the model and the global batch (in more, smaller microbatches)",
                       fix=fix)
@@ -144,7 +144,7 @@ def _no_layout_fits(ctx: CheckContext, key: str, why: str, split: Tuple[Any, ...
         return
     if key == "vp":
         why = why.replace("a divisor of", f"layers where VP = {vp} divides", 1)
-    why += (f"; {FIXED_WHY}, so the fix changes num_layers, which changes the model: "
+    why += (f"; {fixed_why(ctx)}, so the fix changes num_layers, which changes the model: "
             "or choose another PP / VP yourself")
     ctx.model.add("num_layers", layers, why, fix, fix=None if fix is not None
                   else "<a num_layers that splits evenly>")

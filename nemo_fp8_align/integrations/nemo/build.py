@@ -74,7 +74,11 @@ def startup_check(cfg: Any, trainer: Any = None, *,
     from nemo_fp8_align.config_check.check import (FP8AlignConfigError, align_config_from,
                                                    find_violations, plugin_off_override)
 
-    violations = find_violations(cfg, data_parallel_size=_data_parallel_size(cfg, trainer))
+    from nemo_fp8_align.integrations.mcore_version import importable_rules
+
+    # judged by the megatron-core NeMo runs on (its own schedule rules and options)
+    violations = find_violations(cfg, data_parallel_size=_data_parallel_size(cfg, trainer),
+                                 mcore=importable_rules())
     if weights is FP8Weights.REFERENCE:
         violations = [v for v in violations if v.key not in _TE_ONLY_KEYS]
     if violations:
