@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import subprocess
 import sys
@@ -11,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from nemo_fp8_align.cli.check import EXIT_INVALID, EXIT_OK, add_check_parser, run_check
+from nemo_fp8_align.cli.check import EXIT_INVALID, EXIT_OK, run_check
+from support.check_json import check_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -44,14 +44,7 @@ model:
 """
 
 
-def check(*argv: str):
-    """Parse ``check *argv`` the way a main would, run it; (status, stdout, stderr)."""
-    parser = argparse.ArgumentParser(prog="nemo-fp8-align")
-    add_check_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["check", *argv])
-    out, err = io.StringIO(), io.StringIO()
-    status = args.func(args, out=out, err=err)
-    return status, out.getvalue(), err.getvalue()
+check = check_cli
 
 
 @pytest.fixture

@@ -9,8 +9,6 @@ and the check must then pass (exit 0), as a user pasting it would see.
 
 from __future__ import annotations
 
-import argparse
-import io
 import json
 import shlex
 from pathlib import Path
@@ -19,8 +17,8 @@ from typing import List, Tuple
 import pytest
 from support.nemo_config import only, seed_config
 from support.overrides import applied
+from support.check_json import check_cli
 
-from nemo_fp8_align.cli.check import add_check_parser
 from nemo_fp8_align.config_check.check import find_violations
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,12 +30,7 @@ ENABLE = ["model.fp8=True", "+model.fp8_params=True", "model.fp8_hybrid=True",
           "+model.optim.align_param_gather=True", "+model.fp8_transpose_align.policy=aligned"]
 
 
-def check(*argv: str) -> Tuple[int, str, str]:
-    parser = argparse.ArgumentParser(prog="nemo-fp8-align")
-    add_check_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["check", *argv])
-    out, err = io.StringIO(), io.StringIO()
-    return args.func(args, out=out, err=err), out.getvalue(), err.getvalue()
+check = check_cli
 
 
 def as_json(*argv: str) -> Tuple[int, dict]:

@@ -6,8 +6,6 @@ tests/test_mcore_versions.py, which ``make test`` runs on 0.7.0 to 0.11.0."""
 
 from __future__ import annotations
 
-import argparse
-import io
 import json
 import os
 import subprocess
@@ -17,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from nemo_fp8_align.cli import check_version
-from nemo_fp8_align.cli.check import add_check_parser
 from nemo_fp8_align.integrations.mcore_version import rules_for
+from support.check_json import check_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = str(ROOT / "conf" / "megatron_gpt_fp8_align.yaml")
@@ -31,13 +29,7 @@ GOOD_LM = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size"
            "--seq-length", "128"]
 
 
-def check(*argv: str):
-    parser = argparse.ArgumentParser(prog="nemo-fp8-align")
-    add_check_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["check", *argv])
-    out, err = io.StringIO(), io.StringIO()
-    status = args.func(args, out=out, err=err)
-    return status, out.getvalue(), err.getvalue()
+check = check_cli
 
 
 def as_json(*argv: str):
