@@ -5,16 +5,21 @@ the entry-point callback needs. One function per rule, ``rule(ctx) -> None``.
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Mapping, Optional
 
 from nemo_fp8_align.config_check.context import CheckContext
-from nemo_fp8_align.config_check.reader import ABSENT, UNRESOLVED
+from nemo_fp8_align.config_check.reader import ABSENT, UNRESOLVED, Violation
 from nemo_fp8_align.config_check.rules.fp8 import APEX_OPTIM, MCORE_OPTIM
 from nemo_fp8_align.config_check.rules.split import divisors
 from nemo_fp8_align.config_check.structured import BLOCK_KEY
 
-__all__ = ["rule_attention_heads", "rule_cuda_graph", "rule_mcore_gpt", "rule_plugin_block",
-           "rule_shared_embedding_bucket"]
+__all__ = ["ENCODER_DECODER_WHY", "encoder_decoder_refused", "rule_attention_heads",
+           "rule_cuda_graph", "rule_mcore_gpt", "rule_plugin_block", "rule_shared_embedding_bucket"]
+
+#: Why an encoder-decoder (T5, BART, UL2) model is refused, in both modes.
+ENCODER_DECODER_WHY = ("a GPT (decoder-only) model: the plugin drives megatron-core's GPT model "
+                       "and its interleaved pipeline schedule; an encoder-decoder model (T5, "
+                       "BART) is not supported by this plugin")
 
 #: megatron-core 0.12.3 pads bucket ends to a multiple of lcm(DP, 128) values.
 _BUCKET_PAD = 128
@@ -29,6 +34,24 @@ def rule_plugin_block(ctx: CheckContext) -> None:
                       "stays inert and the plugin does not run (a model class with "
                       "FP8TransposeAlignMixin runs without it: pass --mixin)",
                       fix=f"+{ctx.model.prefix}{BLOCK_KEY}.policy=aligned")
+
+
+def encoder_decoder_refused(ctx: CheckContext) -> bool:
+    """NeMo's Megatron T5 / BART / UL2 configs (``model.encoder`` and ``model.decoder`` blocks,
+    ``model.mcore_t5``) build an encoder-decoder model, which the plugin does not drive. Named
+    once, and no other rule runs: their fixes (``mcore_gpt`` for ``mcore_t5``, a
+    ``model.num_layers`` the T5 model does not read, PP and VP) would rewrite a T5 config into
+    a broken GPT one. True when refused."""
+    node = ctx.model.node
+    blocks = [k for k in ("encoder", "decoder") if isinstance(node.get(k), Mapping)]
+    if not blocks and ctx.model.get("mcore_t5") is ABSENT:
+        return False
+    keys = [ctx.model.prefix + k for k in blocks or ["mcore_t5"]]
+    # found is said in words (not a value shown as a string): the blocks are the evidence
+    ctx.model.violations.append(Violation(
+        keys[0], "an encoder-decoder model (" + " and ".join(keys) + ")", ENCODER_DECODER_WHY,
+        "none: train without the plugin (turn it off)"))
+    return True
 
 
 def rule_mcore_gpt(ctx: CheckContext) -> None:
