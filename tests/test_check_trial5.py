@@ -120,6 +120,34 @@ def test_a_nemo_t5_config_is_named_not_renamed_into_a_gpt_config():
     assert run([launcher("t5_220m"), "+model.fp8_transpose_align.enabled=False"])[0] == 0
 
 
+
+MAMBA = str(UP / "nemo_v2.3.2" / "megatron_mamba_config.yaml")
+
+
+def test_a_nemo_mamba_config_is_named_not_given_a_virtual_pipeline():
+    """NeMo v2.3.2's Mamba config (MegatronMambaModel, megatron-core's MambaModel): the line was
+    PP 2 VP 2 and 'passed', but megatron-core 0.12.3's MambaStack asserts 'The Mamba hybrid
+    model does not currently support virtual/interleaved pipeline parallelism', and the plugin
+    needs VP >= 2. Named alone, with no line but the plugin off."""
+    status, payload = run([MAMBA, *ON])
+    assert status == 2 and payload["fix_passes"] is False, payload
+    keys = [v["key"] for v in payload["violations"]]
+    assert keys == ["model.hybrid_override_pattern"], keys
+    assert "virtual/interleaved pipeline" in payload["violations"][0]["expected"]
+    assert payload["fix_overrides"] == [], payload["fix_overrides"]
+
+
+def test_a_nemo_bert_config_is_named_not_given_mcore_gpt():
+    """The launcher's BERT 110M config (NeMo's MegatronBertModel): the line added
+    +model.mcore_gpt=True, a key the BERT model does not read, and passed for a model the plugin
+    (NeMo's MegatronGPTModel) does not drive. Named alone."""
+    status, payload = run([launcher("bert_110m"), *ON])
+    assert status == 2 and payload["fix_passes"] is False, payload
+    keys = [v["key"] for v in payload["violations"]]
+    assert keys == ["model.bert_binary_head"], keys
+    assert "not supported by this plugin" in payload["violations"][0]["expected"]
+    assert payload["fix_overrides"] == [], payload["fix_overrides"]
+
 # --- every Megatron-LM case of the trial: the verdict's line, pasted and checked again ------
 
 BRIDGE_QWEN3_32B = (

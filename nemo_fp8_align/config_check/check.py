@@ -16,8 +16,8 @@ node count, unless no layout is found (the message then names the trade-off). A 
 needs a value another rule found invalid (a layer split without a valid PP) does not run: the
 invalid value is what is reported. Two gates: the plugin's own block (with ``enabled:
 false`` or ``policy: off`` the plugin is inactive and only errors inside that block are
-reported), and an encoder-decoder model (T5), which is named alone: the plugin does not
-drive it, and the GPT rules' fixes would rewrite it.
+reported), and a model other than megatron-core's GPT model (T5, BERT, NeMo's Mamba), which
+is named alone: the plugin does not drive it, and the GPT rules' fixes would rewrite it.
 
 What is read, by rule (the module of each rule names where NeMo or megatron-core enforces it):
 the plugin block (``model.fp8_transpose_align``, a misspelt key gets "did you mean"); PP >= 2
@@ -59,7 +59,7 @@ from nemo_fp8_align.config_check.reader import (ABSENT, UNRESOLVED, Reader, Viol
 from nemo_fp8_align.config_check.resolvers import upstream_resolvers
 from nemo_fp8_align.config_check.rules import RULES, Rule
 from nemo_fp8_align.config_check.rules.fp8 import PER_TENSOR_RECIPES, SUPPORTED_OPTIMIZERS
-from nemo_fp8_align.config_check.rules.model import encoder_decoder_refused
+from nemo_fp8_align.config_check.rules.model import other_model_refused
 from nemo_fp8_align.config_check.structured import BLOCK_KEY, block_fields, block_schema
 
 __all__ = ["FP8AlignConfigError", "RULES", "Violation", "align_config_from", "check_config",
@@ -135,8 +135,8 @@ def find_violations(cfg: Any, *, data_parallel_size: Any = None,
                            data_parallel_size, data_parallel_name, found,
                            require_block=require_block, dialect=dialect)
         align = _read_block(ctx.model)
-        # an encoder-decoder model is named alone: the GPT rules' fixes would rewrite it
-        if align.active and not encoder_decoder_refused(ctx):
+        # a model the plugin does not drive is named alone: the GPT rules' fixes would rewrite it
+        if align.active and not other_model_refused(ctx):
             for rule in RULES:
                 _run_rule(rule, ctx)
         readers = {"model.": ctx.model, **({"trainer.": ctx.trainer} if ctx.trainer else {})}
