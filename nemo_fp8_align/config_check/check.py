@@ -14,8 +14,10 @@ violation hides another. Fixes for the layer split, the world size and the micro
 the parallel layout (:mod:`nemo_fp8_align.config_check.layout`), not the model, the batch or the
 node count, unless no layout is found (the message then names the trade-off). A rule that
 needs a value another rule found invalid (a layer split without a valid PP) does not run: the
-invalid value is what is reported. The one gate is the plugin's own block: with ``enabled: false`` or ``policy: off`` the plugin is
-inactive and only errors inside that block are reported.
+invalid value is what is reported. Two gates: the plugin's own block (with ``enabled:
+false`` or ``policy: off`` the plugin is inactive and only errors inside that block are
+reported), and a model other than megatron-core's GPT model (T5, BERT, NeMo's Mamba), which
+is named alone: the plugin does not drive it, and the GPT rules' fixes would rewrite it.
 
 What is read, by rule (the module of each rule names where NeMo or megatron-core enforces it):
 the plugin block (``model.fp8_transpose_align``, a misspelt key gets "did you mean"); PP >= 2
@@ -57,6 +59,7 @@ from nemo_fp8_align.config_check.reader import (ABSENT, UNRESOLVED, Reader, Viol
 from nemo_fp8_align.config_check.resolvers import upstream_resolvers
 from nemo_fp8_align.config_check.rules import RULES, Rule
 from nemo_fp8_align.config_check.rules.fp8 import PER_TENSOR_RECIPES, SUPPORTED_OPTIMIZERS
+from nemo_fp8_align.config_check.rules.model import other_model_refused
 from nemo_fp8_align.config_check.structured import BLOCK_KEY, block_fields, block_schema
 from nemo_fp8_align.integrations.mcore_version import VersionRules
 
@@ -136,7 +139,8 @@ def find_violations(cfg: Any, *, data_parallel_size: Any = None,
                            data_parallel_size, data_parallel_name, found,
                            require_block=require_block, dialect=dialect, mcore=mcore)
         align = _read_block(ctx.model)
-        if align.active:
+        # a model the plugin does not drive is named alone: the GPT rules' fixes would rewrite it
+        if align.active and not other_model_refused(ctx):
             for rule in RULES:
                 _run_rule(rule, ctx)
         readers = {"model.": ctx.model, **({"trainer.": ctx.trainer} if ctx.trainer else {})}

@@ -25,8 +25,8 @@ from nemo_fp8_align.config_check.megatron_lm_hybrid import (HYBRID, hybrid_layer
                                                             hybrid_pattern, hybrid_segments)
 from nemo_fp8_align.config_check.megatron_lm_parser import parse_argv
 from nemo_fp8_align.config_check.megatron_lm_rules import (
-    _VP_DESTS, LAYOUT, PARSE_PROBLEMS, implicit_global_batch, layout_stages, megatron_lm_only,
-    nearest_world, step_schedule, vp_flag, vp_of, vp_spelling)
+    _VP_DESTS, LAYOUT, PARSE_PROBLEMS, encoder_decoder, implicit_global_batch, layout_stages,
+    megatron_lm_only, nearest_world, step_schedule, vp_flag, vp_of, vp_spelling)
 from nemo_fp8_align.config_check.reader import Violation
 
 __all__ = ["FLAGS", "READ_DESTS", "megatron_lm_config", "megatron_lm_violations",
@@ -210,6 +210,9 @@ def megatron_lm_violations(args: Mapping[str, Any], world_size: Optional[int] = 
     from nemo_fp8_align.config_check.check import find_violations
 
     out: List[Violation] = list(args.get(PARSE_PROBLEMS, ()))
+    refused = encoder_decoder(args)
+    if refused:  # T5: named alone, the GPT rules' fixes would rewrite it
+        return out + refused
     out += megatron_lm_only(args, world_size)
     cfg = megatron_lm_config(args, world_size)
     # Layers per virtual stage without --num-layers give no VP: the --num-layers violation is

@@ -18,10 +18,11 @@ from nemo_fp8_align.config_check.reader import Violation
 from nemo_fp8_align.config_check.batch_fix import nearest_microbatches, schedule_fits
 from nemo_fp8_align.config_check.megatron_lm_hybrid import (HYBRID, hybrid_pattern,
                                                             hybrid_segments, with_segments)
+from nemo_fp8_align.config_check.rules.model import ENCODER_DECODER_WHY
 from nemo_fp8_align.config_check.recipes import MCORE_MEGATRON_LM, SETTINGS, findings, recipe_of
 
-__all__ = ["PARSE_PROBLEMS", "implicit_global_batch", "layout_stages", "megatron_lm_only",
-           "nearest_world", "step_schedule", "vp_flag", "vp_of",
+__all__ = ["PARSE_PROBLEMS", "encoder_decoder", "implicit_global_batch", "layout_stages",
+           "megatron_lm_only", "nearest_world", "step_schedule", "vp_flag", "vp_of",
            "vp_spelling"]
 
 #: Key of :func:`parse_megatron_lm_argv`'s result holding what Megatron-LM's parser stops on.
@@ -112,8 +113,12 @@ def vp_spelling(args: Mapping[str, Any], pp: Optional[int], vp: Any) -> List[str
         return []
     flag = vp_flag(args)
     if flag == HYBRID:
+        # The segments are PP x VP, so they follow the PP the line leaves: a PP below the
+        # plugin's least (2) is raised to 2 by the pipeline-size rule in the same line. Cut
+        # for the PP given (1), the pattern would have VP 1 at PP 2 on the re-check, where no
+        # TP or CP change fits and the world size was changed instead.
         pattern = hybrid_pattern(args)
-        return [f"{HYBRID} {shlex.quote(with_segments(pattern, pp * vp))}"]
+        return [f"{HYBRID} {shlex.quote(with_segments(pattern, max(pp, 2) * vp))}"]
     if flag == LAYOUT:
         layers = _int(args.get("num_layers"))
         if layers is None or layers < pp * vp:
@@ -253,6 +258,24 @@ def megatron_lm_only(args: Mapping[str, Any], world: Optional[int]) -> List[Viol
                                  "part): or do not attach the plugin",
                                  f"drop {flag}; --use-distributed-optimizer"))
     return out + _fsdp_only(args) + _hierarchical_cp(args) + _emerging_optimizer(args)
+
+
+def encoder_decoder(args: Mapping[str, Any]) -> List[Violation]:
+    """Megatron-LM's T5 training script gives --encoder-num-layers / --decoder-num-layers:
+    validate_args reads the encoder's as --num-layers (and asserts the two are not both given),
+    and the model is an encoder-decoder one, which the plugin does not drive. Named alone (no
+    --num-layers to add, no layout for a model the plugin does not attach to)."""
+    given = [f for f, d in (("--encoder-num-layers", "encoder_num_layers"),
+                            ("--decoder-num-layers", "decoder_num_layers")) if args.get(d)
+             is not None]
+    # validate_args copies --num-layers into encoder_num_layers for every model: a GPT
+    # model's validated arguments have it, and no decoder_num_layers
+    if args.get("decoder_num_layers") is None and args.get("num_layers") is not None:
+        return []
+    if not given:
+        return []
+    return [Violation(given[0], "an encoder-decoder model (" + " and ".join(given) + ")",
+                      ENCODER_DECODER_WHY, "none: train without the plugin (do not attach it)")]
 
 
 def _emerging_optimizer(args: Mapping[str, Any]) -> List[Violation]:

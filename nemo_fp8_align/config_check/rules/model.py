@@ -1,20 +1,36 @@
 """Startup-check rules on the model NeMo builds: megatron-core's GPT model, attention heads against
 TP, the shared-embedding bucket bug of megatron-core 0.12.3, CUDA graphs, and the plugin block
-the entry-point callback needs. One function per rule, ``rule(ctx) -> None``.
+the entry-point callback needs. One function per rule, ``rule(ctx) -> None``; and the gate
+that names a config of another model (T5, BERT, NeMo's Mamba) alone (:func:`other_model_refused`).
 """
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Mapping, Optional, Tuple
 
 from nemo_fp8_align.config_check.context import CheckContext
-from nemo_fp8_align.config_check.reader import ABSENT, UNRESOLVED
+from nemo_fp8_align.config_check.reader import ABSENT, UNRESOLVED, Violation
 from nemo_fp8_align.config_check.rules.fp8 import APEX_OPTIM, MCORE_OPTIM
 from nemo_fp8_align.config_check.rules.split import divisors
 from nemo_fp8_align.config_check.structured import BLOCK_KEY
 
-__all__ = ["rule_attention_heads", "rule_cuda_graph", "rule_mcore_gpt", "rule_plugin_block",
+__all__ = ["BERT_WHY", "ENCODER_DECODER_WHY", "MAMBA_WHY", "other_model_refused",
+           "rule_attention_heads", "rule_cuda_graph", "rule_mcore_gpt", "rule_plugin_block",
            "rule_shared_embedding_bucket"]
+
+#: Why an encoder-decoder (T5, BART, UL2) model is refused, in both modes.
+ENCODER_DECODER_WHY = ("a GPT (decoder-only) model: the plugin drives megatron-core's GPT model "
+                       "and its interleaved pipeline schedule; an encoder-decoder model (T5, "
+                       "BART) is not supported by this plugin")
+#: ...a NeMo (megatron-core 0.12.3) Mamba hybrid model: no VP there, which the plugin needs.
+MAMBA_WHY = ("megatron-core's GPT model: the plugin needs VP >= 2, and megatron-core 0.12.3's "
+             "MambaStack asserts 'The Mamba hybrid model does not currently support "
+             "virtual/interleaved pipeline parallelism'; not supported by this plugin in NeMo "
+             "mode (Megatron-LM mode reads hybrid layer patterns on megatron-core 0.19)")
+#: ...a BERT model: NeMo's MegatronBertModel, not the MegatronGPTModel the plugin wires into.
+BERT_WHY = ("a GPT model: the plugin wires into NeMo's MegatronGPTModel (its training step "
+            "and megatron-core's GPT model chunks); a BERT model (MegatronBertModel) is not "
+            "supported by this plugin")
 
 #: megatron-core 0.12.3 pads bucket ends to a multiple of lcm(DP, 128) values.
 _BUCKET_PAD = 128
@@ -29,6 +45,44 @@ def rule_plugin_block(ctx: CheckContext) -> None:
                       "stays inert and the plugin does not run (a model class with "
                       "FP8TransposeAlignMixin runs without it: pass --mixin)",
                       fix=f"+{ctx.model.prefix}{BLOCK_KEY}.policy=aligned")
+
+
+def _other_model(ctx: CheckContext) -> Optional[Tuple[List[str], str, str]]:
+    """(the keys that show it, what model it is, why it is refused) for a NeMo config of a
+    model other than megatron-core's GPT model; None for a GPT config (Megatron-LM's arguments:
+    megatron_lm_rules.encoder_decoder; a hybrid pattern is read there, on megatron-core 0.19)."""
+    if not ctx.nemo:
+        return None
+    node = ctx.model.node
+    blocks = [k for k in ("encoder", "decoder") if isinstance(node.get(k), Mapping)]
+    if blocks or "mcore_t5" in node:
+        # NeMo's Megatron T5 / BART / UL2 (MegatronLMEncoderDecoderModel)
+        return blocks or ["mcore_t5"], "an encoder-decoder model", ENCODER_DECODER_WHY
+    mamba = [k for k in ("hybrid_override_pattern", "mamba_ssm_ngroups") if k in node]
+    if mamba:
+        # NeMo's MegatronMambaModel builds megatron-core's MambaModel
+        return mamba, "a Mamba hybrid model", MAMBA_WHY
+    if "bert_binary_head" in node or "mcore_bert" in node:
+        return (["bert_binary_head" if "bert_binary_head" in node else "mcore_bert"],
+                "a BERT model", BERT_WHY)
+    return None
+
+
+def other_model_refused(ctx: CheckContext) -> bool:
+    """A NeMo config of a model the plugin does not drive (T5 / BART, BERT, Mamba) is named
+    once, and no other rule runs: their fixes (``mcore_gpt`` for ``mcore_t5``, a
+    ``model.num_layers`` T5 does not read, a VP that megatron-core's MambaStack asserts
+    against) would rewrite it into a broken GPT config. True when refused."""
+    found = _other_model(ctx)
+    if found is None:
+        return False
+    keys, what, why = found
+    keys = [ctx.model.prefix + k for k in keys]
+    # found is said in words (not a value shown as a string): the keys are the evidence
+    ctx.model.violations.append(Violation(
+        keys[0], f"{what} (" + " and ".join(keys) + ")", why,
+        "none: train without the plugin (turn it off)"))
+    return True
 
 
 def rule_mcore_gpt(ctx: CheckContext) -> None:
