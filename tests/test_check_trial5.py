@@ -6,15 +6,13 @@ trial"; sources in tests/data/upstream/README.md). The first tests are the wrong
 
 from __future__ import annotations
 
-import argparse
-import io
-import json
+import functools
 from pathlib import Path
 from typing import List, Tuple
 
 import pytest
 
-from nemo_fp8_align.cli.check import add_check_parser
+from support.check_json import check_json
 
 UP = Path(__file__).parent / "data" / "upstream"
 pytestmark = pytest.mark.filterwarnings("ignore:provider=hydra.searchpath")
@@ -27,18 +25,7 @@ PLUGIN = FP8_FLAGS + ["--use-distributed-optimizer", "--overlap-param-gather",
                       "--overlap-grad-reduce"]
 
 
-def run(argv: List[str]) -> Tuple[int, dict]:
-    parser = argparse.ArgumentParser(prog="nemo-fp8-align")
-    add_check_parser(parser.add_subparsers(dest="command", required=True))
-    if "--" in argv:
-        at = argv.index("--")
-        argv = argv[:at] + ["--format", "json"] + argv[at:]
-    else:
-        argv = argv + ["--format", "json"]
-    args = parser.parse_args(["check", *argv])
-    out = io.StringIO()
-    status = args.func(args, out=out, err=io.StringIO())
-    return status, json.loads(out.getvalue().strip().splitlines()[-1])
+run = functools.partial(check_json, megatron_lm_version="0.19.2")  # 0.19-era lists
 
 
 def args_of(name: str) -> List[str]:
