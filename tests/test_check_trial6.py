@@ -84,6 +84,21 @@ def test_a_layout_string_kept_at_a_smaller_pp_keeps_the_ep_that_fits_it():
     assert megatron_lm(512, payload["fixed_argv"])[0] == 0
 
 
+PROXY = "deepseekv3_proxy_flex_tp1pp4emp16etp1cp1_release"
+
+
+def test_a_layout_string_of_pp_x_vp_stages_moves_to_the_pp_that_keeps_ep():
+    """Megatron-LM's DeepSeek-V3 proxy (ETP 1, EP 16, PP 4, a layout string of 8 stages: VP 2)
+    on 32 GPUs: 1 * 16 * 4 = 64 divides no 32. The line was '--expert-model-parallel-size 8'
+    (EP worked out at the given PP: the layout search may not move PP under a layout string);
+    the same 8 stages at PP 2 (VP 4, which Megatron-LM derives from the string) fit with EP 16,
+    and the issue's fix order is the layout first."""
+    status, payload = megatron_lm(32, args_of(PROXY) + FP8_FLAGS)
+    assert status == 2 and payload["fix_passes"] is True, payload
+    assert payload["fix_text"] == "--pipeline-model-parallel-size 2", payload["fix_text"]
+    assert megatron_lm(32, payload["fixed_argv"])[0] == 0
+
+
 # --- every Megatron-LM case of the trial: the verdict's line, pasted and checked again ------
 
 ACCOUNT = "gpt3_mcore_te_tp1_pp4_vp2_account_for_embedding_loss_in_pipeline_split"
