@@ -130,6 +130,16 @@ ROWS = [
     # Bridge's 16-stage layout at PP 8 x VP 2 (the layout Bridge itself gives PP 8 VP 2)
     ("BRIDGE_DEEPSEEK_V3", 1024, FP8_FLAGS, "--pipeline-model-parallel-size 8"),
     ("BRIDGE_DEEPSEEK_V3", 512, FP8_FLAGS, "--pipeline-model-parallel-size 8"),
+    # DP 4: M = 32 / (4 * 4) = 2 < PP 4; micro batch 2 (global batch 32 kept)
+    (ACCOUNT, 16, PLUGIN, "--micro-batch-size 2"),
+    # 48 GPUs: DP 6 divides no 256; PP 3 (DP 8, EP 8 kept: 1 * 8 * 3 = 24) with VP 2 needs a
+    # first stage (4 layers; 14 on each other stage: valid, not balanced, docs say so)
+    ("mixtral_8x7b_tp1pp4ep8vpp8_release", 48, FP8_FLAGS,
+     "--microbatch-group-size-per-virtual-pipeline-stage 4 --decoder-first-pipeline-num-layers 4 "
+     "--pipeline-model-parallel-size 3 --num-virtual-stages-per-pipeline-rank 2; "
+     "drop --num-layers-per-virtual-pipeline-stage"),
+    # 32 GPUs: the 8 stages at PP 2 (VP 4) keep EP 16 (was EP 8)
+    (PROXY, 32, FP8_FLAGS, "--pipeline-model-parallel-size 2"),
 ]
 
 
@@ -177,6 +187,13 @@ NEMO_ROWS = [
     (launcher("grok_grok1_proxy"), FP8 + ["trainer.num_nodes=4"], NEMO_PP2_VP2),
     (launcher("nemotron_nemotron_8b"), FP8, NEMO_PP2_VP2),
     (launcher("nemotron_nemotron_8b"), FP8 + ["model.global_batch_size=24"], NEMO_PP2_VP2),
+    # 16 GPUs: expert TP 2 (= TP) x EP 8 x PP 2 = 32; EP 4 (ETP 1 would fit too)
+    (launcher("grok_grok1_proxy"), FP8 + ["trainer.num_nodes=2"],
+     NEMO_PP2_VP2 + ["model.expert_model_parallel_size=4"]),
+    # 3 nodes: DP 6 divides no 2048; the nearest batch, 2040 (left as is: the layout that
+    # keeps 2048, PP 6 VP 2 with first/last stages of 4 and N 8, changes five settings)
+    (launcher("llama_llama2_13b"), FP8 + ["trainer.num_nodes=3"],
+     ["model.global_batch_size=2040"]),
 ]
 
 
