@@ -3,8 +3,9 @@ first/last split of the layers fits PP, VP >= 2 (a prime layer count: DeepSeek-V
 layout string places any number of layers in each stage, so the split can keep the model
 (:func:`layout_string_fix`); the layer count is changed only where this fails too. A string (or
 a hybrid pattern) of one stage per rank keeps its own stages where a smaller PP fits
-(:func:`kept_string_fix`). NeMo mode has no such fix (megatron-core 0.12.3 has no layout
-string).
+(:func:`kept_string_fix`), and one of PP x VP stages regroups them at another PP where the
+given one does not fit (:func:`regrouped_string_fix`). NeMo mode has no such fix (megatron-core
+0.12.3 has no layout string).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from nemo_fp8_align.config_check.context import CheckContext
 from nemo_fp8_align.config_check.layout import KEYS, Layout, layout_inputs, search
 from nemo_fp8_align.config_check.reader import ABSENT
 
-__all__ = ["kept_string_fix", "layout_string_fix", "layout_text"]
+__all__ = ["kept_string_fix", "layout_string_fix", "layout_text", "regrouped_string_fix"]
 
 
 def layout_string_fix(ctx: CheckContext) -> Optional[Dict[str, Any]]:
@@ -90,6 +91,31 @@ def kept_string_fix(ctx: CheckContext) -> Optional[Dict[str, Any]]:
         if stages % vp:
             continue
         found = search(fixed, Layout(stages // vp, vp, None, None, cur.n))
+        if found is not None:
+            change = {KEYS["pp"]: found.pp}
+            if found.n != cur.n:
+                change[KEYS["n"]] = found.n
+            return change
+    return None
+
+
+def regrouped_string_fix(ctx: CheckContext) -> Optional[Dict[str, Any]]:
+    """Megatron-LM: a layout string or a hybrid pattern of PP x VP stages (VP >= 2) keeps its
+    stages at the nearest other PP that fits the world (expert sizes included) and the batch,
+    VP >= 2 (Megatron-LM derives VP from the stages and asserts the VP flags absent; the
+    DeepSeek-V3 proxy's 8 stages at PP 4 with EP 16 on 32 GPUs: PP 2, VP 4, EP kept).
+    {model key: new value}, or None (no such PP)."""
+    if not ctx.layout_string() or ctx.vp() is None:
+        return None
+    inputs = layout_inputs(ctx)
+    if inputs is None:
+        return None
+    fixed, cur = inputs
+    stages = cur.pp * cur.vp
+    pps = sorted((p for p in range(2, stages // 2 + 1) if stages % p == 0 and p != cur.pp),
+                 key=lambda p: (abs(p - cur.pp), p))
+    for pp in pps:
+        found = search(fixed, Layout(pp, stages // pp, None, None, cur.n))
         if found is not None:
             change = {KEYS["pp"]: found.pp}
             if found.n != cur.n:

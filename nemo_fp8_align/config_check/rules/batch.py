@@ -19,6 +19,7 @@ from nemo_fp8_align.config_check.batch_fix import micro_batch_fix, nearest_batch
 from nemo_fp8_align.config_check.context import CheckContext
 from nemo_fp8_align.config_check.layout import (fixed_why, layout_fix, layout_overrides,
                                                 smaller_micro_batch_layout)
+from nemo_fp8_align.config_check.layout_string import kept_string_fix, regrouped_string_fix
 from nemo_fp8_align.config_check.reader import ABSENT, Violation, show_value
 from nemo_fp8_align.config_check.rules.parallel import expert_parallel_fix
 
@@ -93,8 +94,12 @@ def rule_expert_world_size(ctx: CheckContext) -> None:
            "expert_tensor_model_pipeline_parallel size')")
     # The layout search holds EP and finds the PP it divides with: where it does, that layout
     # is the fix and EP stays (an EP worked out at the given PP was changed needlessly: EP 8
-    # -> 4 beside the PP 4 at which EP 8 fits)
-    change = layout_fix(ctx)
+    # -> 4 beside the PP 4 at which EP 8 fits). A layout string kept at a smaller PP is the VP
+    # rule's fix for it, so its PP is tried first (Bridge's DeepSeek-V3 on 512 GPUs: PP 16 ->
+    # 8 keeps EP 64, which the line lowered to 32 beside it); a string of PP x VP stages is
+    # regrouped at another PP (the layout search moves no PP under a string: the proxy's 8
+    # stages with EP 16 on 32 GPUs got EP 8 where PP 2 keeps EP 16)
+    change = kept_string_fix(ctx) or regrouped_string_fix(ctx) or layout_fix(ctx)
     new_pp = (change or {}).get("pipeline_model_parallel_size")
     if type(new_pp) is int and world % (etp * ep * new_pp) == 0:
         ctx.model.add("expert_model_parallel_size", ep, f"{why}; the layout fix keeps EP "
