@@ -83,7 +83,7 @@ def test_validated_arguments_of_gpt_and_t5_models_are_told_apart():
     so the hook's arguments (vars(get_args())) of a GPT model have it: not an encoder-decoder
     model (the refusal stopped every Megatron-LM-loop test when it read that alone). T5's have
     decoder_num_layers too."""
-    from nemo_fp8_align.config_check.megatron_lm_rules import encoder_decoder
+    from nemo_fp8_align.config_check.megatron_lm_refusals import encoder_decoder
 
     gpt = {"num_layers": 12, "encoder_num_layers": 12, "decoder_num_layers": None}
     assert encoder_decoder(gpt) == []

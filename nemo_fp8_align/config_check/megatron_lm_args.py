@@ -24,9 +24,10 @@ from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence
 from nemo_fp8_align.config_check.megatron_lm_hybrid import (HYBRID, hybrid_layers,
                                                             hybrid_pattern, hybrid_segments)
 from nemo_fp8_align.config_check.megatron_lm_parser import parse_argv
+from nemo_fp8_align.config_check.megatron_lm_refusals import encoder_decoder
 from nemo_fp8_align.config_check.megatron_lm_rules import (
-    _VP_DESTS, LAYOUT, PARSE_PROBLEMS, encoder_decoder, implicit_global_batch, layout_stages,
-    megatron_lm_only, nearest_world, step_schedule, vp_flag, vp_of, vp_spelling)
+    _VP_DESTS, LAYOUT, PARSE_PROBLEMS, implicit_global_batch, layout_stages, megatron_lm_only,
+    nearest_world, step_schedule, vp_flag, vp_of, vp_spelling)
 from nemo_fp8_align.config_check.reader import Violation
 
 __all__ = ["FLAGS", "READ_DESTS", "megatron_lm_config", "megatron_lm_violations",

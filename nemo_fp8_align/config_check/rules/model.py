@@ -50,7 +50,7 @@ def rule_plugin_block(ctx: CheckContext) -> None:
 def _other_model(ctx: CheckContext) -> Optional[Tuple[List[str], str, str]]:
     """(the keys that show it, what model it is, why it is refused) for a NeMo config of a
     model other than megatron-core's GPT model; None for a GPT config (Megatron-LM's arguments:
-    megatron_lm_rules.encoder_decoder; a hybrid pattern is read there, on megatron-core 0.19)."""
+    megatron_lm_refusals.encoder_decoder; a hybrid pattern is read there, on megatron-core 0.19)."""
     if not ctx.nemo:
         return None
     node = ctx.model.node
