@@ -11,10 +11,10 @@ given one does not fit (:func:`regrouped_string_fix`). NeMo mode has no such fix
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from nemo_fp8_align.config_check.context import CheckContext
-from nemo_fp8_align.config_check.layout import KEYS, Layout, layout_inputs, search
+from nemo_fp8_align.config_check.layout import KEYS, Fixed, Layout, layout_inputs, search
 from nemo_fp8_align.config_check.reader import ABSENT
 
 __all__ = ["kept_string_fix", "layout_string_fix", "layout_text", "regrouped_string_fix"]
@@ -87,16 +87,8 @@ def kept_string_fix(ctx: CheckContext) -> Optional[Dict[str, Any]]:
         return None
     fixed, cur = inputs
     stages = cur.pp  # VP 1: one stage per rank
-    for vp in range(2, stages // 2 + 1):
-        if stages % vp:
-            continue
-        found = search(fixed, Layout(stages // vp, vp, None, None, cur.n))
-        if found is not None:
-            change = {KEYS["pp"]: found.pp}
-            if found.n != cur.n:
-                change[KEYS["n"]] = found.n
-            return change
-    return None
+    largest_first = [stages // vp for vp in range(2, stages // 2 + 1) if stages % vp == 0]
+    return _regrouped(fixed, cur, stages, largest_first)
 
 
 def regrouped_string_fix(ctx: CheckContext) -> Optional[Dict[str, Any]]:
@@ -114,6 +106,13 @@ def regrouped_string_fix(ctx: CheckContext) -> Optional[Dict[str, Any]]:
     stages = cur.pp * cur.vp
     pps = sorted((p for p in range(2, stages // 2 + 1) if stages % p == 0 and p != cur.pp),
                  key=lambda p: (abs(p - cur.pp), p))
+    return _regrouped(fixed, cur, stages, pps)
+
+
+def _regrouped(fixed: Fixed, cur: Layout, stages: int,
+               pps: List[int]) -> Optional[Dict[str, Any]]:
+    """The first of ``pps`` (each dividing ``stages``) at which the same stages fit, as the
+    change of PP (and of N where the search moved it); None if none fits."""
     for pp in pps:
         found = search(fixed, Layout(pp, stages // pp, None, None, cur.n))
         if found is not None:
