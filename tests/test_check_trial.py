@@ -8,27 +8,18 @@ rows took 12 to 27 s under load); the second trial's rows are at the end."""
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
 from typing import List, Tuple
 
 import pytest
 
-from support.check_json import check_json
+from support.trials import FP8, ON, UP, args_of, run
 
-UP = Path(__file__).parent / "data" / "upstream"
 pytestmark = pytest.mark.filterwarnings("ignore:provider=hydra.searchpath")
-ON = ["+model.fp8_transpose_align.policy=aligned"]
-FP8 = ON + ["model.fp8=True", "+model.fp8_params=True", "model.fp8_hybrid=True",
-            "+model.optim.align_param_gather=True"]
 LAYOUT = ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
           "microbatch_group_size_per_vp_stage", "num_layers_in_first_pipeline_stage",
           "context_parallel_size")
 PLUGIN = ("fp8", "fp8_params", "fp8_hybrid", "optim.align_param_gather",
           "optim.overlap_param_sync", "optim.overlap_grad_sync", "cpu_offloading")
-
-
-run = functools.partial(check_json, megatron_lm_version="0.19.2")  # 0.19-era lists
 
 
 def _key(override: str) -> str:
@@ -86,10 +77,6 @@ def test_a_recipe_megatron_core_0_12_lacks_is_left_to_the_user_in_nemo_mode():
     status, payload = run(argv)
     assert status == 2 and payload["fix_passes"] is False and payload["fix_overrides"] == []
     assert [v["key"] for v in payload["left"]] == ["model.fp8_recipe"]
-
-
-def args_of(name: str) -> List[str]:
-    return [a for a in (UP / "megatron_lm" / f"{name}.args").read_text().split("\n") if a]
 
 
 #: (argument list, world size, the flags named, the line)

@@ -7,33 +7,14 @@ failing), then every case's line. In-process calls: 55 tests in 12 s on the 2 sh
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
-from typing import List, Tuple
 
 import pytest
 
-from support.check_json import check_json
+from support.trials import (FP8, FP8_FLAGS, ON, PLUGIN, UP, args_of, assert_megatron_lm_line,
+                            assert_nemo_line, launcher, megatron_lm, run)
 
-UP = Path(__file__).parent / "data" / "upstream"
 pytestmark = pytest.mark.filterwarnings("ignore:provider=hydra.searchpath")
-ON = ["+model.fp8_transpose_align.policy=aligned"]
-FP8 = ON + ["model.fp8=True", "+model.fp8_params=True", "model.fp8_hybrid=True",
-            "+model.optim.align_param_gather=True"]
-#: Megatron-LM "+FP8": the plugin's FP8 and optimizer settings
-PLUGIN = ["--fp8-format", "hybrid", "--fp8-param-gather", "--use-distributed-optimizer",
-          "--overlap-param-gather", "--overlap-grad-reduce"]
-
-
-run = functools.partial(check_json, megatron_lm_version="0.19.2")  # 0.19-era lists
-
-
-def args_of(name: str) -> List[str]:
-    return [a for a in (UP / "megatron_lm" / f"{name}.args").read_text().split("\n") if a]
-
-
-def megatron_lm(world: int, argv: List[str]) -> Tuple[int, dict]:
-    return run(["--megatron-lm", "--world-size", str(world), "--", *argv])
 
 
 # --- what the trial found wrong -------------------------------------------------------------
@@ -144,7 +125,6 @@ def test_mixtral_8x7b_on_48_gpus_keeps_ep_4_at_pp_3():
 
 # --- every Megatron-LM case of the trial: the verdict's line, pasted and checked again ------
 
-FP8_FLAGS = ["--fp8-format", "hybrid", "--fp8-param-gather"]
 BRIDGE_QWEN30 = (
     '--num-layers 48 --hidden-size 2048 --ffn-hidden-size 6144 --num-attention-heads 32 '
     '--group-query-attention --num-query-groups 4 --kv-channels 128 --seq-length 4096 '
@@ -309,22 +289,11 @@ ROWS = [
                          ids=[f"{r[0]}-{r[1]}-{i}" for i, r in enumerate(ROWS)])
 def test_megatron_lm_rows_get_a_line_that_passes_and_keeps_the_model(name, world, extra, line):
     argv = (BRIDGE[name] if name in BRIDGE else args_of(name)) + list(extra)
-    status, payload = megatron_lm(world, argv)
-    if line is None:
-        assert status == 0, payload
-        return
-    assert status == 2 and payload["fix_passes"] is True, payload
-    assert payload["fix_text"] == line, payload["fix_text"]
-    for kept in ("--num-layers", "--global-batch-size", "--hidden-size", "--seq-length"):
-        assert kept not in payload["fix_overrides"], payload["fix_text"]
-    assert megatron_lm(world, payload["fixed_argv"])[0] == 0
+    assert_megatron_lm_line(world, argv, line, kept=("--num-layers", "--global-batch-size",
+                                                     "--hidden-size", "--seq-length"))
 
 
 # --- every NeMo-mode case of the trial ------------------------------------------------------
-
-def launcher(name: str) -> str:
-    return str(UP / "launcher" / f"{name}.yaml")
-
 
 FINETUNE = str(UP / "nemo_v2.3.2" / "megatron_gpt_finetuning_config.yaml")
 PLUGIN_NEMO = ["model.fp8=True", "+model.fp8_params=True", "+model.optim.align_param_gather=True"]
@@ -375,10 +344,7 @@ NEMO_ROWS = [
 @pytest.mark.parametrize("config,overrides,line", NEMO_ROWS,
                          ids=[f"{Path(r[0]).stem}-{i}" for i, r in enumerate(NEMO_ROWS)])
 def test_nemo_rows_get_a_line_that_passes_and_keeps_the_model(config, overrides, line):
-    status, payload = run([config, *overrides])
-    assert status == 2 and payload["fix_passes"] is True, payload
-    assert payload["fix_overrides"] == line, payload["fix_overrides"]
-    assert run([config, *overrides, *line])[0] == 0
+    assert_nemo_line(config, overrides, line)
 
 
 def test_the_fine_tuning_config_as_shipped_leaves_the_layer_count_to_the_user():

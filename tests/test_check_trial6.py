@@ -6,37 +6,20 @@ trial"; sources in tests/data/upstream/README.md). The first test is the weaker 
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
-from typing import List, Tuple
+from typing import List
 
 import pytest
 
-from support.check_json import check_json
+from support import trials
+from support.trials import (FP8, FP8_FLAGS, PLUGIN, assert_megatron_lm_line, assert_nemo_line,
+                            launcher, megatron_lm)
 
-UP = Path(__file__).parent / "data" / "upstream"
 pytestmark = pytest.mark.filterwarnings("ignore:provider=hydra.searchpath")
-ON = ["+model.fp8_transpose_align.policy=aligned"]
-FP8 = ON + ["model.fp8=True", "+model.fp8_params=True", "model.fp8_hybrid=True",
-            "+model.optim.align_param_gather=True"]
-FP8_FLAGS = ["--fp8-format", "hybrid", "--fp8-param-gather"]
-#: Megatron-LM "+FP8": the plugin's FP8 and optimizer settings
-PLUGIN = FP8_FLAGS + ["--use-distributed-optimizer", "--overlap-param-gather",
-                      "--overlap-grad-reduce"]
-
-run = functools.partial(check_json, megatron_lm_version="0.19.2")  # 0.19-era lists
 
 
 def args_of(name: str) -> List[str]:
-    return [a for a in (UP / "megatron_lm" / f"ft_{name}.args").read_text().split("\n") if a]
-
-
-def megatron_lm(world: int, argv: List[str]) -> Tuple[int, dict]:
-    return run(["--megatron-lm", "--world-size", str(world), "--", *argv])
-
-
-def launcher(name: str) -> str:
-    return str(UP / "launcher" / f"{name}.yaml")
+    return trials.args_of(f"ft_{name}")  # this trial's rows name the CI tests without "ft_"
 
 
 #: Megatron-Bridge 0.6.0 recipes as flags (their layout and batch, the named Hugging Face
@@ -147,17 +130,9 @@ ROWS = [
                          ids=[f"{r[0]}-{r[1]}-{i}" for i, r in enumerate(ROWS)])
 def test_megatron_lm_rows_get_a_line_that_passes_and_keeps_the_model(name, world, extra, line):
     argv = (BRIDGE[name] if name in BRIDGE else args_of(name)) + list(extra)
-    status, payload = megatron_lm(world, argv)
-    if line is None:
-        assert status == 0, payload
-        return
-    assert status == 2 and payload["fix_passes"] is True, payload
-    assert payload["fix_text"] == line, payload["fix_text"]
-    assert payload["fix_world_size"] in (None, world), payload["fix_text"]
-    for kept in ("--num-layers", "--global-batch-size", "--hidden-size", "--seq-length",
-                 "--expert-model-parallel-size", "--pipeline-model-parallel-layout"):
-        assert kept not in payload["fix_overrides"], payload["fix_text"]
-    assert megatron_lm(world, payload["fixed_argv"])[0] == 0
+    assert_megatron_lm_line(world, argv, line, same_world=True, kept=(
+        "--num-layers", "--global-batch-size", "--hidden-size", "--seq-length",
+        "--expert-model-parallel-size", "--pipeline-model-parallel-layout"))
 
 
 # --- every NeMo-mode case of the trial ------------------------------------------------------
@@ -200,10 +175,4 @@ NEMO_ROWS = [
 @pytest.mark.parametrize("config,overrides,line", NEMO_ROWS,
                          ids=[f"{Path(r[0]).stem}-{i}" for i, r in enumerate(NEMO_ROWS)])
 def test_nemo_rows_get_a_line_that_passes_and_keeps_the_model(config, overrides, line):
-    status, payload = run([config, *overrides])
-    if not line:
-        assert status == 0, payload
-        return
-    assert status == 2 and payload["fix_passes"] is True, payload
-    assert payload["fix_overrides"] == line, payload["fix_overrides"]
-    assert run([config, *overrides, *line])[0] == 0
+    assert_nemo_line(config, overrides, line)
