@@ -135,35 +135,52 @@ def test_without_the_optimizer_align_fp8_transposes_says_how():
         _optimizer_owned(None)
 
 
-def test_the_hold_on_a_real_optimizer_chain_and_nothing_left_after_restore():
-    """One process, megatron-core's own DDP chunks and DistributedOptimizer (DP 1): launches are
-    the dispatches of each chunk's first all-gather; a chunk is complete only once this step's
-    chain has gathered it (after an optimizer step, an older chain's record says nothing);
-    restore leaves no instance attribute behind."""
+@contextlib.contextmanager
+def _one_process_optimizer(monkeypatch):
+    """megatron-core's own DDP chunks and DistributedOptimizer in a 1-process gloo world (PP 2
+    reported, as tests/support/ddp_chunks.py does for the DDP path): yields (chunks, config,
+    backend, optimizer, the inner optimizers)."""
     import torch
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer import TransformerConfig
 
     from nemo_fp8_align.backends.reference import ReferenceBackend
+    from nemo_fp8_align.demo.mcore_versions import ddp_groups
     from nemo_fp8_align.demo.model import DemoModelConfig, GPTChunk
     from nemo_fp8_align.demo.options import DemoOptions
-    from nemo_fp8_align.demo.mcore_versions import ddp_groups
     from nemo_fp8_align.demo.train import _optimizer
-    from nemo_fp8_align.sync.mcore_optimizer import McoreOptimizerParamSync
-    from nemo_fp8_align.sync.mcore_optimizer_hold import McoreOptimizerHold
+    from nemo_fp8_align.integrations import groups
     from support.one_process import gloo_world
 
+    real = groups.resolve_ranks
+    monkeypatch.setattr(groups, "resolve_ranks", lambda *a, **k: groups.ParallelRanks(
+        pp_rank=0, pp_size=2, dp_rank=0, dp_size=1, pp_group=None, pp_source="test",
+        dp_source=real(*a, **k).dp_source))
     with gloo_world():
         parallel_state.initialize_model_parallel(1, 1)
         config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
                                    params_dtype=torch.float32, use_cpu_initialization=True)
         ddp = DistributedDataParallelConfig(use_distributed_optimizer=True,
                                             overlap_grad_reduce=True)
+        backend = ReferenceBackend()
         chunks = [DistributedDataParallel(config, ddp, GPTChunk(
             DemoModelConfig(), config=config, stage=0, vp_stage=v, pre_process=v == 0,
-            post_process=v == 1, backend=ReferenceBackend()), **ddp_groups()) for v in range(2)]
+            post_process=v == 1, backend=backend), **ddp_groups()) for v in range(2)]
         optimizer = _optimizer(chunks, DemoOptions())
+        yield chunks, config, backend, optimizer, list(
+            getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def test_the_hold_on_a_real_optimizer_chain_and_nothing_left_after_restore(monkeypatch):
+    """One process, megatron-core's own DDP chunks and DistributedOptimizer (DP 1): launches are
+    the dispatches of each chunk's first all-gather; a chunk is complete only once this step's
+    chain has gathered it (after an optimizer step, an older chain's record says nothing);
+    restore leaves no instance attribute behind."""
+    from nemo_fp8_align.sync.mcore_optimizer import McoreOptimizerParamSync
+    from nemo_fp8_align.sync.mcore_optimizer_hold import McoreOptimizerHold
+
+    with _one_process_optimizer(monkeypatch) as (chunks, _, _, optimizer, _):
         sync = McoreOptimizerParamSync(optimizer)
         hold = McoreOptimizerHold(chunks, sync)
         launched, ends = [], []
@@ -200,43 +217,6 @@ STAGES = {
     "optimizer hold": lambda mp: mp.setattr(
         "nemo_fp8_align.sync.mcore_optimizer_hold.McoreOptimizerHold.install", _fail),
 }
-
-
-@contextlib.contextmanager
-def _one_process_optimizer(monkeypatch):
-    """megatron-core's own DDP chunks and DistributedOptimizer in a 1-process gloo world (PP 2
-    reported, as tests/support/ddp_chunks.py does for the DDP path): yields (chunks, config,
-    backend, optimizer, the inner optimizers)."""
-    import torch
-    from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.transformer import TransformerConfig
-
-    from nemo_fp8_align.backends.reference import ReferenceBackend
-    from nemo_fp8_align.demo.mcore_versions import ddp_groups
-    from nemo_fp8_align.demo.model import DemoModelConfig, GPTChunk
-    from nemo_fp8_align.demo.options import DemoOptions
-    from nemo_fp8_align.demo.train import _optimizer
-    from nemo_fp8_align.integrations import groups
-    from support.one_process import gloo_world
-
-    real = groups.resolve_ranks
-    monkeypatch.setattr(groups, "resolve_ranks", lambda *a, **k: groups.ParallelRanks(
-        pp_rank=0, pp_size=2, dp_rank=0, dp_size=1, pp_group=None, pp_source="test",
-        dp_source=real(*a, **k).dp_source))
-    with gloo_world():
-        parallel_state.initialize_model_parallel(1, 1)
-        config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
-                                   params_dtype=torch.float32, use_cpu_initialization=True)
-        ddp = DistributedDataParallelConfig(use_distributed_optimizer=True,
-                                            overlap_grad_reduce=True)
-        backend = ReferenceBackend()
-        chunks = [DistributedDataParallel(config, ddp, GPTChunk(
-            DemoModelConfig(), config=config, stage=0, vp_stage=v, pre_process=v == 0,
-            post_process=v == 1, backend=backend), **ddp_groups()) for v in range(2)]
-        optimizer = _optimizer(chunks, DemoOptions())
-        yield chunks, config, backend, optimizer, list(
-            getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
 def _weights(chunk):
