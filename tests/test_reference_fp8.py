@@ -110,3 +110,23 @@ def test_verify_mode_reference_backend_compares_bytes_and_provenance():
     with torch.no_grad():
         lin.weight.add_(1.0)
     assert "not the current ones" in backend.transpose_mismatch(w)
+
+
+def test_bytes_delivered_during_the_cast_do_not_vouch_for_the_copy(monkeypatch):
+    """An asynchronous all-gather may write the parameter while its FP8 copy is being cast:
+    the copy's provenance is the bytes it was cast from, so the GEMM still refuses it."""
+    from nemo_fp8_align.backends.reference import StaleFP8Error
+
+    lin = ReferenceFP8Linear(6, 4, backend=ReferenceBackend(), name="lin")
+    cast = ReferenceFP8Weight._cast
+
+    def cast_then_deliver(self, src):
+        cast(self, src)
+        with torch.no_grad():
+            self.source.add_(0.5)  # the all-gather lands between the cast and the digest
+
+    monkeypatch.setattr(ReferenceFP8Weight, "_cast", cast_then_deliver)
+    lin.backend.build_transposes([lin.fp8_weight])
+    monkeypatch.setattr(ReferenceFP8Weight, "_cast", cast)
+    with pytest.raises(StaleFP8Error, match="FP8 data read by the forward"):
+        lin(torch.randn(2, 6, requires_grad=True))

@@ -90,11 +90,16 @@ class ReferenceFP8Weight:
     @torch.no_grad()
     def quantize(self) -> None:
         """Cast the current source values to FP8 with a per-tensor scale from their amax."""
-        self._cast(self.source.detach().float())
+        # One snapshot feeds both the cast and its digest: an asynchronous all-gather (gloo's
+        # worker thread) may write the parameter during this call, and a digest read after
+        # the cast would then vouch for bytes the copy was not cast from (seen on CI: a stale
+        # transpose passing the GEMM's check).
+        snapshot = self.source.detach().clone()
+        self._cast(snapshot.float())
         self.data_valid = True
         if not self.manual_post_processing:
             self.transpose_valid = False
-        self.data_source = bytes_digest(self.source)
+        self.data_source = bytes_digest(snapshot)
 
     def _cast(self, src: torch.Tensor) -> None:
         amax = src.abs().max().clamp(min=1e-12)
