@@ -75,8 +75,15 @@ launch() {  # launch <name> <faults> <python args...>
       -m torch.distributed.run --standalone --nproc-per-node "$NPROC" "$@" \
       trainer.accelerator=cpu trainer.devices="$NPROC" trainer.max_steps=3 \
       "hydra.run.dir=$dir/hydra" > "$dir/log.txt" 2>&1; then
-    echo "smoke_nemo: run '$name' failed; last lines of $dir/log.txt:" >&2
-    tail -n 40 "$dir/log.txt" >&2
+    # The launcher's summary fills the log's tail; the failing rank's own cause (a traceback, a
+    # Hydra error, a C++ abort's "terminate called ... what():") comes before the launcher's
+    # first "closing signal" / "failed (exitcode" line.
+    local log="$dir/log.txt" first
+    first="$(grep -n -m 1 -E "closing signal|failed \(exitcode" "$log" | cut -d: -f1 || true)"
+    echo "smoke_nemo: run '$name' failed; the ranks' last lines in $log:" >&2
+    head -n "$(( ${first:-1000000} - 1 ))" "$log" | tail -n 40 >&2
+    echo "smoke_nemo: the launcher's summary:" >&2
+    tail -n 25 "$log" >&2
     exit 1
   fi
   echo "smoke_nemo: run '$name' finished in $((SECONDS - start)) s"

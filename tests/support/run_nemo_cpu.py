@@ -33,6 +33,19 @@ def main(argv: Optional[List[str]] = None) -> None:
     enable_nemo_cpu_compat()
     sys.argv = [script] + args[1:]
     runpy.run_path(script, run_name="__main__")
+    _leave_together()
+
+
+def _leave_together() -> None:
+    """Tear the process group down on every rank at one point. Exiting with gloo's connections
+    still open can let a rank that finishes first close them under a peer whose gloo threads are
+    still reading: an uncaught C++ error there then aborts the peer (CI once saw a rank end with
+    SIGABRT, its cause not in the log's tail; this teardown is the cheap guard, not a proven fix)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
