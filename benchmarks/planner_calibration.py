@@ -25,6 +25,10 @@ RUNS = ROOT / "benchmarks" / "results" / "pipeline_step_time_mps_h200"
 FIT = ("call2_mcore0192_pp4",)
 HELD_OUT = ("call2_mcore0161_pp4", "call1_mcore0192_pp4", "call2_mcore0192_pp2",
             "call1_mcore0192_pp2", "call1_mcore0161_pp2")
+#: round 2: models and shapes fixed before these were measured (planner_calibration_round2.md)
+ROUND2_RUNS = ROOT / "benchmarks" / "results" / "pipeline_step_time_mps_round2"
+ROUND2 = ("round2_pp4_vp4", "round2_pp2_m16", "round2_pp4_h6144")
+ROUND2_MIN_ROUNDS = 3
 
 
 def shape_argv(bench: Dict[str, Any]) -> List[str]:
@@ -68,8 +72,8 @@ def fit_slowdown() -> float:
     return groups["aligned"]["transpose_per_chunk_ms"] / groups["lazy"]["transpose_per_chunk_ms"]
 
 
-def rows_of(name: str, role: str, slowdown: float) -> List[Dict[str, Any]]:
-    data = json.loads((RUNS / f"{name}.json").read_text())
+def rows_of(name: str, role: str, slowdown: float, runs: Path = RUNS) -> List[Dict[str, Any]]:
+    data = json.loads((runs / f"{name}.json").read_text())
     b, out = data["bench"], []
     for cfg in data["configs"]:
         base = shape_argv(b) + measured_argv(cfg, b["pp"], b["vp"])
@@ -80,6 +84,7 @@ def rows_of(name: str, role: str, slowdown: float) -> List[Dict[str, Any]]:
             "run": name, "role": role, "mcore": data["versions"]["megatron_core"],
             "pp": b["pp"], "impl": cfg["transposes"], "steps": cfg["groups"]["lazy"]["step"]["n"],
             "rounds": paired["n"], "measured": sv["measured_ms"], "paired": paired,
+            "gpu": data["versions"].get("gpu", "?"),
             "predicted": pred["saving_ms"], "step_ms": pred["step_ms"],
             "no_slowdown": plan_json(base)["saving_ms"], "uniform": sv["predicted_ms"],
             "inside": paired["min"] <= pred["saving_ms"] <= paired["max"]})
@@ -253,6 +258,29 @@ def mlmgpu_note(found: List[Path], rows: List[Dict[str, Any]]) -> str:
             + "\n".join([_HEADER, _RULE] + [_row(r) for r in rows]) + "\n")
 
 
+def round2_note(slowdown: float, runs: Path = ROUND2_RUNS) -> str:
+    """Round 2's verdict: R1 (the shipped slowdown) is the primary, R2 (no slowdown) beside it;
+    only runs with at least ROUND2_MIN_ROUNDS rounds are judged."""
+    head = ("\n## Round 2: shapes measured after the models were fixed "
+            "(`benchmarks/planner_calibration_round2.md`)\n\n")
+    found = [n for n in ROUND2 if (runs / f"{n}.json").is_file()]
+    missing = [n for n in ROUND2 if n not in found]
+    rows = [r for n in found for r in rows_of(n, "round 2", slowdown, runs)]
+    judged = [r for r in rows if r["rounds"] >= ROUND2_MIN_ROUNDS]
+    r2_inside = [r for r in judged if r["paired"]["min"] <= r["no_slowdown"] <= r["paired"]["max"]]
+    lines = [head + (f"Not measured yet: {', '.join(missing)}." if missing else
+                     "Every pre-registered run was measured.")]
+    if rows:
+        lines.append(
+            f"Judged (>= {ROUND2_MIN_ROUNDS} rounds): {len(judged)} of {len(rows)} shapes. Inside "
+            f"the paired spread, R1 (slowdown {slowdown:.3f}, primary): "
+            f"{sum(r['inside'] for r in judged)} of {len(judged)}; R2 (no slowdown, the "
+            f"'without the slowdown' column): {len(r2_inside)} of {len(judged)}. GPU: "
+            f"{', '.join(sorted({r['gpu'] for r in rows}))}.\n")
+        lines += [_HEADER, _RULE] + [_row(r) for r in rows]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/planner_calibration.md"))
@@ -262,7 +290,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     rows += [row for name in HELD_OUT for row in rows_of(name, "held out", slowdown)]
     found = mlm_summaries()
     mlm = [row for path in found for row in mlm_rows(path, slowdown)]
-    text = markdown(rows, slowdown, [] if argv is None else argv) + mlmgpu_note(found, mlm)
+    text = (markdown(rows, slowdown, [] if argv is None else argv) + mlmgpu_note(found, mlm)
+            + round2_note(slowdown))
     Path(args.out).write_text(text)
     print(text)
     return 0

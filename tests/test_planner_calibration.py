@@ -93,3 +93,30 @@ def test_a_blockwise_run_says_its_recipe(tmp_path):
     data["shape"]["recipe"] = "blockwise"
     path.write_text(json.dumps(data))
     assert [r["impl"] for r in cal.mlm_rows(path, 1.25)] == ["torch (blockwise FP8)"]
+
+
+def test_round2_is_the_pre_registered_set_and_judges_r1_and_r2(tmp_path):
+    """Round 2's runs are the ones its file names (written before measuring); a run placed there
+    is judged under R1 (the shipped slowdown) and R2 (slowdown 1.0: the same as no shared-GPU
+    term), and a run with fewer than 3 rounds is shown but not judged."""
+    import json
+    import shutil
+
+    written = (ROOT / "benchmarks/planner_calibration_round2.md").read_text()
+    assert set(re.findall(r"^\| `(round2_\w+)` \|", written, re.M)) == set(cal.ROUND2)
+    assert "Not measured yet: " + ", ".join(cal.ROUND2) in cal.round2_note(1.13, tmp_path)
+
+    # a recorded round-1 run (PP=4: both of its shapes' spreads are known) under round 2's name
+    shutil.copy(cal.RUNS / "call2_mcore0161_pp4.json", tmp_path / f"{cal.ROUND2[0]}.json")
+    few = json.loads((cal.RUNS / "call1_mcore0192_pp2.json").read_text())
+    for cfg in few["configs"]:
+        cfg["saving"]["paired_per_round_ms"]["n"] = 2
+    (tmp_path / f"{cal.ROUND2[1]}.json").write_text(json.dumps(few))
+    note = cal.round2_note(cal.fit_slowdown(), tmp_path)
+    assert f"Not measured yet: {cal.ROUND2[2]}." in note
+    # round 1 judged these two shapes: torch out under R1 (13.7 < 14.4), in without the slowdown
+    assert "Judged (>= 3 rounds): 2 of 4 shapes." in note
+    assert "R1 (slowdown 1.130, primary): 1 of 2; R2 (no slowdown" in note
+    assert "): 2 of 2." in note
+    rows = cal.rows_of(cal.ROUND2[0], "round 2", 1.0, tmp_path)
+    assert [r["predicted"] for r in rows] == [r["no_slowdown"] for r in rows]  # R2 = slowdown 1
