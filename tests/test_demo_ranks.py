@@ -32,6 +32,8 @@ def _rank(rank, world_size, port, out_dir, plan):
             write_error(out_dir, rank, err)
     elif what == "exit-3":
         os._exit(3)
+    elif what == "abort":
+        os.abort()  # a native crash: SIGABRT, as glibc's heap check ends a corrupted process
 
 
 def _run(tmp_path, plan):
@@ -82,3 +84,36 @@ def test_ranks_start_in_the_callers_environment_and_directory(tmp_path, monkeypa
         assert result["env"] == "set after the server started"
         assert result["cwd"] == str(tmp_path)
         assert result["preloaded"] == (pytest.importorskip("megatron.core") is not None)
+
+
+def _rerun_patterns(config):
+    import re
+
+    return [re.compile(p) for p in config.getini("only_rerun")]
+
+
+def _would_rerun(config, exc):
+    """pytest-rerunfailures' own test: ``"<type>: <message>"`` against each pattern."""
+    return any(p.search(f"{type(exc).__name__}: {exc}") for p in _rerun_patterns(config))
+
+
+def test_only_a_native_crash_earns_a_rerun(tmp_path, pytestconfig):
+    """pyproject's rerun filter: a rank that crashed in native code (here SIGABRT) is rerun once;
+    a Python error, a non-zero exit, a rank killed at the deadline and a failed assertion are
+    not."""
+    pytest.importorskip("pytest_rerunfailures")
+    assert pytestconfig.getini("reruns") == "1"
+    with pytest.raises(DemoRankError) as crashed:
+        _run(tmp_path / "a", ["ok", "abort"])
+    assert "rank 1: exited with code -6" in str(crashed.value)
+    assert _would_rerun(pytestconfig, crashed.value)
+    for plan in (["ok", "raise"], ["exit-3", "ok"]):
+        with pytest.raises(DemoRankError) as failed:
+            _run(tmp_path / plan[0], plan)
+        assert not _would_rerun(pytestconfig, failed.value), str(failed.value)
+    hung = DemoRankError("rank 0: still running at the deadline, killed")
+    torchrun_crash = AssertionError("exitcode  : -11 (pid: 9450)  (SIGSEGV)")
+    assert not _would_rerun(pytestconfig, hung)
+    assert _would_rerun(pytestconfig, torchrun_crash)
+    assert not _would_rerun(pytestconfig, AssertionError("losses differ; exitcode  : 1"))
+    assert not _would_rerun(pytestconfig, AssertionError("exited with code -9"))  # SIGKILL
