@@ -97,3 +97,40 @@ def test_a_misreported_slot_is_seen_by_the_core_telemetry():
     assert any(f"observed built before forward {SLOT} of this rank's step (slot {SLOT + 1}); "
                f"aligned means before forward {SLOT - 1}" in p for p in problems), problems
     assert not any("transposes at slot" in p for p in problems), problems
+
+
+@NO_BUCKET_GROUPS
+@pytest.mark.parametrize("name", ["deferred_all_gather", "no_wait", "transpose_before_all_gather"])
+def test_the_deferred_all_gather_runs_the_collective_only_at_the_wait(monkeypatch, name):
+    """What makes ``no_wait`` and ``transpose_before_all_gather`` stale on every run: with the
+    all-gathers deferred, a bucket group's start issues no collective (the bytes cannot arrive
+    early) and its wait issues it, synchronously; the undo restores megatron-core's own
+    asynchronous dispatch. Collectives are counted where megatron-core issues them (its
+    ``_coalescing_manager`` block), on real DDP chunks."""
+    import contextlib
+
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+    from support.ddp_chunks import ddp_chunks
+
+    issued = []
+    real = pgb._coalescing_manager
+
+    @contextlib.contextmanager
+    def counted(*args, async_ops=False, **kwargs):
+        issued.append("async" if async_ops else "sync")
+        with real(*args, async_ops=async_ops, **kwargs) as cm:
+            yield cm
+    monkeypatch.setattr(pgb, "_coalescing_manager", counted)
+    with ddp_chunks(monkeypatch) as (chunks, _config, _backend):
+        group = chunks[0].bucket_groups[0]
+        undo = inject(name)
+        try:
+            group.start_param_sync()
+            assert issued == [] and group.param_gather_dispatched
+            group.finish_param_sync(skip_next_bucket_dispatch=True)
+            assert issued == ["sync"] and group.param_gather_handle is None
+        finally:
+            undo()
+        group.start_param_sync()
+        assert issued == ["sync", "async"]
+        group.finish_param_sync(skip_next_bucket_dispatch=True)

@@ -21,27 +21,9 @@ import os
 
 
 def _deferred_all_gather():
-    from megatron.core.distributed import param_and_grad_buffer
+    from nemo_fp8_align.demo.faults import inject
 
-    cls = param_and_grad_buffer._ParamAndGradBucketGroup
-    original = cls.start_param_sync
-
-    class _Deferred:
-        def __init__(self, group):
-            self.group = group
-
-        def wait(self):
-            self.group.param_gather_handle = None
-            original(self.group, force_sync=True)  # the all-gather itself, synchronous
-
-    def start_param_sync(self, force_sync=False):
-        if force_sync or not self.ddp_config.overlap_param_gather:
-            return original(self, force_sync=force_sync)
-        self.param_gather_handle = _Deferred(self)
-        self.param_gather_dispatched = True
-        return None
-
-    cls.start_param_sync = start_param_sync
+    inject("deferred_all_gather")  # the demo's slow network (a harmless variation there)
 
 
 def _no_wait():

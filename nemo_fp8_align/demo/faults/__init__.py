@@ -39,13 +39,54 @@ def _patch(owner: Any, name: str, value: Any) -> Undo:
     return lambda: setattr(owner, name, original)
 
 
+def deferred_all_gather() -> Undo:
+    """Not a fault: a slow network taken to its limit. A DDP bucket group's asynchronous
+    parameter all-gather delivers its bytes only when someone waits for it (the collective runs
+    at the wait, in the same order on every data-parallel rank), so an FP8 copy taken before the
+    wait is always built from last step's bytes. A correct plugin is unaffected. megatron-core
+    >= 0.9 (its ``_ParamAndGradBucketGroup``); on 0.7/0.8 the optimizer's chain gathers and this
+    changes nothing."""
+    try:
+        from megatron.core.distributed.param_and_grad_buffer import (
+            _ParamAndGradBucketGroup as group_class)
+    except ImportError:
+        return lambda: None
+    original = group_class.start_param_sync
+
+    class _Deferred:
+        def __init__(self, group: Any) -> None:
+            self.group = group
+
+        def wait(self) -> None:
+            self.group.param_gather_handle = None
+            original(self.group, force_sync=True)  # the all-gather itself, synchronous
+
+    def start_param_sync(self: Any, force_sync: bool = False) -> None:
+        if force_sync or not self.ddp_config.overlap_param_gather:
+            return original(self, force_sync=force_sync)
+        self.param_gather_handle = _Deferred(self)
+        self.param_gather_dispatched = True
+        return None
+    return _patch(group_class, "start_param_sync", start_param_sync)
+
+
+def _with_deferred_all_gather(patch: Callable[[], Undo]) -> Undo:
+    """``patch`` with the all-gathers deferred to their wait: what a fault that skips or
+    precedes the wait builds is then stale on every run, not only when gloo has not delivered
+    yet (it often has, on a CPU: CI saw such a fault survive)."""
+    undo_defer, undo_patch = deferred_all_gather(), patch()
+    return lambda: (undo_patch(), undo_defer())
+
+
 def no_wait() -> Undo:
     """Finishing a chunk's all-gather returns at once and claims it is complete (the DDP
     chunks' on >= 0.9, the DistributedOptimizer's chain on 0.7/0.8)."""
-    undo_wait = _patch(McoreParamSync, "wait", lambda self, chunk: None)
-    undo_finish = _patch(McoreParamSync, "finish", lambda self, chunk: True)
-    undo_chain = _patch(McoreOptimizerParamSync, "finish", lambda self, chunk: True)
-    return lambda: (undo_chain(), undo_finish(), undo_wait())
+    def patch() -> Undo:
+        undo_wait = _patch(McoreParamSync, "wait", lambda self, chunk: None)
+        undo_finish = _patch(McoreParamSync, "finish", lambda self, chunk: True)
+        undo_chain = _patch(McoreOptimizerParamSync, "finish", lambda self, chunk: True)
+        return lambda: (undo_chain(), undo_finish(), undo_wait())
+    return _with_deferred_all_gather(patch)
 
 
 def transpose_before_all_gather() -> Undo:
@@ -56,7 +97,7 @@ def transpose_before_all_gather() -> Undo:
         if chunk not in self._done:
             self.backend.build_transposes(self.weights[chunk])
         original(self, chunk, vmid)
-    return _patch(TransposeAligner, "_handle", handle)
+    return _with_deferred_all_gather(lambda: _patch(TransposeAligner, "_handle", handle))
 
 
 def slot_shift() -> Undo:
@@ -270,7 +311,8 @@ FAULTS: Dict[str, Callable[[], Undo]] = {f.__name__: f for f in (
     no_wait, transpose_before_all_gather, slot_shift, slot_shift_unreported, skip_chunk,
     last_chunk_to_first_use, transpose_twice)}
 #: Variations that must change nothing the checks see.
-HARMLESS: Dict[str, Callable[[], Undo]] = {f.__name__: f for f in (reversed_bucket_order,)}
+HARMLESS: Dict[str, Callable[[], Undo]] = {f.__name__: f for f in (
+    reversed_bucket_order, deferred_all_gather)}
 #: Errors the plugin finds on one rank only: every rank must stop at the step's end.
 RANK_ERRORS: Dict[str, Callable[[], Undo]] = {f.__name__: f for f in (
     mismatch_on_one_rank, extra_forward_on_one_rank, capture_on_one_rank,
