@@ -92,8 +92,8 @@ class ReferenceFP8Weight:
         """Cast the current source values to FP8 with a per-tensor scale from their amax."""
         # One snapshot feeds both the cast and its digest: an asynchronous all-gather (gloo's
         # worker thread) may write the parameter during this call, and a digest read after
-        # the cast would then vouch for bytes the copy was not cast from (seen on CI: a stale
-        # transpose passing the GEMM's check).
+        # the cast would then vouch for bytes the copy was not cast from (the likely cause of a
+        # CI run where a stale transpose passed the GEMM's check and only the losses differed).
         snapshot = self.source.detach().clone()
         self._cast(snapshot.float())
         self.data_valid = True
