@@ -17,22 +17,27 @@ from typing import Optional, Tuple
 
 from nemo_fp8_align.core.schedule import InterleavedSchedule, ScheduleError
 
-__all__ = ["micro_batch_fix", "nearest_batch", "nearest_microbatches", "schedule_fits"]
+__all__ = ["micro_batch_fix", "nearest_batch", "nearest_microbatches", "schedule_error",
+           "schedule_fits"]
+
+
+def schedule_error(pp: int, vp: Optional[int], m: int, n: Optional[int],
+                   legacy: bool = False) -> Optional[str]:
+    """Why M microbatches do not fit megatron-core's interleaved schedule (PP <= N <= M, not
+    0 < M mod N < PP; ``legacy``, before 0.10: no N, M a multiple of PP), as the schedule says
+    it; None when they fit. The rule does not depend on VP; an unknown VP is checked as 2."""
+    try:
+        InterleavedSchedule(pp=pp, vp=vp or 2, microbatches=m,
+                            group_size=None if legacy else n, legacy_order=legacy)
+    except ScheduleError as err:
+        return str(err)
+    return None
 
 
 def schedule_fits(pp: int, vp: Optional[int], m: int, n: Optional[int],
                   legacy: bool = False) -> bool:
-    """Whether M microbatches fit megatron-core's interleaved schedule (PP <= N <= M, not
-    0 < M mod N < PP; ``legacy``, before 0.10: M a multiple of PP). The rule does not depend on
-    VP; an unknown VP is checked as 2."""
-    if m < 1:
-        return False
-    try:
-        InterleavedSchedule(pp=pp, vp=vp or 2, microbatches=m,
-                            group_size=None if legacy else n, legacy_order=legacy)
-    except ScheduleError:
-        return False
-    return True
+    """Whether M microbatches fit the schedule (:func:`schedule_error` says none, M >= 1)."""
+    return m >= 1 and schedule_error(pp, vp, m, n, legacy) is None
 
 
 def _span(pp: int, n: Optional[int]) -> int:

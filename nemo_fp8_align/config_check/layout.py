@@ -20,10 +20,10 @@ import itertools
 from dataclasses import dataclass, replace
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
+from nemo_fp8_align.config_check.batch_fix import schedule_error
 from nemo_fp8_align.config_check.context import CheckContext
 from nemo_fp8_align.config_check.reader import ABSENT
 from nemo_fp8_align.config_check.split_math import layer_split_error
-from nemo_fp8_align.core.schedule import InterleavedSchedule, ScheduleError
 
 __all__ = ["FIXED_WHY", "KEYS", "Fixed", "Layout", "fixed_why", "layout_fix", "layout_inputs",
            "layout_overrides", "layout_problem", "micro_batch_layout_fix",
@@ -137,13 +137,7 @@ def layout_problem(fixed: Fixed, lay: Layout) -> Optional[str]:
         return "the global batch is not a multiple of micro_batch_size * DP"
     if lay.n is not None and lay.n < 1:
         return "N < 1"
-    try:
-        InterleavedSchedule(pp=lay.pp, vp=lay.vp, microbatches=fixed.gbs // (fixed.mbs * dp),
-                            group_size=None if fixed.legacy else lay.n,
-                            legacy_order=fixed.legacy)
-    except ScheduleError as err:
-        return str(err)
-    return None
+    return schedule_error(lay.pp, lay.vp, fixed.gbs // (fixed.mbs * dp), lay.n, fixed.legacy)
 
 
 def _candidates(var: str, fixed: Fixed, cur: Layout) -> List[Any]:

@@ -14,8 +14,8 @@ from typing import Optional
 
 from omegaconf import DictConfig
 
-from nemo_fp8_align.core.schedule import InterleavedSchedule, ScheduleError
-from nemo_fp8_align.config_check.batch_fix import micro_batch_fix, nearest_batch
+from nemo_fp8_align.config_check.batch_fix import (micro_batch_fix, nearest_batch,
+                                                   schedule_error)
 from nemo_fp8_align.config_check.context import CheckContext
 from nemo_fp8_align.config_check.layout import (fixed_why, layout_fix, layout_overrides,
                                                 smaller_micro_batch_layout)
@@ -199,7 +199,7 @@ def rule_microbatches(ctx: CheckContext) -> None:
                  "being trainer.devices * trainer.num_nodes / (TP * PP * CP) "
                  "(megatron-core's microbatch calculator requires it)")
     elif pp >= 2 and vp is not None:
-        error = _schedule_error(pp, vp, m, n, ctx.legacy())
+        error = schedule_error(pp, vp, m, n, ctx.legacy())
         if error is None:
             return
         if ctx.legacy():  # the version's own rule, spelled for it
@@ -284,13 +284,3 @@ def _data_parallel_at(ctx: CheckContext, pp: int) -> Optional[int]:
     if world is None or tp is None or cp is None:
         return ctx.given_data_parallel()
     return world // (tp * pp * cp) if world % (tp * pp * cp) == 0 else None
-
-
-def _schedule_error(pp: int, vp: int, m: int, n: Optional[int],
-                    legacy: bool = False) -> Optional[str]:
-    try:
-        InterleavedSchedule(pp=pp, vp=vp, microbatches=m, group_size=None if legacy else n,
-                            legacy_order=legacy)
-    except ScheduleError as err:
-        return str(err)
-    return None

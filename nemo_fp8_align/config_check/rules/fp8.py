@@ -10,7 +10,8 @@ from nemo_fp8_align.config_check.context import CheckContext
 from nemo_fp8_align.config_check.reader import ABSENT, UNRESOLVED
 from nemo_fp8_align.config_check.recipes import MCORE_NEMO, SETTINGS, findings
 
-__all__ = ["APEX_OPTIM", "MCORE_OPTIM", "PER_TENSOR_RECIPES", "SUPPORTED_OPTIMIZERS",
+__all__ = ["APEX_OPTIM", "MCORE_OPTIM", "PER_TENSOR_RECIPES", "RECIPE_NODES",
+           "SUPPORTED_OPTIMIZERS",
            "rule_align_param_gather", "rule_apex_current_scaling", "rule_gather_with_optimizer", "rule_bf16_edge_layers", "rule_fp8_format",
            "rule_fp8_params", "rule_fp8_recipe", "rule_fp8_enabled", "rule_optimizer_name",
            "rule_overlap_grad_sync", "rule_overlap_param_sync", "rule_transformer_engine",
@@ -22,7 +23,7 @@ PER_TENSOR_RECIPES = ("delayed", "tensorwise")
 SUPPORTED_OPTIMIZERS = ("distributed_fused_adam", "mcore_distributed_optim")
 APEX_OPTIM, MCORE_OPTIM = SUPPORTED_OPTIMIZERS
 #: Where NeMo reads TransformerConfig fields from: the model node, then (applied last) this.
-_RECIPE_NODES = ("", "mcore_customization_config.")
+RECIPE_NODES = ("", "mcore_customization_config.")
 
 
 def rule_transformer_engine(ctx: CheckContext) -> None:
@@ -61,7 +62,7 @@ def rule_fp8_recipe(ctx: CheckContext) -> None:
     (megatron_lm_rules)."""
     if not ctx.nemo:
         return
-    for node in _RECIPE_NODES:
+    for node in RECIPE_NODES:
         q = {name: _value(ctx, node + s.nemo) for name, s in SETTINGS.items()}
         # NeMo's switch (fp8_hybrid / fp8_e4m3 give the format); the plugin needs FP8 or FP4,
         # so the recipe is judged as if it were on (rule_fp8_enabled asks for it)
@@ -92,7 +93,7 @@ def _spelt(text: str, node: str) -> str:
 
 
 def rule_transpose_cache(ctx: CheckContext) -> None:
-    for node in _RECIPE_NODES:
+    for node in RECIPE_NODES:
         key = node + "disable_parameter_transpose_cache"
         if ctx.model.bool_or_default(key, False, "the transpose cache must stay on"):
             ctx.model.add(key, True, "False (with the cache off every microbatch re-transposes "
@@ -104,7 +105,7 @@ def rule_bf16_edge_layers(ctx: CheckContext) -> None:
     BF16' (first_last_layers_bf16 with the delayed recipe)."""
     on = ctx.model.bool_or_default("first_last_layers_bf16", False, "keep the first and last "
                                    "layers in BF16")
-    recipes = [ctx.model.get(node + "fp8_recipe") for node in _RECIPE_NODES]
+    recipes = [ctx.model.get(node + "fp8_recipe") for node in RECIPE_NODES]
     recipe = next((r for r in reversed(recipes) if r is not ABSENT), "delayed")
     if on and recipe == "delayed":
         ctx.model.add("first_last_layers_bf16", True, "False with the delayed FP8 recipe "
@@ -157,7 +158,7 @@ def rule_apex_current_scaling(ctx: CheckContext) -> None:
     if ctx.model.get("optim.name") != APEX_OPTIM or (ctx.mcore is not None
                                                      and not ctx.mcore.fp8_recipe):
         return  # no tensorwise before 0.12 (rules/version.py)
-    recipes = [ctx.model.get(node + "fp8_recipe") for node in _RECIPE_NODES]
+    recipes = [ctx.model.get(node + "fp8_recipe") for node in RECIPE_NODES]
     recipe = next((r for r in reversed(recipes) if r is not ABSENT), "delayed")
     if recipe == "tensorwise":
         # the recipe is the user's (the training numerics): the fix is the optimizer, which

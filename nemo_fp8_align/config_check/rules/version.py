@@ -14,12 +14,10 @@ from typing import Any
 from nemo_fp8_align.config_check.context import CheckContext
 from nemo_fp8_align.config_check.layout import layout_fix, layout_overrides
 from nemo_fp8_align.config_check.reader import ABSENT, UNRESOLVED
+from nemo_fp8_align.config_check.rules.fp8 import APEX_OPTIM, MCORE_OPTIM, RECIPE_NODES
 from nemo_fp8_align.integrations.mcore_version import FP8_PARAMS_WHY, nemo_optimizer_owned_problem
 
 __all__ = ["rule_interleaved_pipeline_size", "rule_version_optimizer", "rule_version_options"]
-
-_APEX = "distributed_fused_adam"
-_RECIPE_KEYS = ("fp8_recipe", "mcore_customization_config.fp8_recipe")
 
 
 def _given(value: Any) -> bool:
@@ -73,7 +71,7 @@ def rule_version_options(ctx: CheckContext) -> None:
             if m.get(key) is True:
                 m.add(key, True, f"False: {rules.lacks(key)} (0.11 on)", False)
     if not rules.fp8_recipe:
-        for key in _RECIPE_KEYS:
+        for key in (node + "fp8_recipe" for node in RECIPE_NODES):
             value = m.get(key)
             if _given(value) and value != "delayed":
                 m.add(key, value, f"delayed: {rules.lacks('fp8_recipe')} (0.12 on), only delayed "
@@ -104,5 +102,5 @@ def rule_version_optimizer(ctx: CheckContext) -> None:
     if rules is None or not rules.optimizer_owns_gather or not ctx.nemo:
         return
     name = ctx.model.get("optim.name")
-    if name == "mcore_distributed_optim":
-        ctx.model.add("optim.name", name, nemo_optimizer_owned_problem(rules.version), _APEX)
+    if name == MCORE_OPTIM:
+        ctx.model.add("optim.name", name, nemo_optimizer_owned_problem(rules.version), APEX_OPTIM)
