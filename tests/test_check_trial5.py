@@ -69,19 +69,24 @@ def test_validated_arguments_of_gpt_and_t5_models_are_told_apart():
         "--encoder-num-layers"]
 
 
+def _named_alone(status, payload, key, why):
+    """A config of a model the plugin does not drive: one violation, at ``key``, saying ``why``,
+    and no fix line (only the plugin off)."""
+    assert status == 2 and payload["fix_passes"] is False, payload
+    keys = [v["key"] for v in payload["violations"]]
+    assert keys == [key], keys
+    assert why in payload["violations"][0]["expected"]
+    assert payload["fix_overrides"] == [], payload["fix_overrides"]
+
+
 def test_a_nemo_t5_config_is_named_not_renamed_into_a_gpt_config():
     """The launcher's T5 220M config (NeMo's Megatron T5: model.encoder / model.decoder,
     model.mcore_t5): the line renamed mcore_t5 to mcore_gpt (NeMo's T5 model would then be
     built without megatron-core) and asked for a model.num_layers the T5 model does not read.
     It is now named as not supported, with no line but the plugin off."""
     status, payload = run([launcher("t5_220m"), *ON])
-    assert status == 2 and payload["fix_passes"] is False, payload
-    keys = [v["key"] for v in payload["violations"]]
-    assert keys == ["model.encoder"], keys
-    assert "not supported by this plugin" in payload["violations"][0]["expected"]
-    assert payload["fix_overrides"] == [], payload["fix_overrides"]
+    _named_alone(status, payload, "model.encoder", "not supported by this plugin")
     assert run([launcher("t5_220m"), "+model.fp8_transpose_align.enabled=False"])[0] == 0
-
 
 
 MAMBA = str(UP / "nemo_v2.3.2" / "megatron_mamba_config.yaml")
@@ -93,11 +98,7 @@ def test_a_nemo_mamba_config_is_named_not_given_a_virtual_pipeline():
     model does not currently support virtual/interleaved pipeline parallelism', and the plugin
     needs VP >= 2. Named alone, with no line but the plugin off."""
     status, payload = run([MAMBA, *ON])
-    assert status == 2 and payload["fix_passes"] is False, payload
-    keys = [v["key"] for v in payload["violations"]]
-    assert keys == ["model.hybrid_override_pattern"], keys
-    assert "virtual/interleaved pipeline" in payload["violations"][0]["expected"]
-    assert payload["fix_overrides"] == [], payload["fix_overrides"]
+    _named_alone(status, payload, "model.hybrid_override_pattern", "virtual/interleaved pipeline")
 
 
 def test_a_nemo_bert_config_is_named_not_given_mcore_gpt():
@@ -105,11 +106,7 @@ def test_a_nemo_bert_config_is_named_not_given_mcore_gpt():
     +model.mcore_gpt=True, a key the BERT model does not read, and passed for a model the plugin
     (NeMo's MegatronGPTModel) does not drive. Named alone."""
     status, payload = run([launcher("bert_110m"), *ON])
-    assert status == 2 and payload["fix_passes"] is False, payload
-    keys = [v["key"] for v in payload["violations"]]
-    assert keys == ["model.bert_binary_head"], keys
-    assert "not supported by this plugin" in payload["violations"][0]["expected"]
-    assert payload["fix_overrides"] == [], payload["fix_overrides"]
+    _named_alone(status, payload, "model.bert_binary_head", "not supported by this plugin")
 
 # --- every Megatron-LM case of the trial: the verdict's line, pasted and checked again ------
 
