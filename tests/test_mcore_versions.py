@@ -113,24 +113,24 @@ def test_demo_spells_070s_pipeline_size_rule_where_this_version_has_it():
 
 @pytest.mark.skipif(OPTIMIZER_OWNED, reason="no overlap_param_gather in this version's "
                     "DistributedDataParallelConfig (refused above)")
-def test_a_chunk_without_overlap_param_gather_is_refused_with_the_nemo_20_fix():
+def test_a_chunk_without_overlap_param_gather_is_refused_with_the_nemo_20_fix(monkeypatch):
     """Found on NeMo 2.0.0 (megatron-core 0.9.0): it sets DDP's overlap_param_gather from
     model.optim.overlap_param_gather but binds the schedule's start_param_sync from
     overlap_param_sync; megatron-core's finish_param_sync then asserted inside the aligner.
-    The chunk here is a holder of megatron-core's own DistributedDataParallelConfig (the one
-    attribute read), not a DDP instance: a DDP needs process groups."""
-    from types import SimpleNamespace
+    Real DDP chunks (a 1-process gloo world); chunk 1 is given the DistributedDataParallelConfig
+    NeMo 2.0.0 built, with overlap_param_gather off."""
+    from support.ddp_chunks import ddp_chunks
 
     from nemo_fp8_align.sync.mcore import McoreParamSync
 
-    def chunk(overlap):
-        return SimpleNamespace(bucket_groups=[], ddp_config=DistributedDataParallelConfig(
-            use_distributed_optimizer=True, overlap_param_gather=overlap))
-
-    McoreParamSync([chunk(True), chunk(True)])
-    with pytest.raises(UnsupportedSetupError, match="model chunk 1: DistributedDataParallelConfig"
-                       r".overlap_param_gather=False.*model.optim.overlap_param_gather=true"):
-        McoreParamSync([chunk(True), chunk(False)])
+    with ddp_chunks(monkeypatch) as (chunks, _config, _backend):
+        McoreParamSync(chunks)
+        chunks[1].ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True,
+                                                             overlap_param_gather=False)
+        with pytest.raises(UnsupportedSetupError, match="model chunk 1: DistributedDataParallel"
+                           r"Config.overlap_param_gather=False.*model.optim.overlap_param_gather"
+                           "=true"):
+            McoreParamSync(chunks)
 
 
 def test_nemos_mcore_optimizer_is_refused_where_the_optimizer_owns_the_gather():
