@@ -18,8 +18,13 @@ el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 left() { [ $(( $(date +%s) - T0 + $1 )) -lt "$BUDGET" ]; }  # true if $1 more seconds fit
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
   "$H"/tecore/*.whl "$H"/transformer_engine-2.20.2-py3-none-any.whl || exit 1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/m19 "$H"/megatron_core-0.19.2-*.whl || exit 1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/m16 "$H"/m16/megatron_core-0.16.1-*.whl || exit 1
+# 0.19.2 at the top of .h200/ (this script's layout) or in mc19/ (run_megatron_lm_gpu.sh's); 0.16.1
+# (m16/) only where a case needs it: round 2 runs 0.19.2 alone.
+W19=$(ls "$H"/megatron_core-0.19.2-*.whl "$H"/mc19/megatron_core-0.19.2-*.whl 2>/dev/null | head -1)
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/m19 "$W19" || exit 1
+if ls "$H"/m16/megatron_core-0.16.1-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/m16 "$H"/m16/megatron_core-0.16.1-*.whl || exit 1
+fi
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site3 "$H"/pydantic-*.whl \
   "$H"/pydantic_core-*.whl "$H"/annotated_types-*.whl "$H"/typing_inspection-*.whl || exit 1
 gunzip -c "$H"/libte_sm90.so.gz > /tmp/site/transformer_engine/wheel_lib/libtransformer_engine.so
