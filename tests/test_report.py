@@ -203,3 +203,35 @@ def test_report_into_a_closed_pipe_exits_with_its_own_status(path, status):
     run.stdout.close()
     err = run.stderr.read().decode()
     assert run.wait(timeout=120) == status and err == "", err
+
+
+def _four_ranks(rows):
+    """The PP=2 records with pipeline ranks 2 and 3 added (copies of 0 and 1): four ranks'
+    timings in one cell, wider than the table's old fixed columns."""
+    return rows + [{**r, "pp_rank": r["pp_rank"] + 2} for r in rows]
+
+
+def test_report_columns_stay_apart_with_four_pipeline_ranks():
+    from nemo_fp8_align.cli.report import format_report
+
+    table, _ = format_report(_four_ranks(_rows(ALIGNED)))
+    lines = table.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("chunk"))
+    starts = [lines[header].index(name) for name in
+              ("slot per pp rank", "transposes ms", "all-gather wait ms", "valid/weights")]
+    rows = [line for line in lines[header + 1:] if line[:1].isdigit()]
+    assert len(rows) == 2
+    for line in rows:  # every cell starts under its heading, after a gap
+        for at in starts:
+            assert line[at - 2:at] == "  " and line[at] != " ", (at, line)
+        for left, right in zip(starts[1:], starts[2:]):  # the fourth rank's time in its cell
+            assert line[left:right].split()[-1].startswith("r3:"), line
+
+
+def test_report_says_why_nothing_was_observed():
+    from nemo_fp8_align.cli.report import format_report
+
+    rows = _rows(ALIGNED)  # records without the observed fields
+    assert "(observation off, or telemetry of an older version)" in format_report(rows)[0]
+    empty = [{**r, "weights": 0, "transposed": 0, "valid": 0} for r in rows]
+    assert "(no FP8 weight in them, so no build to observe)" in format_report(empty)[0]

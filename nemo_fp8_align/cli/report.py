@@ -127,6 +127,13 @@ def _slots(per_rank: Dict[int, List[dict]], key: str) -> str:
                     for k, v in sorted(per_rank.items()))
 
 
+def _columns(table: List[List[str]]) -> List[str]:
+    """The rows with each column as wide as its widest cell (four pipeline ranks' timings overran
+    fixed widths and ran into the next column); the last column is not padded."""
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]) - 1)]
+    return ["  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1] for row in table]
+
+
 def format_report(records: List[dict]) -> Tuple[str, List[str]]:
     """The per-chunk table and the judges' problems."""
     policy, problems = _policy(records), judge(records)
@@ -141,9 +148,9 @@ def format_report(records: List[dict]) -> Tuple[str, List[str]]:
         head += (f"\npost-all-gather work: {', '.join(kinds)} (the transposes columns count "
                  "the weights post-processed)")
     observed = any(r.get("obs_slot") is not None for r in records)
-    rows = [head, "", f"{'chunk':<6}{'aligned':>8}  {'slot per pp rank (all steps)':<30}"
-            f"{'observed slot' if observed else '':<22}{'transposes ms':<22}"
-            f"{'all-gather wait ms':<22}valid/weights"]
+    table = [["chunk", "aligned", "slot per pp rank (all steps)"]
+             + (["observed slot"] if observed else [])
+             + ["transposes ms", "all-gather wait ms", "valid/weights"]]
     by_chunk: Dict[int, List[dict]] = defaultdict(list)
     for r in records:
         by_chunk[r["chunk"]].append(r)
@@ -154,11 +161,12 @@ def format_report(records: List[dict]) -> Tuple[str, List[str]]:
         times = [(k, _timings(v)) for k, v in sorted(per_rank.items())]
         built = sorted({f"{r['valid'] if r.get('valid', -1) >= 0 else r['transposed']}/{r['weights']}"
                         for r in recs})
-        rows.append(f"{chunk:<6}{str(sorted({r['aligned_slot'] for r in recs})):>8}  "
-                    f"{_slots(per_rank, 'slot'):<30}"
-                    f"{_slots(per_rank, 'obs_slot') if observed else '':<22}"
-                    f"{' '.join(f'r{k}:{t}' for k, (t, _) in times):<22}"
-                    f"{' '.join(f'r{k}:{w}' for k, (_, w) in times):<22}{' '.join(built)}")
+        table.append([str(chunk), str(sorted({r["aligned_slot"] for r in recs})),
+                      _slots(per_rank, "slot")]
+                     + ([_slots(per_rank, "obs_slot")] if observed else [])
+                     + [" ".join(f"r{k}:{t}" for k, (t, _) in times),
+                        " ".join(f"r{k}:{w}" for k, (_, w) in times), " ".join(built)])
+    rows = [head, ""] + _columns(table)
     if policy == "lazy":
         rows.append("(lazy: the transposes run inside each rank's first forward of the chunk; "
                     "their time is not separated)")
@@ -166,7 +174,9 @@ def format_report(records: List[dict]) -> Tuple[str, List[str]]:
         rows.append("(records without t_slot/t_gathered/t_done timestamps: the transposes column is "
                     "the aligner's all-gather finish + build, the wait is unknown)")
     if not observed:
-        rows.append("(no observed builds in these records (telemetry of an older version): "
+        why = ("no FP8 weight in them, so no build to observe" if not any(r.get("weights")
+               for r in records) else "observation off, or telemetry of an older version")
+        rows.append(f"(no observed builds in these records ({why}): "
                     "placement judged from the aligner's own slot only)")
     return "\n".join(rows) + "\n", problems
 
