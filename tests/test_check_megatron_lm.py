@@ -86,6 +86,11 @@ def test_each_requirement_cites_megatron_lm_not_nemo():
     found = _found(drop=["--overlap-grad-reduce"])
     assert "NeMo" not in found[0].expected
     assert "Must use --overlap-param-gather with --overlap-grad-reduce" in found[0].expected
+    # --no-align-param-gather had NeMo's reason too (its mcore_distributed_optim): Megatron-LM's
+    # train() is what binds config.param_sync_func
+    found = _found(["--no-align-param-gather"])
+    assert "NeMo" not in found[0].expected
+    assert "Megatron-LM's train() binds config.param_sync_func" in found[0].expected
 
 
 def test_microbatch_checks_need_the_world_size():

@@ -146,9 +146,13 @@ def rule_overlap_grad_sync(ctx: CheckContext) -> None:
 
 
 def rule_align_param_gather(ctx: CheckContext) -> None:
+    """Without it nobody binds ``config.param_sync_func``: the all-gathers then start from DDP's
+    forward pre-hooks at each chunk's first use, and no schedule slot launches them."""
     if ctx.model.get("optim.name") == MCORE_OPTIM:
-        ctx.model.require_true("optim.align_param_gather", "with mcore_distributed_optim NeMo "
-                               "sets param_sync_func only when it is on")
+        ctx.model.require_true("optim.align_param_gather", (
+            "with mcore_distributed_optim NeMo sets param_sync_func only when it is on"
+            if ctx.nemo else "Megatron-LM's train() binds config.param_sync_func only when it "
+            "is on, with --overlap-param-gather"))
 
 
 def rule_apex_current_scaling(ctx: CheckContext) -> None:
