@@ -99,7 +99,7 @@ MCORE019_TESTS = tests/test_schedule.py tests/test_engine_mcore.py tests/test_fa
 	tests/test_refusals.py tests/test_api.py tests/test_cpu_compat.py tests/test_gather_with_optimizer.py \
 	tests/test_groups.py tests/test_forced_sync.py tests/test_no_hang.py tests/test_entry_points.py tests/test_bridge_callback.py \
 	tests/test_megatron_lm_parser_019.py tests/test_recipe_support.py tests/test_recipes_demo.py \
-	tests/test_mcore_versions.py
+	tests/test_mcore_versions.py tests/test_optimizer_instances.py
 
 # On 0.17.1 and 0.18.2: the schedule tables, the refusal rows, and the two paths that changed
 # between them (0.18 post-processes forced all-gathers itself; the optimizer-step all-gather);
@@ -110,7 +110,8 @@ MCORE_LINE_TESTS = tests/test_schedule.py tests/test_refusals.py tests/test_forc
 # no-hang agreement, the entry points and the refusals (0.9.0: the pre-0.10 legacy order); the
 # check's verdicts against the version's own schedule validation (test_mcore_versions).
 MCORE_OLD_LINE_TESTS = $(MCORE_LINE_TESTS) tests/test_engine_mcore.py tests/test_faults.py \
-	tests/test_no_hang.py tests/test_entry_points.py tests/test_api.py
+	tests/test_no_hang.py tests/test_entry_points.py tests/test_api.py \
+	tests/test_optimizer_instances.py
 # On 0.7.0 and 0.8.0: the schedule model against their own schedule, the version's own rules
 # and refusals (the refusal rows, the recipes, the attach-time checks), and the engine through
 # the optimizer's all-gather chain (one shared demo run per policy: aligned, lazy, off; 0.7.0 at
@@ -129,7 +130,7 @@ test: install install-mcore016 install-mcore019 $(MCORE_TREES)/.installed $(OLD_
 		tests/test_refusals.py tests/test_api.py tests/test_pipeline_step_time_mps.py \
 		tests/test_groups.py tests/test_forced_sync.py tests/test_gather_with_optimizer.py \
 		tests/test_no_hang.py tests/test_entry_points.py tests/test_recipe_support.py \
-		tests/test_recipes_demo.py tests/test_mcore_versions.py
+		tests/test_recipes_demo.py tests/test_mcore_versions.py tests/test_optimizer_instances.py
 	$(VENV19)/bin/python -m pytest -q -m "not nemo" $(MCORE019_TESTS)
 	for v in $(MCORE_LINES); do \
 	  PYTHONPATH=$(CURDIR)/$(MCORE_TREES)/$$v $(VENV19)/bin/python -m pytest -q -m "not nemo" \

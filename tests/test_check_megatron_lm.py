@@ -178,6 +178,20 @@ def test_a_layout_string_gives_the_split_and_its_stages_give_vp():
     assert _keys(found) == ["--pipeline-model-parallel-layout"], found
 
 
+def test_optimizer_instances_must_split_the_data_parallel_ranks():
+    """megatron-core's initialize_model_parallel asserts DP x CP divisible by the instances
+    (validate_args does not: the job starts, then stops). 4 GPUs at PP 2: DP 2."""
+    assert _found(["--num-distributed-optimizer-instances", "2"]) == []
+    found = _found(["--num-distributed-optimizer-instances", "3"])
+    assert [(v.key, v.fix) for v in found] == [("--num-distributed-optimizer-instances",
+                                               "--num-distributed-optimizer-instances 2")]
+    assert "DP x CP = 2 on 4 GPUs" in found[0].expected
+    found = _found(["--num-distributed-optimizer-instances", "4", "--global-batch-size", "48"],
+                   drop=["--global-batch-size"], world=24)  # DP 12: 4 divides it
+    assert found == []
+    assert _found(["--num-distributed-optimizer-instances", "5"], world=None) == []  # DP unknown
+
+
 def test_interleaving_on_two_ranks_needs_overlapped_p2p():
     found = _found(["--no-overlap-p2p-communication"])
     assert _keys(found) == ["--no-overlap-p2p-communication"], found

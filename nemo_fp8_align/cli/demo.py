@@ -29,6 +29,10 @@ def add_demo_parser(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--vp", type=int, default=2,
                    help="model chunks per pipeline rank (>= 2, default 2)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel size (>= 1, default 1)")
+    p.add_argument("--dist-opt-instances", type=int, default=1, metavar="N",
+                   help="distributed-optimizer instances the --dp ranks split into (megatron-"
+                   "core >= 0.10's num_distributed_optimizer_instances, Megatron-LM's "
+                   "--num-distributed-optimizer-instances; N divides --dp; default 1)")
     p.add_argument("--microbatches", type=int, default=4,
                    help="microbatches per step, M (>= PP, default 4)")
     p.add_argument("--group-size", type=int, default=None,
@@ -88,6 +92,9 @@ def demo_input_problem(args: argparse.Namespace) -> Optional[str]:
                 "pass --vp 2")
     if dp < 1:
         return f"--dp {dp}: the data-parallel size must be at least 1; pass --dp 1"
+    problem = _instances_problem(dp, getattr(args, "dist_opt_instances", 1))
+    if problem is not None:
+        return problem
     if steps < 1:
         return (f"--steps {steps}: nothing would be trained or checked; pass --steps 1 or "
                 "more (default 3)")
@@ -136,6 +143,19 @@ def demo_input_problem(args: argparse.Namespace) -> Optional[str]:
         return ("--manual-post-processing: the installed megatron-core has no FP8 post-all-gather "
                 "processing to model (megatron-core >= 0.16 has); leave the flag out")
     return recipe_problem(args) or telemetry_path_problem(args.telemetry)
+
+
+def _instances_problem(dp: int, n: int) -> Optional[str]:
+    """megatron-core's own rule (initialize_model_parallel asserts it): the data-parallel
+    ranks split evenly into the optimizer instances."""
+    if n < 1:
+        return (f"--dist-opt-instances {n}: at least one optimizer instance; pass "
+                "--dist-opt-instances 1")
+    if dp % n:
+        return (f"--dist-opt-instances {n}: megatron-core splits the --dp {dp} data-parallel "
+                f"ranks evenly into the instances, and {n} does not divide {dp}; pass --dp "
+                f"{dp + n - dp % n}, or --dist-opt-instances 1")
+    return None
 
 
 def recipe_problem(args: argparse.Namespace) -> Optional[str]:
@@ -210,6 +230,11 @@ def version_problem(args: argparse.Namespace) -> Optional[str]:
         return None  # the missing dependency is reported on its own
     from nemo_fp8_align.integrations import mcore_version
 
+    instances = getattr(args, "dist_opt_instances", 1)
+    if instances > 1 and not mcore_version.has_optimizer_instances():
+        return (f"--dist-opt-instances {instances}: megatron-core "
+                f"{mcore_version.installed_version()} (before 0.10) has one distributed-"
+                "optimizer instance only; leave the flag out, or use megatron-core >= 0.10")
     if not mcore_version.optimizer_owns_gather():
         return None
     flags = [flag for flag, on in (
@@ -300,6 +325,7 @@ def run_demo_command(args: argparse.Namespace) -> int:
                        eval_forced_sync=args.eval_between_steps,
                        manual_post_processing=args.manual_post_processing, recipe=args.recipe,
                        device=getattr(args, "device", "cpu"),
+                       dist_opt_instances=args.dist_opt_instances,
                        eval_interval=2 if args.eval_between_steps else 0)
     try:
         if args.loop == "megatron-lm":

@@ -236,9 +236,29 @@ def megatron_lm_only(args: Mapping[str, Any], world: Optional[int]) -> List[Viol
         out.append(Violation("--no-overlap-p2p-communication", "set", "PP > 2 without overlapped "
                              f"P2P communication when interleaving (PP = {pp}; Megatron-LM "
                              "asserts it)", "drop --no-overlap-p2p-communication"))
-    out += _batch_schedule(args, world, vp, pp)
+    out += _batch_schedule(args, world, vp, pp) + _optimizer_instances(args, world, pp)
     out += [v for v in plugin_refusals(args) if v not in out]
     return out + fsdp_only(args) + _hierarchical_cp(args) + emerging_optimizer(args)
+
+
+def _optimizer_instances(args: Mapping[str, Any], world: Optional[int],
+                         pp: int) -> List[Violation]:
+    """megatron-core's initialize_model_parallel asserts that the optimizer instances split
+    DP x CP evenly (after validate_args: the job starts, then stops). The fix is the largest
+    count that does: the optimizer state each GPU holds changes, the model does not."""
+    n = _int(args.get("num_distributed_optimizer_instances")) or 1
+    tp = _int(args.get("tensor_model_parallel_size")) or 1
+    if n == 1 or world is None or world % (tp * pp):
+        return []
+    dp_cp = world // (tp * pp)
+    if dp_cp % n == 0:
+        return []
+    fix = max(k for k in range(1, min(n, dp_cp) + 1) if dp_cp % k == 0)
+    return [Violation("--num-distributed-optimizer-instances", repr(n), f"a divisor of DP x CP = "
+                      f"{dp_cp} on {world} GPUs (megatron-core asserts 'Data parallel size should "
+                      "be divisible by partial DistOpt shard factor'); the fix changes how much "
+                      "optimizer state each GPU holds, not the model",
+                      f"--num-distributed-optimizer-instances {fix}")]
 
 
 def _hierarchical_cp(args: Mapping[str, Any]) -> List[Violation]:

@@ -10,6 +10,7 @@ when CUDA is available: on a GPU nothing here may change behaviour. Verified on 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 from typing import Any, Callable, List, Tuple
@@ -164,6 +165,11 @@ class CpuCompat:
         self._patch(torch.cuda, "current_device", lambda: "cpu")
         self._patch(torch.cuda, "synchronize", lambda *a, **k: None)
         self._patch(torch.cuda, "current_stream", lambda *a, **k: _HostStream())
+        self._patch(torch.cuda, "default_stream", lambda *a, **k: _HostStream())  # 0.10-0.12
+        # num_distributed_optimizer_instances > 1: DDP gives its bucket groups a side stream for
+        # the inter-instance gradient all-reduce and enters it around that collective.
+        self._patch(torch.cuda, "Stream", lambda *a, **k: _HostStream())
+        self._patch(torch.cuda, "stream", lambda *a, **k: contextlib.nullcontext())
         self._patch(torch.Tensor, "cuda", lambda self, *a, **k: self)
         self._patch(torch.Tensor, "type", _tensor_type_as_cuda(torch.Tensor.type))
         if _needs_apex_stand_ins():

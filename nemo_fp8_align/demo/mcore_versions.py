@@ -8,7 +8,8 @@ import dataclasses
 from functools import partial
 from typing import Any, Dict, List
 
-__all__ = ["chain_handles", "ddp_groups", "delayed_param_gather", "own_fields"]
+__all__ = ["chain_handles", "ddp_groups", "delayed_param_gather", "instance_kwargs",
+           "optimizer_instances", "own_fields"]
 
 
 def chain_handles(optimizer: Any, chunks: int) -> List[int]:
@@ -29,6 +30,26 @@ def delayed_param_gather(optimizer: Any, chunks: int) -> List[Any]:
 
 def _finish_chunk(optimizer: Any, chunk: int, *params: Any) -> None:
     optimizer.finish_param_sync(chunk)
+
+
+def optimizer_instances(chunks: List[Any]) -> List[Dict[str, Any]]:
+    """Per chunk, the distributed-optimizer instances its DDP config asks for and the sizes of
+    the groups its bucket groups all-gather over (0.10 on: one instance's data-parallel ranks;
+    megatron-core 0.19 takes those groups from parallel_state, not from the config)."""
+    return [{"instances": getattr(c.ddp_config, "num_distributed_optimizer_instances", 1)
+             if hasattr(c, "ddp_config") else None,
+             "gather_group": sorted({bg.intra_distributed_optimizer_instance_size
+                                     for bg in getattr(c, "bucket_groups", [])
+                                     if hasattr(bg, "intra_distributed_optimizer_instance_size")})}
+            for c in chunks]
+
+
+def instance_kwargs(opts: Any) -> Dict[str, int]:
+    """The demo's ``dist_opt_instances`` as megatron-core's keyword, given only where it is not
+    the default (before 0.10 there is no such keyword; the demo's input check refuses more than
+    one instance there)."""
+    n = opts.dist_opt_instances
+    return {} if n == 1 else {"num_distributed_optimizer_instances": n}
 
 
 def own_fields(config_class: Any, versioned: Dict[str, Any], **always: Any) -> Dict[str, Any]:

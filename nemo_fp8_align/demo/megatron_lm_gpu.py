@@ -281,7 +281,9 @@ def train_gpu(opts: Any, phase: Dict[str, Any], book: GpuBook, *, attach_plugin:
         # the file is trusted; this one was written by the demo's own first job moments ago.
         os.environ.setdefault("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE", "1")
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, opts.pp, opts.vp)
+        parallel_state.initialize_model_parallel(
+            1, opts.pp, opts.vp,
+            num_distributed_optimizer_instances=args.num_distributed_optimizer_instances)
     model_cfg = gpt_config_from_args(args)
     # As on the CPU: the demo's groups pair batched p2p wrongly (gloo underneath); and
     # bit-identical runs across policies need TE's deterministic algorithms.

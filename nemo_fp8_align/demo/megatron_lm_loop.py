@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from nemo_fp8_align.config import AlignConfig
+from nemo_fp8_align.demo.mcore_versions import optimizer_instances
 from nemo_fp8_align.demo.ranks import write_error, write_result
 
 __all__ = ["megatron_lm_argv", "run_rank"]
@@ -49,6 +50,8 @@ def megatron_lm_argv(opts: Any, *, exit_at: Optional[int], save: Optional[str],
     ]
     if opts.group_size is not None:
         argv += ["--microbatch-group-size-per-virtual-pipeline-stage", str(opts.group_size)]
+    if opts.dist_opt_instances > 1:
+        argv += ["--num-distributed-optimizer-instances", str(opts.dist_opt_instances)]
     if save:
         # As a user stops a job early: same --train-iters (the LR schedule is checked against
         # it on load), --exit-interval and a checkpoint at that iteration.
@@ -177,7 +180,9 @@ def _train(opts: Any, phase: Dict[str, Any], telemetry_path: Optional[str]) -> D
     sys.argv = ["pretrain_demo_gpt"] + megatron_lm_argv(opts, **phase)
     args = parse_and_validate_args()
     torch.distributed.init_process_group("gloo")
-    parallel_state.initialize_model_parallel(1, opts.pp, opts.vp)
+    parallel_state.initialize_model_parallel(
+        1, opts.pp, opts.vp,
+        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances)
     model_cfg = DemoGPTModelConfig(transformer=core_transformer_config_from_args(args),
                                    demo=opts.model, virtual_pipeline_model_parallel_size=opts.vp)
     # The transformer config the schedule reads: gloo pairs batched p2p wrongly (STACK.md).
@@ -220,7 +225,8 @@ def _train(opts: Any, phase: Dict[str, Any], telemetry_path: Optional[str]) -> D
                   unlaunched_forwards=aligner.unlaunched_forwards, first_step=first,
                   evidence=book.evidence.as_dict(),
                   metrics=_written(aligner),
-                  bucket_groups=[len(c.bucket_groups) for c in book.chunks])
+                  bucket_groups=[len(c.bucket_groups) for c in book.chunks],
+                  optimizer_instances=optimizer_instances(book.chunks))
     book.evidence.close()
     aligner.detach()
     return result

@@ -78,6 +78,12 @@ class DemoOptions:
     gpu_groups: str = "host_staging"
     eval_interval: int = 0
 
+    #: megatron-core >= 0.10's ``num_distributed_optimizer_instances`` (Megatron-LM's
+    #: ``--num-distributed-optimizer-instances``): the data-parallel ranks split into this many
+    #: optimizer instances; each all-gathers its parameters within itself, and the gradients are
+    #: all-reduced across instances after the reduce-scatter.
+    dist_opt_instances: int = 1
+
     @property
     def world_size(self) -> int:
         return self.pp * self.dp

@@ -24,7 +24,7 @@ from nemo_fp8_align.config import AlignConfig, Policy
 from nemo_fp8_align.demo.model import GPTChunk
 from nemo_fp8_align.demo.options import DemoOptions
 from nemo_fp8_align.demo.mcore_versions import (chain_handles, ddp_groups, delayed_param_gather,
-                                                own_fields)
+                                                instance_kwargs, optimizer_instances, own_fields)
 from nemo_fp8_align.demo.ranks import write_error, write_result
 
 __all__ = ["DemoOptions", "run_rank"]
@@ -109,7 +109,7 @@ def _build(opts: DemoOptions, pp_rank: int):
         DistributedDataParallelConfig,
         dict(overlap_param_gather=True, align_param_gather=True),  # 0.9 on (else the optimizer's)
         grad_reduce_in_fp32=True, overlap_grad_reduce=True, use_distributed_optimizer=True,
-        bucket_size=20000, **mxfp8))
+        bucket_size=20000, **mxfp8, **instance_kwargs(opts)))
     backend = ReferenceBackend(check_provenance=opts.check_provenance)
     chunks = []
     for c in range(opts.vp):
@@ -256,6 +256,7 @@ def _train(opts: DemoOptions, telemetry_path: Optional[str], out_dir: str) -> Di
                               "bucket_groups": [len(getattr(c, "bucket_groups", c.buffers))
                                                 for c in run.chunks],
                               "chain_handles": chain_handles(run.optimizer, len(run.chunks)),
+                              "optimizer_instances": optimizer_instances(run.chunks),
                               "forced_sync_watch": run.aligner.forced_syncs is not None,
                               "forced_sync_rebuilds": 0}
     for step in range(opts.steps):
@@ -373,7 +374,7 @@ def distributed(rank: int, world_size: int, opts: DemoOptions) -> Iterator[None]
             "distributed_timeout_minutes": opts.pg_timeout_s / 60}  # its groups' own timeout
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=1, pipeline_model_parallel_size=opts.pp,
-            virtual_pipeline_model_parallel_size=opts.vp, **minutes)
+            virtual_pipeline_model_parallel_size=opts.vp, **minutes, **instance_kwargs(opts))
         yield
         dist.barrier()
         parallel_state.destroy_model_parallel()

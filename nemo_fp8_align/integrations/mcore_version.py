@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence, Tuple
 
 __all__ = ["FP8_PARAMS_WHY", "NEWEST", "OLDEST", "VersionRules", "fp8_parameter_problem",
-           "has_group_size", "importable_rules", "importable_version", "installed_rules",
+           "has_group_size", "has_optimizer_instances",
+           "importable_rules", "importable_version", "installed_rules",
            "installed_version", "interleaved_pp_problem", "missing_optimizer_problem",
            "nemo_optimizer_owned_problem", "optimizer_owns_gather", "parse_version",
            "pp_multiple_problem", "rules_for"]
@@ -210,6 +211,14 @@ def has_group_size() -> bool:
     from megatron.core.transformer import TransformerConfig
 
     return "microbatch_group_size_per_vp_stage" in _fields(TransformerConfig)
+
+
+def has_optimizer_instances() -> bool:
+    """Whether ``DistributedDataParallelConfig`` has ``num_distributed_optimizer_instances``
+    (0.10 on): the data-parallel ranks split into several distributed-optimizer instances."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return "num_distributed_optimizer_instances" in _fields(DistributedDataParallelConfig)
 
 
 def optimizer_owns_gather() -> bool:
