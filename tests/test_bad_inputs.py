@@ -96,7 +96,8 @@ CASES += [
 DEMO = [["--pp", "1"], ["--vp", "1"], ["--dp", "0"], ["--steps", "0"], ["--microbatches", "1"],
         ["--group-size", "1"], ["--microbatches", "5"], ["--telemetry", "/nonexistent/d/t.jsonl"],
         ["--telemetry", "/tmp"], ["--telemetry", ""], ["--policy", "eager"], ["--pp", "x"],
-        ["--fault", "no_such_fault"], ["--bogus"]]
+        ["--fault", "no_such_fault"], ["--bogus"], ["--dist-opt-instances", "0"],
+        ["--dp", "2", "--dist-opt-instances", "3"]]
 CASES += [pytest.param("demo", None, argv, id=f"demo-{'_'.join(argv)[:30]}") for argv in DEMO]
 
 CHECK = [["/nonexistent/c.yaml"], [str(GOOD)], [str(LAUNCHER / "gpt3_5b.yaml"), "model.no_such_key=1"],

@@ -18,9 +18,11 @@ from support.demo_runs import demo  # noqa: E402
 from nemo_fp8_align.demo.launch import DemoRankError, alignment_problems, differences  # noqa: E402
 from nemo_fp8_align.integrations import mcore_version  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(
-    not mcore_version.has_optimizer_instances(),
-    reason=f"megatron-core {mcore_version.installed_version()} has one optimizer instance only")]
+pytestmark = pytest.mark.slow
+HAS = mcore_version.has_optimizer_instances()
+VERSION = mcore_version.installed_version()
+needs_instances = pytest.mark.skipif(not HAS, reason=f"megatron-core {VERSION} has one "
+                                     "optimizer instance only")
 
 SHAPE = (2, 2, 4, 4)  # PP, VP, DP, M
 #: Each chunk's DDP config asks for 2 instances, and each all-gathers over DP / 2 ranks.
@@ -32,11 +34,13 @@ def run(policy, fault=None):
     return demo(*SHAPE, policy, fault=fault, dist_opt_instances=INSTANCES)
 
 
+@needs_instances
 def test_the_all_gathers_run_within_each_instance():
     for r in run("aligned").ranks:
         assert r["optimizer_instances"] == LAYOUT, r["optimizer_instances"]
 
 
+@needs_instances
 @pytest.mark.parametrize("policy", ["aligned", "lazy"])
 def test_slots_and_counts_pass_the_verdict(policy):
     result = run(policy)
@@ -46,10 +50,12 @@ def test_slots_and_counts_pass_the_verdict(policy):
                                                                            (0, False), (1, False)}
 
 
+@needs_instances
 def test_bit_identical_across_policies():
     assert differences(run("lazy"), run("aligned")) == []
 
 
+@needs_instances
 def test_a_transpose_before_the_instance_all_gather_is_caught():
     with pytest.raises(DemoRankError, match="StaleFP8Error"):
         run("aligned", fault="no_wait")
@@ -62,6 +68,7 @@ def _has_megatron_lm():
         return False
 
 
+@needs_instances
 @pytest.mark.skipif(not _has_megatron_lm(),
                     reason="Megatron-LM's loop ships in megatron-core >= 0.19 (.venv-mcore019)")
 def test_megatron_lm_loop_with_two_instances():
@@ -86,3 +93,12 @@ def test_instances_that_do_not_divide_dp_are_refused():
     assert ("--dist-opt-instances 2: megatron-core splits the --dp 3 data-parallel ranks evenly "
             "into the instances, and 2 does not divide 3; pass --dp 4, or --dist-opt-instances 1"
             ) in out.stderr
+
+
+@pytest.mark.skipif(HAS, reason=f"megatron-core {VERSION} has optimizer instances")
+def test_before_0_10_the_flag_is_refused_with_the_version():
+    out = subprocess.run([sys.executable, "-m", "nemo_fp8_align", "demo", "--dp", "2",
+                          "--dist-opt-instances", "2"], capture_output=True, text=True)
+    assert out.returncode == 2
+    assert (f"--dist-opt-instances 2: megatron-core {VERSION} (before 0.10) has one distributed-"
+            "optimizer instance only") in out.stderr
