@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import io
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -258,18 +259,32 @@ def mlmgpu_note(found: List[Path], rows: List[Dict[str, Any]]) -> str:
             + "\n".join([_HEADER, _RULE] + [_row(r) for r in rows]) + "\n")
 
 
+def _why_failed(data: Dict[str, Any]) -> str:
+    """A failed run's own error line (an out-of-memory message without its allocator detail)."""
+    text = data.get("failed") or "\n".join(data.get("errors") or []) or "no result"
+    line = next((x for x in reversed(text.splitlines()) if "Error" in x), text.splitlines()[-1])
+    gpu = re.search(r"GPU \d+ has a total capacity of [\d.]+ GiB", line)
+    return line.split(" Tried to allocate")[0].strip() + (f" ({gpu.group(0)})" if gpu else "")
+
+
 def round2_note(slowdown: float, runs: Path = ROUND2_RUNS) -> str:
     """Round 2's verdict: R1 (the shipped slowdown) is the primary, R2 (no slowdown) beside it;
     only runs with at least ROUND2_MIN_ROUNDS rounds are judged."""
     head = ("\n## Round 2: shapes measured after the models were fixed "
             "(`benchmarks/planner_calibration_round2.md`)\n\n")
-    found = [n for n in ROUND2 if (runs / f"{n}.json").is_file()]
-    missing = [n for n in ROUND2 if n not in found]
+    files = {n: json.loads((runs / f"{n}.json").read_text()) for n in ROUND2
+             if (runs / f"{n}.json").is_file()}
+    found = [n for n, data in files.items() if data.get("ok")]
+    failed = {n: _why_failed(data) for n, data in files.items() if not data.get("ok")}
+    missing = [n for n in ROUND2 if n not in files]
     rows = [r for n in found for r in rows_of(n, "round 2", slowdown, runs)]
     judged = [r for r in rows if r["rounds"] >= ROUND2_MIN_ROUNDS]
     r2_inside = [r for r in judged if r["paired"]["min"] <= r["no_slowdown"] <= r["paired"]["max"]]
     lines = [head + (f"Not measured yet: {', '.join(missing)}." if missing else
-                     "Every pre-registered run was measured.")]
+                     "Every pre-registered run was attempted.")]
+    if failed:
+        lines.append("Did not complete (no row, not judged): " + "; ".join(
+            f"{n} ({why})" for n, why in failed.items()) + ".")
     if rows:
         lines.append(
             f"Judged (>= {ROUND2_MIN_ROUNDS} rounds): {len(judged)} of {len(rows)} shapes. Inside "

@@ -120,3 +120,18 @@ def test_round2_is_the_pre_registered_set_and_judges_r1_and_r2(tmp_path):
     assert "): 2 of 2." in note
     rows = cal.rows_of(cal.ROUND2[0], "round 2", 1.0, tmp_path)
     assert [r["predicted"] for r in rows] == [r["no_slowdown"] for r in rows]  # R2 = slowdown 1
+
+
+def test_a_round2_run_that_did_not_complete_is_named_with_its_error_and_not_judged(tmp_path):
+    """Round 2's PP=4 shapes ran out of memory on the H100 the device tool gave (4 ranks of ~20
+    GiB under MPS): their files record the failure; the note names it and judges nothing."""
+    import shutil
+
+    for name in cal.ROUND2[::2]:  # the recorded failures, under their own names
+        shutil.copy(cal.ROUND2_RUNS / f"{name}.json", tmp_path / f"{name}.json")
+    note = cal.round2_note(1.13, tmp_path)
+    assert f"Not measured yet: {cal.ROUND2[1]}." in note
+    assert (f"Did not complete (no row, not judged): {cal.ROUND2[0]} (torch.OutOfMemoryError: "
+            "CUDA out of memory. (GPU 0 has a total capacity of 79.18 GiB)); "
+            f"{cal.ROUND2[2]} (torch.OutOfMemoryError") in note
+    assert "Judged" not in note and "| round2_" not in note
