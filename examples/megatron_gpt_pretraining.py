@@ -94,6 +94,10 @@ def main(cfg) -> None:
     exp_manager(trainer, cfg.exp_manager)
     model = model_cls(cfg.model, trainer)
     trainer.fit(model)
+    if on_cpu:  # gloo ranks tear their groups down together before exiting (test scaffolding)
+        from support.run_nemo_cpu import leave_together
+
+        leave_together()
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import runpy
 import sys
 from typing import List, Optional
 
-__all__ = ["main"]
+__all__ = ["leave_together", "main"]
 
 USAGE = "usage: python -m support.run_nemo_cpu SCRIPT [Hydra overrides...]"
 
@@ -33,14 +33,16 @@ def main(argv: Optional[List[str]] = None) -> None:
     enable_nemo_cpu_compat()
     sys.argv = [script] + args[1:]
     runpy.run_path(script, run_name="__main__")
-    _leave_together()
+    leave_together()
 
 
-def _leave_together() -> None:
+def leave_together() -> None:
     """Tear the process group down on every rank at one point. Exiting with gloo's connections
     still open can let a rank that finishes first close them under a peer whose gloo threads are
     still reading: an uncaught C++ error there then aborts the peer (CI once saw a rank end with
-    SIGABRT, its cause not in the log's tail; this teardown is the cheap guard, not a proven fix)."""
+    SIGABRT, its cause not in the log's tail; this teardown is the cheap guard, not a proven fix).
+    The project's example script calls it too on the CPU (a resume run once ended with one rank's
+    "terminate called without an active exception" after its last step)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
