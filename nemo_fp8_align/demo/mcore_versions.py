@@ -36,8 +36,7 @@ def optimizer_instances(chunks: List[Any]) -> List[Dict[str, Any]]:
     """Per chunk, the distributed-optimizer instances its DDP config asks for and the sizes of
     the groups its bucket groups all-gather over (0.10 on: one instance's data-parallel ranks;
     megatron-core 0.19 takes those groups from parallel_state, not from the config)."""
-    return [{"instances": getattr(c.ddp_config, "num_distributed_optimizer_instances", 1)
-             if hasattr(c, "ddp_config") else None,
+    return [{"instances": getattr(c.ddp_config, "num_distributed_optimizer_instances", 1),
              "gather_group": sorted({bg.intra_distributed_optimizer_instance_size
                                      for bg in getattr(c, "bucket_groups", [])
                                      if hasattr(bg, "intra_distributed_optimizer_instance_size")})}
