@@ -118,11 +118,11 @@ MCORE_OLD_LINE_TESTS = $(MCORE_LINE_TESTS) tests/test_engine_mcore.py tests/test
 # PP 4, which it needs for interleaving); the fault battery and the no-hang agreement on that
 # chain (0.7.0: PP 4 only; no DDP bucket groups there), ~20 s more a version. test_entry_points
 # skips itself (no DDP start_param_sync; test_mcore_optimizer_gather has the all-or-nothing
-# attach with optimizer=).
+# attach with optimizer=); --dist-opt-instances refused with the version (test_optimizer_instances).
 MCORE_OPTIMIZER_LINE_TESTS = tests/test_schedule.py tests/test_mcore_versions.py \
 	tests/test_refusals.py tests/test_recipe_support.py tests/test_api.py \
 	tests/test_mcore_optimizer_gather.py tests/test_faults.py tests/test_no_hang.py \
-	tests/test_entry_points.py
+	tests/test_entry_points.py tests/test_optimizer_instances.py
 
 test: install install-mcore016 install-mcore019 $(MCORE_TREES)/.installed $(OLD_TREES) $(BRIDGE_WHEEL)/.installed $(TE_TREES)/.installed
 	$(VENV)/bin/python -m pytest -q

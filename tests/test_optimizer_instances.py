@@ -97,8 +97,9 @@ def test_instances_that_do_not_divide_dp_are_refused():
 
 @pytest.mark.skipif(HAS, reason=f"megatron-core {VERSION} has optimizer instances")
 def test_before_0_10_the_flag_is_refused_with_the_version():
-    out = subprocess.run([sys.executable, "-m", "nemo_fp8_align", "demo", "--dp", "2",
-                          "--dist-opt-instances", "2"], capture_output=True, text=True)
+    # PP 4: 0.7.0 refuses interleaving at PP 2 before it reads this flag
+    out = subprocess.run([sys.executable, "-m", "nemo_fp8_align", "demo", "--pp", "4",
+                          "--dp", "2", "--dist-opt-instances", "2"], capture_output=True, text=True)
     assert out.returncode == 2
     assert (f"--dist-opt-instances 2: megatron-core {VERSION} (before 0.10) has one distributed-"
             "optimizer instance only") in out.stderr
