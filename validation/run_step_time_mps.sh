@@ -4,7 +4,7 @@
 # PyTorch extension, start CUDA MPS, and run benchmarks/pipeline_step_time_mps.py per
 # configuration while time is left. Results (Markdown + JSON per run) under $OUT.
 # Usage (from a copy of the repo whose parent holds .h200/, e.g. .gpuwork/repo):
-#   bash validation/run_step_time_mps.sh [BUDGET_SECONDS] [first|second|round2a|round2b|round2c]
+#   bash validation/run_step_time_mps.sh [BUDGET_SECONDS] [first|second|round2a|round2b|round2c|round3a|round3b]
 # .h200/ is made on the CPU machine as validation/run_real_stack.sh's header says, but with only
 # transformer-engine-cu13 (library stripped, gzipped), transformer-engine, pydantic,
 # pydantic-core, annotated-types, typing-inspection, megatron-core 0.19.2 (.h200/) and 0.16.1
@@ -81,6 +81,13 @@ round2c)  # issue 27, round 2 retried on an H200 (2026-12-07; the amendment in
   R2="--heads 32 --seq 1024 --micro-batch-size 2 --transposes te,torch --rounds 5"
   bench round2_pp4_vp4 /tmp/m19 290 --pp 4 --vp 4 --microbatches 8 --hidden 4096 $R2 --time-budget 230
   bench round2_pp2_m16_h200 /tmp/m19 200 --pp 2 --vp 2 --microbatches 16 --hidden 4096 $R2 --time-budget 150;;
+round3a)  # issue 27, round 3 (pre-registered in benchmarks/planner_calibration_round3.md), call 1
+  R3="--seq 1024 --micro-batch-size 2 --transposes te,torch --rounds 5"
+  bench round3_pp4_vp4_h3072 /tmp/m19 250 --pp 4 --vp 4 --microbatches 8 --hidden 3072 --heads 24 $R3 --time-budget 200
+  bench round3_pp4_h5120 /tmp/m19 280 --pp 4 --vp 2 --microbatches 8 --hidden 5120 --heads 40 $R3 --time-budget 225;;
+round3b)  # issue 27, round 3, call 2
+  bench round3_pp4_m12 /tmp/m19 300 --pp 4 --vp 2 --microbatches 12 --hidden 4096 --heads 32 \
+    --seq 1024 --micro-batch-size 2 --transposes te,torch --rounds 5 --time-budget 245;;
 esac
 echo quit | nvidia-cuda-mps-control
 tar czf "$OUT"/bench.tar.gz -C /tmp bench 2>/dev/null
