@@ -30,6 +30,12 @@ HELD_OUT = ("call2_mcore0161_pp4", "call1_mcore0192_pp4", "call2_mcore0192_pp2",
 ROUND2_RUNS = ROOT / "benchmarks" / "results" / "pipeline_step_time_mps_round2"
 ROUND2 = ("round2_pp4_vp4", "round2_pp2_m16", "round2_pp4_h6144")
 ROUND2_MIN_ROUNDS = 3
+#: round 3: PP=4 shapes that fit 80 GB and a noise gate, fixed before measuring
+#: (planner_calibration_round3.md)
+ROUND3_RUNS = ROOT / "benchmarks" / "results" / "pipeline_step_time_mps_round3"
+ROUND3 = ("round3_pp4_vp4_h3072", "round3_pp4_h5120", "round3_pp4_m12")
+ROUND3_QUIET = 0.05  # each policy's per-round medians within 5% of each other
+ROUND3_MIN_JUDGED = 4  # of 6 shapes; fewer judged: round 3 settles nothing
 
 
 def shape_argv(bench: Dict[str, Any]) -> List[str]:
@@ -88,8 +94,17 @@ def rows_of(name: str, role: str, slowdown: float, runs: Path = RUNS) -> List[Di
             "gpu": data["versions"].get("gpu", "?"),
             "predicted": pred["saving_ms"], "step_ms": pred["step_ms"],
             "no_slowdown": plan_json(base)["saving_ms"], "uniform": sv["predicted_ms"],
-            "inside": paired["min"] <= pred["saving_ms"] <= paired["max"]})
+            "inside": paired["min"] <= pred["saving_ms"] <= paired["max"],
+            "noise": noise(cfg)})
     return out
+
+
+def noise(cfg: Dict[str, Any]) -> float:
+    """How far one transpose's segments wandered: the largest max / min - 1 of any policy's
+    per-round medians (round 3's gate; rounds 1-2 show <= 2.4% at PP=4, >= 5.2% at PP=2)."""
+    spreads = [max(v) / min(v) - 1 for v in (list(g["per_round"].values())
+                                             for g in cfg["groups"].values()) if v]
+    return max(spreads, default=float("inf"))
 
 
 def _f(x: Optional[float], nd: int = 1) -> str:
@@ -296,6 +311,47 @@ def round2_note(slowdown: float, runs: Path = ROUND2_RUNS) -> str:
     return "\n".join(lines) + "\n"
 
 
+def round3_note(slowdown: float, runs: Path = ROUND3_RUNS) -> str:
+    """Round 3's verdict: judged = >= ROUND2_MIN_ROUNDS rounds and quiet (ROUND3_QUIET); done
+    when at least ROUND3_MIN_JUDGED shapes are judged and R1 puts every judged one inside."""
+    head = ("\n## Round 3: PP=4 shapes that fit 80 GB, with a noise gate, fixed before measuring "
+            "(`benchmarks/planner_calibration_round3.md`)\n\n")
+    files = {n: json.loads((runs / f"{n}.json").read_text()) for n in ROUND3
+             if (runs / f"{n}.json").is_file()}
+    failed = {n: _why_failed(data) for n, data in files.items() if not data.get("ok")}
+    missing = [n for n in ROUND3 if n not in files]
+    rows = [r for n, data in files.items() if data.get("ok")
+            for r in rows_of(n, "round 3", slowdown, runs)]
+    judged = [r for r in rows if r["rounds"] >= ROUND2_MIN_ROUNDS and r["noise"] <= ROUND3_QUIET]
+    noisy = [r for r in rows if r not in judged]
+    r1 = sum(r["inside"] for r in judged)
+    r2 = sum(r["paired"]["min"] <= r["no_slowdown"] <= r["paired"]["max"] for r in judged)
+    if len(judged) < ROUND3_MIN_JUDGED:
+        verdict = (f"fewer than {ROUND3_MIN_JUDGED} of {2 * len(ROUND3)} shapes judged: round 3 "
+                   "settles nothing")
+    else:
+        verdict = "met" if r1 == len(judged) else "not met"
+    lines = [head + (f"Not measured yet: {', '.join(missing)}." if missing else
+                     "Every pre-registered run was attempted.")]
+    if failed:
+        lines.append("Did not complete (no row, not judged): " + "; ".join(
+            f"{n} ({why})" for n, why in failed.items()) + ".")
+    if noisy:
+        lines.append("Not judged (fewer than 3 rounds, or a policy's per-round medians more than "
+                     f"{ROUND3_QUIET:.0%} apart): " + "; ".join(
+                         f"{r['run']} {r['impl']} ({r['rounds']} rounds, {r['noise']:.1%})"
+                         for r in noisy) + ".")
+    lines.append(f"Judged: {len(judged)} of {len(rows)} shapes (the noise of each: "
+                 + (", ".join(f"{r['run']} {r['impl']} {r['noise']:.1%}" for r in judged) or "-")
+                 + f"). Inside the paired spread, R1 (slowdown {slowdown:.3f}, primary): {r1} of "
+                 f"{len(judged)}; R2 (no slowdown): {r2} of {len(judged)}. **Verdict: {verdict}.**"
+                 + (f" GPU: {', '.join(sorted({r['gpu'] for r in rows}))}." if rows else "")
+                 + "\n")
+    if rows:
+        lines += [_HEADER, _RULE] + [_row(r) for r in rows]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/planner_calibration.md"))
@@ -306,7 +362,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     found = mlm_summaries()
     mlm = [row for path in found for row in mlm_rows(path, slowdown)]
     text = (markdown(rows, slowdown, [] if argv is None else argv) + mlmgpu_note(found, mlm)
-            + round2_note(slowdown))
+            + round2_note(slowdown) + round3_note(slowdown))
     Path(args.out).write_text(text)
     print(text)
     return 0

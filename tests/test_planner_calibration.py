@@ -135,3 +135,36 @@ def test_a_round2_run_that_did_not_complete_is_named_with_its_error_and_not_judg
             "CUDA out of memory. (GPU 0 has a total capacity of 79.18 GiB)); "
             f"{cal.ROUND2[2]} (torch.OutOfMemoryError") in note
     assert "Judged" not in note and "| round2_" not in note
+
+
+def test_round3_is_the_pre_registered_set_and_judges_only_quiet_runs(tmp_path):
+    """Round 3's runs are the ones its file names; a shape is judged only with >= 3 rounds and
+    every policy's per-round medians within 5%, and fewer than 4 judged shapes settle nothing.
+    Round 1's PP=4 runs are quiet (<= 2.4%), its PP=2 runs noisy (>= 5.2%)."""
+    import json
+    import shutil
+
+    written = (ROOT / "benchmarks/planner_calibration_round3.md").read_text()
+    assert set(re.findall(r"^\| `(round3_\w+)` \|", written, re.M)) == set(cal.ROUND3)
+    assert "at most 5%" in written and "at least 4 of the 6 shapes" in written
+    assert cal.ROUND3_QUIET == 0.05 and cal.ROUND3_MIN_JUDGED == 4
+
+    shutil.copy(cal.RUNS / "call2_mcore0161_pp4.json", tmp_path / f"{cal.ROUND3[0]}.json")
+    shutil.copy(cal.RUNS / "call2_mcore0192_pp2.json", tmp_path / f"{cal.ROUND3[1]}.json")
+    note = cal.round3_note(cal.fit_slowdown(), tmp_path)
+    assert f"Not measured yet: {cal.ROUND3[2]}." in note
+    # the PP=2 run (per-round medians up to 10.2% apart) is shown, not judged
+    assert re.search(rf"Not judged .*{cal.ROUND3[1]} te \(6 rounds, 10\.2%\); "
+                     rf"{cal.ROUND3[1]} torch \(6 rounds, 8\.3%\)\.", note)
+    assert "Judged: 2 of 4 shapes" in note and "R1 (slowdown 1.130, primary): 1 of 2" in note
+    assert "**Verdict: fewer than 4 of 6 shapes judged: round 3 settles nothing.**" in note
+
+    # two quiet runs judged: 4 shapes; R1 misses one (torch: 13.7 < 14.4), so not met
+    shutil.copy(cal.RUNS / "call2_mcore0192_pp4.json", tmp_path / f"{cal.ROUND3[1]}.json")
+    note = cal.round3_note(cal.fit_slowdown(), tmp_path)
+    assert "Judged: 4 of 4 shapes" in note and "**Verdict: not met.**" in note
+    one_round_short = json.loads((tmp_path / f"{cal.ROUND3[0]}.json").read_text())
+    for cfg in one_round_short["configs"]:
+        cfg["saving"]["paired_per_round_ms"]["n"] = 2
+    (tmp_path / f"{cal.ROUND3[0]}.json").write_text(json.dumps(one_round_short))
+    assert "Judged: 2 of 4 shapes" in cal.round3_note(cal.fit_slowdown(), tmp_path)
