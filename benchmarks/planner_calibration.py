@@ -282,24 +282,32 @@ def _why_failed(data: Dict[str, Any]) -> str:
     return line.split(" Tried to allocate")[0].strip() + (f" ({gpu.group(0)})" if gpu else "")
 
 
+def _attempted(names, runs: Path, role: str, slowdown: float):
+    """A pre-registered round's files: its rows (completed runs) and the lines that say which
+    runs are not measured yet and which did not complete, with their own error."""
+    files = {n: json.loads((runs / f"{n}.json").read_text()) for n in names
+             if (runs / f"{n}.json").is_file()}
+    failed = {n: _why_failed(data) for n, data in files.items() if not data.get("ok")}
+    missing = [n for n in names if n not in files]
+    rows = [r for n, data in files.items() if data.get("ok")
+            for r in rows_of(n, role, slowdown, runs)]
+    lines = [f"Not measured yet: {', '.join(missing)}." if missing else
+             "Every pre-registered run was attempted."]
+    if failed:
+        lines.append("Did not complete (no row, not judged): " + "; ".join(
+            f"{n} ({why})" for n, why in failed.items()) + ".")
+    return rows, lines
+
+
 def round2_note(slowdown: float, runs: Path = ROUND2_RUNS) -> str:
     """Round 2's verdict: R1 (the shipped slowdown) is the primary, R2 (no slowdown) beside it;
     only runs with at least ROUND2_MIN_ROUNDS rounds are judged."""
     head = ("\n## Round 2: shapes measured after the models were fixed "
             "(`benchmarks/planner_calibration_round2.md`)\n\n")
-    files = {n: json.loads((runs / f"{n}.json").read_text()) for n in ROUND2
-             if (runs / f"{n}.json").is_file()}
-    found = [n for n, data in files.items() if data.get("ok")]
-    failed = {n: _why_failed(data) for n, data in files.items() if not data.get("ok")}
-    missing = [n for n in ROUND2 if n not in files]
-    rows = [r for n in found for r in rows_of(n, "round 2", slowdown, runs)]
+    rows, lines = _attempted(ROUND2, runs, "round 2", slowdown)
     judged = [r for r in rows if r["rounds"] >= ROUND2_MIN_ROUNDS]
     r2_inside = [r for r in judged if r["paired"]["min"] <= r["no_slowdown"] <= r["paired"]["max"]]
-    lines = [head + (f"Not measured yet: {', '.join(missing)}." if missing else
-                     "Every pre-registered run was attempted.")]
-    if failed:
-        lines.append("Did not complete (no row, not judged): " + "; ".join(
-            f"{n} ({why})" for n, why in failed.items()) + ".")
+    lines[0] = head + lines[0]
     if rows:
         lines.append(
             f"Judged (>= {ROUND2_MIN_ROUNDS} rounds): {len(judged)} of {len(rows)} shapes. Inside "
@@ -316,12 +324,7 @@ def round3_note(slowdown: float, runs: Path = ROUND3_RUNS) -> str:
     when at least ROUND3_MIN_JUDGED shapes are judged and R1 puts every judged one inside."""
     head = ("\n## Round 3: PP=4 shapes that fit 80 GB, with a noise gate, fixed before measuring "
             "(`benchmarks/planner_calibration_round3.md`)\n\n")
-    files = {n: json.loads((runs / f"{n}.json").read_text()) for n in ROUND3
-             if (runs / f"{n}.json").is_file()}
-    failed = {n: _why_failed(data) for n, data in files.items() if not data.get("ok")}
-    missing = [n for n in ROUND3 if n not in files]
-    rows = [r for n, data in files.items() if data.get("ok")
-            for r in rows_of(n, "round 3", slowdown, runs)]
+    rows, lines = _attempted(ROUND3, runs, "round 3", slowdown)
     judged = [r for r in rows if r["rounds"] >= ROUND2_MIN_ROUNDS and r["noise"] <= ROUND3_QUIET]
     noisy = [r for r in rows if r not in judged]
     r1 = sum(r["inside"] for r in judged)
@@ -331,11 +334,7 @@ def round3_note(slowdown: float, runs: Path = ROUND3_RUNS) -> str:
                    "settles nothing")
     else:
         verdict = "met" if r1 == len(judged) else "not met"
-    lines = [head + (f"Not measured yet: {', '.join(missing)}." if missing else
-                     "Every pre-registered run was attempted.")]
-    if failed:
-        lines.append("Did not complete (no row, not judged): " + "; ".join(
-            f"{n} ({why})" for n, why in failed.items()) + ".")
+    lines[0] = head + lines[0]
     if noisy:
         lines.append("Not judged (fewer than 3 rounds, or a policy's per-round medians more than "
                      f"{ROUND3_QUIET:.0%} apart): " + "; ".join(
