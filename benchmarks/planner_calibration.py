@@ -331,7 +331,9 @@ def round3_note(slowdown: float, runs: Path = ROUND3_RUNS) -> str:
     r2 = sum(r["paired"]["min"] <= r["no_slowdown"] <= r["paired"]["max"] for r in judged)
     if len(judged) < ROUND3_MIN_JUDGED:
         verdict = (f"fewer than {ROUND3_MIN_JUDGED} of {2 * len(ROUND3)} shapes judged: round 3 "
-                   "settles nothing")
+                   "settles nothing" + (f"; with {len(judged) - r1} judged shape(s) outside under "
+                                        "R1 it cannot be met by the runs still to come"
+                                        if r1 < len(judged) else ""))
     else:
         verdict = "met" if r1 == len(judged) else "not met"
     lines[0] = head + lines[0]
