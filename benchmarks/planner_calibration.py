@@ -18,7 +18,7 @@ import re
 import statistics
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "benchmarks" / "results" / "pipeline_step_time_mps_h200"
@@ -29,7 +29,7 @@ HELD_OUT = ("call2_mcore0161_pp4", "call1_mcore0192_pp4", "call2_mcore0192_pp2",
 #: round 2: models and shapes fixed before these were measured (planner_calibration_round2.md)
 ROUND2_RUNS = ROOT / "benchmarks" / "results" / "pipeline_step_time_mps_round2"
 ROUND2 = ("round2_pp4_vp4", "round2_pp2_m16", "round2_pp4_h6144")
-ROUND2_MIN_ROUNDS = 3
+MIN_ROUNDS = 3  # rounds 2 and 3: a run with fewer rounds is shown, not judged
 #: round 3: PP=4 shapes that fit 80 GB and a noise gate, fixed before measuring
 #: (planner_calibration_round3.md)
 ROUND3_RUNS = ROOT / "benchmarks" / "results" / "pipeline_step_time_mps_round3"
@@ -86,6 +86,7 @@ def rows_of(name: str, role: str, slowdown: float, runs: Path = RUNS) -> List[Di
         base = shape_argv(b) + measured_argv(cfg, b["pp"], b["vp"])
         share = ["--ranks-share-gpu", "--shared-gpu-slowdown", repr(slowdown)]
         pred = plan_json(base + share)
+        no_slowdown = plan_json(base)["saving_ms"]
         sv, paired = cfg["saving"], cfg["saving"]["paired_per_round_ms"]
         out.append({
             "run": name, "role": role, "mcore": data["versions"]["megatron_core"],
@@ -93,8 +94,9 @@ def rows_of(name: str, role: str, slowdown: float, runs: Path = RUNS) -> List[Di
             "rounds": paired["n"], "measured": sv["measured_ms"], "paired": paired,
             "gpu": data["versions"].get("gpu", "?"),
             "predicted": pred["saving_ms"], "step_ms": pred["step_ms"],
-            "no_slowdown": plan_json(base)["saving_ms"], "uniform": sv["predicted_ms"],
+            "no_slowdown": no_slowdown, "uniform": sv["predicted_ms"],
             "inside": paired["min"] <= pred["saving_ms"] <= paired["max"],
+            "inside_no_slowdown": paired["min"] <= no_slowdown <= paired["max"],
             "noise": noise(cfg)})
     return out
 
@@ -172,7 +174,7 @@ def markdown(rows: List[Dict[str, Any]], slowdown: float, argv: List[str]) -> st
               "the model's sign or size there."]
     lines += ["", "## After the verdict (post hoc: nothing below changed the model)", "",
               f"- Without the shared-GPU slowdown (issue 20's '+ host wait' form), "
-              f"{sum(r['paired']['min'] <= r['no_slowdown'] <= r['paired']['max'] for r in held)}"
+              f"{sum(r['inside_no_slowdown'] for r in held)}"
               f" of {len(held)} held-out shapes would lie inside. The slowdown is measured (the "
               "aligned transposes do take longer when every rank builds them at once on one "
               "GPU), yet it lowers every PP=4 prediction by about 1 ms, and the resolved "
@@ -282,7 +284,8 @@ def _why_failed(data: Dict[str, Any]) -> str:
     return line.split(" Tried to allocate")[0].strip() + (f" ({gpu.group(0)})" if gpu else "")
 
 
-def _attempted(names, runs: Path, role: str, slowdown: float):
+def _attempted(names: Tuple[str, ...], runs: Path, role: str,
+               slowdown: float) -> Tuple[List[Dict[str, Any]], List[str]]:
     """A pre-registered round's files: its rows (completed runs) and the lines that say which
     runs are not measured yet and which did not complete, with their own error."""
     files = {n: json.loads((runs / f"{n}.json").read_text()) for n in names
@@ -301,34 +304,35 @@ def _attempted(names, runs: Path, role: str, slowdown: float):
 
 def round2_note(slowdown: float, runs: Path = ROUND2_RUNS) -> str:
     """Round 2's verdict: R1 (the shipped slowdown) is the primary, R2 (no slowdown) beside it;
-    only runs with at least ROUND2_MIN_ROUNDS rounds are judged."""
+    only runs with at least MIN_ROUNDS rounds are judged."""
     head = ("\n## Round 2: shapes measured after the models were fixed "
             "(`benchmarks/planner_calibration_round2.md`)\n\n")
     rows, lines = _attempted(ROUND2, runs, "round 2", slowdown)
-    judged = [r for r in rows if r["rounds"] >= ROUND2_MIN_ROUNDS]
-    r2_inside = [r for r in judged if r["paired"]["min"] <= r["no_slowdown"] <= r["paired"]["max"]]
+    judged = [r for r in rows if r["rounds"] >= MIN_ROUNDS]
     lines[0] = head + lines[0]
     if rows:
         lines.append(
-            f"Judged (>= {ROUND2_MIN_ROUNDS} rounds): {len(judged)} of {len(rows)} shapes. Inside "
+            f"Judged (>= {MIN_ROUNDS} rounds): {len(judged)} of {len(rows)} shapes. Inside "
             f"the paired spread, R1 (slowdown {slowdown:.3f}, primary): "
             f"{sum(r['inside'] for r in judged)} of {len(judged)}; R2 (no slowdown, the "
-            f"'without the slowdown' column): {len(r2_inside)} of {len(judged)}. GPU: "
+            f"'without the slowdown' column): {sum(r['inside_no_slowdown'] for r in judged)} of "
+            f"{len(judged)}. GPU: "
             f"{', '.join(sorted({r['gpu'] for r in rows}))}.\n")
         lines += [_HEADER, _RULE] + [_row(r) for r in rows]
     return "\n".join(lines) + "\n"
 
 
 def round3_note(slowdown: float, runs: Path = ROUND3_RUNS) -> str:
-    """Round 3's verdict: judged = >= ROUND2_MIN_ROUNDS rounds and quiet (ROUND3_QUIET); done
+    """Round 3's verdict: judged = >= MIN_ROUNDS rounds and quiet (ROUND3_QUIET); done
     when at least ROUND3_MIN_JUDGED shapes are judged and R1 puts every judged one inside."""
     head = ("\n## Round 3: PP=4 shapes that fit 80 GB, with a noise gate, fixed before measuring "
             "(`benchmarks/planner_calibration_round3.md`)\n\n")
     rows, lines = _attempted(ROUND3, runs, "round 3", slowdown)
-    judged = [r for r in rows if r["rounds"] >= ROUND2_MIN_ROUNDS and r["noise"] <= ROUND3_QUIET]
-    noisy = [r for r in rows if r not in judged]
+    quiet = [r["rounds"] >= MIN_ROUNDS and r["noise"] <= ROUND3_QUIET for r in rows]
+    judged = [r for r, q in zip(rows, quiet) if q]
+    noisy = [r for r, q in zip(rows, quiet) if not q]
     r1 = sum(r["inside"] for r in judged)
-    r2 = sum(r["paired"]["min"] <= r["no_slowdown"] <= r["paired"]["max"] for r in judged)
+    r2 = sum(r["inside_no_slowdown"] for r in judged)
     if len(judged) < ROUND3_MIN_JUDGED:
         verdict = (f"fewer than {ROUND3_MIN_JUDGED} of {2 * len(ROUND3)} shapes judged: round 3 "
                    "settles nothing" + (f"; with {len(judged) - r1} judged shape(s) outside under "
@@ -338,8 +342,8 @@ def round3_note(slowdown: float, runs: Path = ROUND3_RUNS) -> str:
         verdict = "met" if r1 == len(judged) else "not met"
     lines[0] = head + lines[0]
     if noisy:
-        lines.append("Not judged (fewer than 3 rounds, or a policy's per-round medians more than "
-                     f"{ROUND3_QUIET:.0%} apart): " + "; ".join(
+        lines.append(f"Not judged (fewer than {MIN_ROUNDS} rounds, or a policy's per-round "
+                     f"medians more than {ROUND3_QUIET:.0%} apart): " + "; ".join(
                          f"{r['run']} {r['impl']} ({r['rounds']} rounds, {r['noise']:.1%})"
                          for r in noisy) + ".")
     lines.append(f"Judged: {len(judged)} of {len(rows)} shapes (the noise of each: "
