@@ -37,11 +37,12 @@ def predict(pp: int, vp: int, m: int, forward_ms: float, backward_ms: float, tra
 
 
 def per_rank_costs(b: Any, ranks: List[Dict[str, Any]], policy: str, impl: str,
-                   discard: int) -> Dict[tuple, Dict[str, float]]:
+                   discard: int, prefix: str = "") -> Dict[tuple, Dict[str, float]]:
     """Per (pp rank, chunk), medians in ms: forward, backward, the chunk's transposes, and the
     first forward's extra (its duration minus the chunk's median forward minus the transposes
     built inside it): host-side work at a chunk's first use in a step (DDP's and TE's hooks,
-    the FP8 scale update) during which this rank's GPU stream waits for the host."""
+    the FP8 scale update) during which this rank's GPU stream waits for the host.
+    ``prefix="host_"``: the same from the calls' host times instead of their event spans."""
     InterleavedSchedule = _planner()[0]
     sched = InterleavedSchedule(b.pp, b.vp, b.microbatches)
     chunk_of = [sched.forward_table[v][1] for v in range(sched.total)]
@@ -54,12 +55,12 @@ def per_rank_costs(b: Any, ranks: List[Dict[str, Any]], policy: str, impl: str,
             if seg["policy"] != policy or seg["transposes"] != impl:
                 continue
             for row in _timed(seg, discard):
-                fwd, bwd = row.get("forward", []), row.get("backward", [])
+                fwd, bwd = row.get(prefix + "forward", []), row.get(prefix + "backward", [])
                 if len(fwd) != sched.total or len(bwd) != sched.total:
                     continue
                 for c in range(b.vp):
                     mine = [d for v, d in enumerate(fwd) if chunk_of[v] == c]
-                    trans = sum(row.get(f"transpose_c{c}", []))
+                    trans = sum(row.get(f"{prefix}transpose_c{c}", []))
                     inside = trans if policy != "aligned" else 0.0
                     a = acc[c]
                     a["forward"] += mine
@@ -70,6 +71,31 @@ def per_rank_costs(b: Any, ranks: List[Dict[str, Any]], policy: str, impl: str,
             if a["forward"]:
                 out[(r["pp_rank"], c)] = {k: statistics.median(v) for k, v in a.items()}
     return out
+
+
+def two_clock_costs(b: Any, ranks: List[Dict[str, Any]], impl: str,
+                    discard: int) -> Dict[tuple, Dict[str, float]]:
+    """Per (pp rank, chunk), ms: each call's host time (lazy segments; the host wait from
+    aligned segments with TE's transpose, as ``per_rank_costs``) and its GPU time (the
+    gpu-only segment, every step); empty without a gpu-only segment. ``backlog_short``: a call
+    whose host time exceeded the backlog, so its gpu-only span may still include host waits."""
+    gpu = per_rank_costs(b, ranks, "gpu_only", impl, 0)
+    if not gpu:
+        return {}
+    host = per_rank_costs(b, ranks, "lazy", impl, discard, prefix="host_")
+    wait = per_rank_costs(b, ranks, "aligned", "te" if "te" in b.transposes else impl, discard,
+                          prefix="host_")
+    backlog = min((s.get("backlog_ms", 0.0) for r in ranks for s in r["segments"]
+                   if s["policy"] == "gpu_only"), default=0.0)
+    longest = max((x for r in ranks for s in r["segments"] if s["policy"] == "gpu_only"
+                   for row in s["rows"] for k, xs in row.items() if k.startswith("host_")
+                   for x in xs), default=0.0)
+    return {k: {"forward_host": host[k]["forward"], "backward_host": host[k]["backward"],
+                "transpose_host": host[k]["transpose"],
+                "host_wait": max(0.0, wait.get(k, {}).get("first_extra", 0.0)),
+                "forward_gpu": g["forward"], "backward_gpu": g["backward"],
+                "transpose_gpu": g["transpose"], "backlog_short": longest >= backlog}
+            for k, g in gpu.items() if k in host}
 
 
 def predict_per_rank(b: Any, costs: Dict[tuple, Dict[str, float]], p2p_ms: float,
@@ -206,6 +232,9 @@ def analyse(b: Any, ranks: List[Dict[str, Any]], failed: Optional[str], wall_s: 
                                   b.discard)
             for k, v in lazy_costs.items():
                 v["first_extra"] = host.get(k, {}).get("first_extra", 0.0)
+            two = two_clock_costs(b, ranks, impl, b.discard)
+            if two:
+                cfg["two_clock_costs"] = {f"r{k[0]}c{k[1]}": v for k, v in two.items()}
             if not b.cpu_dry_run and len(lazy_costs) == b.pp * b.vp:
                 cfg["per_rank_costs"] = {f"r{k[0]}c{k[1]}": v for k, v in lazy_costs.items()}
                 for label, overlap in (("per_rank", False), ("per_rank_host_overlap", True)):
@@ -316,6 +345,15 @@ def markdown(s: Dict[str, Any]) -> str:
                 f"{k} F {_f(v['forward'])} B {_f(v['backward'])} T {_f(v['transpose'])} "
                 f"first-forward extra {_f(v['first_extra'])}"
                 for k, v in cfg["per_rank_costs"].items())]
+        if cfg.get("two_clock_costs"):
+            lines += ["", "Host and GPU time per call (medians, ms; host: lazy segments, host "
+                      "wait from aligned segments with TE's transpose; GPU: the gpu-only segment, "
+                      "a GPU backlog before each call): " + "; ".join(
+                f"{k} F {_f(v['forward_host'])}/{_f(v['forward_gpu'])} B "
+                f"{_f(v['backward_host'])}/{_f(v['backward_gpu'])} T "
+                f"{_f(v['transpose_host'])}/{_f(v['transpose_gpu'])} wait {_f(v['host_wait'])}"
+                + (" (backlog short)" if v["backlog_short"] else "")
+                for k, v in cfg["two_clock_costs"].items())]
         probs = [x for g in cfg["groups"].values() for x in g["problems"]]
         if probs:
             lines += ["", "Telemetry problems (first 10):", ""] + [f"- {x}" for x in probs[:10]]

@@ -1,7 +1,15 @@
 """Timing for benchmarks/pipeline_step_time_mps.py: CUDA-event marks, and the hooks that time
 every forward_step / backward_step of megatron-core's schedule and every Transformer Engine
 transpose build (and, for the slow variant, replace TE's transpose by the reference backend's
-generic torch transpose, for every policy alike)."""
+generic torch transpose, for every policy alike).
+
+Each timed call gets two durations: its CUDA-event span (label ``forward``, ``backward``,
+``transpose_c<chunk>``) and its host time (the same label prefixed ``host_``). With
+``Marks.gpu_only`` on, a GPU sleep longer than any call's host time is queued before each call,
+so its kernels are all queued before the GPU reaches them and the event span is the GPU's own
+time, without waits for the host's launches (a calibration segment, never a timed one). Where
+the host, not the GPU, paces a call (small chunks, launch-bound), the span without the sleep
+is the host's time and the one with it is shorter: the planner's two-clock model reads both."""
 
 from __future__ import annotations
 
@@ -18,6 +26,36 @@ class Marks:
 
     def __init__(self, cuda: bool) -> None:
         self.cuda, self.open, self.pairs = cuda, {}, []
+        self.host: List[tuple] = []  # (label, host ms)
+        self.gpu_only = False  # queue a GPU sleep before every timed call (calibration)
+        self.sleep_cycles = 0
+
+    def backlog(self) -> None:
+        """In a calibration segment: give the GPU ``sleep_cycles`` of work ahead of the host."""
+        if self.gpu_only and self.cuda and self.sleep_cycles:
+            torch.cuda._sleep(self.sleep_cycles)
+
+    def calibrate_sleep(self, ms: float) -> None:
+        """``sleep_cycles`` for a GPU sleep of about ``ms`` (timed once on this GPU)."""
+        if not self.cuda:
+            return
+        probe = 1_000_000
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(probe)  # warm
+        a.record()
+        torch.cuda._sleep(probe)
+        b.record()
+        b.synchronize()
+        self.sleep_cycles = int(probe * ms / max(a.elapsed_time(b), 1e-3))
+
+    def timed(self, label: str, fn, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` with its event span and its host time recorded."""
+        self.backlog()
+        h0, start = time.perf_counter(), self.now()
+        out = fn(*args, **kwargs)
+        self.pairs.append((label, start, self.now()))
+        self.host.append((label, (time.perf_counter() - h0) * 1e3))
+        return out
 
     def now(self) -> Any:
         if not self.cuda:
@@ -34,7 +72,10 @@ class Marks:
         out: Dict[str, List[float]] = {}
         for label, a, b in self.pairs:
             out.setdefault(label, []).append(round(self.ms(a, b), 4))
+        for label, ms in self.host:
+            out.setdefault("host_" + label, []).append(round(ms, 4))
         self.pairs.clear()
+        self.host.clear()
         return out
 
 
@@ -45,10 +86,7 @@ def instrument(marks: Marks, chunk_of: Dict[int, int], slow: Dict[str, bool]) ->
 
     def timed(fn, label):
         def wrapper(*args, **kwargs):
-            start = marks.now()
-            out = fn(*args, **kwargs)
-            marks.pairs.append((label, start, marks.now()))
-            return out
+            return marks.timed(label, fn, *args, **kwargs)
         return wrapper
 
     schedules.forward_step = timed(schedules.forward_step, "forward")
@@ -72,9 +110,8 @@ def instrument(marks: Marks, chunk_of: Dict[int, int], slow: Dict[str, bool]) ->
         self._transpose, self._transpose_invalid = out, False
 
     def build(self) -> None:
-        start = marks.now()
-        (torch_transpose if slow["on"] else fast)(self)
-        marks.pairs.append((f"transpose_c{chunk_of.get(id(self), -1)}", start, marks.now()))
+        marks.timed(f"transpose_c{chunk_of.get(id(self), -1)}",
+                    torch_transpose if slow["on"] else fast, self)
 
     Float8TensorStorage._create_transpose = build
     _time_columnwise(marks, chunk_of)
@@ -91,9 +128,6 @@ def _time_columnwise(marks: Marks, chunk_of: Dict[int, int]) -> None:
     own = Float8BlockwiseQTensorStorage._create_columnwise
 
     def build(self, *args: Any, **kwargs: Any) -> Any:
-        start = marks.now()
-        out = own(self, *args, **kwargs)
-        marks.pairs.append((f"transpose_c{chunk_of.get(id(self), -1)}", start, marks.now()))
-        return out
+        return marks.timed(f"transpose_c{chunk_of.get(id(self), -1)}", own, self, *args, **kwargs)
 
     Float8BlockwiseQTensorStorage._create_columnwise = build

@@ -69,6 +69,7 @@ class Bench:
     warmup: int = 8
     p2p: str = "auto"  # auto (IPC if every rank can open it) | host
     time_budget: int = 0  # seconds for the rounds; fewer rounds (>= 2) if the warm-up says so
+    gpu_only_steps: int = 0  # per transposes, after the rounds: steps with a GPU backlog (Marks)
     cpu_dry_run: bool = False
 
     @property
@@ -209,10 +210,33 @@ def _run(rank: int, b: Bench, cuda: bool, out: str, result: Dict[str, Any]) -> N
             segments.append({"round": r, "policy": policy, "transposes": impl, "rows": rows,
                              "problems": _judge(b, policy, records),
                              "records": records if r == 0 else []})
+    segments += _gpu_only_segments(b, marks, slow, step)
     result["segments"] = segments
     dist.barrier()
     ps.destroy_model_parallel()
     dist.destroy_process_group()
+
+
+#: The GPU backlog queued before each call of a gpu-only segment: longer than any call's host
+#: time here (a chunk's backward takes ~4-8 ms of host time); each row's host times show it.
+GPU_ONLY_BACKLOG_MS = 15.0
+
+
+def _gpu_only_segments(b: Bench, marks: Marks, slow: Dict[str, bool], step) -> List[Dict[str, Any]]:
+    """Per transposes, ``b.gpu_only_steps`` steps (plugin off: TE's lazy builds) with a GPU
+    backlog before every timed call: each call's GPU time without waits for the host."""
+    if b.gpu_only_steps <= 0:
+        return []
+    marks.calibrate_sleep(GPU_ONLY_BACKLOG_MS)
+    out = []
+    for impl in b.transposes:
+        slow["on"] = impl == "torch"
+        marks.gpu_only = True
+        rows = [step(k) for k in range(b.gpu_only_steps)]
+        marks.gpu_only = False
+        out.append({"round": -1, "policy": "gpu_only", "transposes": impl, "rows": rows,
+                    "problems": [], "records": [], "backlog_ms": GPU_ONLY_BACKLOG_MS})
+    return out
 
 
 def _rounds_that_fit(b: Bench, warm_ms: List[float]) -> int:
@@ -282,7 +306,7 @@ def parse(argv: List[str]) -> argparse.Namespace:
     d = Bench()
     for name in ("pp", "vp", "dp", "microbatches", "hidden", "heads", "layers_per_chunk", "seq",
                  "micro_batch_size", "vocab", "rounds", "steps_per_segment", "discard", "warmup",
-                 "time_budget"):
+                 "time_budget", "gpu_only_steps"):
         ap.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     ap.add_argument("--recipe", default=d.recipe, choices=["delayed", "tensorwise"])
     ap.add_argument("--policies", default=",".join(d.policies))

@@ -65,7 +65,8 @@ def test_cpu_dry_run(tmp_path):
         [sys.executable, str(ROOT / "benchmarks" / "pipeline_step_time_mps.py"), "--cpu-dry-run",
          "--pp", "2", "--vp", "2", "--microbatches", "4", "--hidden", "64", "--heads", "4",
          "--seq", "16", "--micro-batch-size", "1", "--rounds", "2", "--steps-per-segment", "3",
-         "--discard", "1", "--warmup", "1", "--out", str(tmp_path), "--name", "dry"],
+         "--discard", "1", "--warmup", "1", "--gpu-only-steps", "2", "--out", str(tmp_path),
+         "--name", "dry"],
         capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -73,5 +74,16 @@ def test_cpu_dry_run(tmp_path):
     assert {p: g["step"]["n"] for p, g in cfg["groups"].items()} == \
         {"off": 4, "lazy": 4, "aligned": 4}  # 2 rounds x (3 steps - 1 discarded)
     assert set(cfg["saving"]["paired_per_round_ms"]) >= {"min", "median", "max"}
+    # the gpu-only segment (after the rounds, never in a policy's figures) gives every rank and
+    # chunk a host and a GPU time per call: the two-clock planner's inputs
+    two = cfg["two_clock_costs"]
+    assert sorted(two) == ["r0c0", "r0c1", "r1c0", "r1c1"]
+    assert all(v[k] > 0 for v in two.values() for k in ("forward_host", "forward_gpu",
+                                                          "backward_host", "backward_gpu"))
+    rank0 = json.loads((tmp_path / "rank0.json").read_text())
+    calib = [s for s in rank0["segments"] if s["policy"] == "gpu_only"]
+    assert len(calib) == 1 and len(calib[0]["rows"]) == 2
+    assert len(calib[0]["rows"][0]["host_forward"]) == len(calib[0]["rows"][0]["forward"]) == 8
     text = (tmp_path / "dry.md").read_text()
     assert "| aligned | 4 |" in text and "Observed placement" in text
+    assert "Host and GPU time per call" in text
