@@ -147,7 +147,7 @@ def test_a_send_waits_for_its_receiver(monkeypatch):
     # receive after its own 3-unit compute.
     import importlib
 
-    sim_module = importlib.import_module("nemo_fp8_align.planner.simulate")
+    sim_module = importlib.import_module("nemo_fp8_align.planner.one_clock")
 
     channel = ("F", 0, 1)
     programs = [[Compute("F", 0, 0), Comm(((channel, 0, True),)), Compute("F", 0, 1)],

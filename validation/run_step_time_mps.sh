@@ -4,7 +4,7 @@
 # PyTorch extension, start CUDA MPS, and run benchmarks/pipeline_step_time_mps.py per
 # configuration while time is left. Results (Markdown + JSON per run) under $OUT.
 # Usage (from a copy of the repo whose parent holds .h200/, e.g. .gpuwork/repo):
-#   bash validation/run_step_time_mps.sh [BUDGET_SECONDS] [first|second|round2a|round2b|round2c|round3a|round3b]
+#   bash validation/run_step_time_mps.sh [BUDGET_SECONDS] [first|second|round2a|round2b|round2c|round3a|round3b|round4a|round4b]
 # .h200/ is made on the CPU machine as validation/run_real_stack.sh's header says, but with only
 # transformer-engine-cu13 (library stripped, gzipped), transformer-engine, pydantic,
 # pydantic-core, annotated-types, typing-inspection, megatron-core 0.19.2 (.h200/) and 0.16.1
@@ -85,6 +85,14 @@ round3a)  # issue 27, round 3 (pre-registered in benchmarks/planner_calibration_
   R3="--seq 1024 --micro-batch-size 2 --transposes te,torch --rounds 5"
   bench round3_pp4_vp4_h3072 /tmp/m19 250 --pp 4 --vp 4 --microbatches 8 --hidden 3072 --heads 24 $R3 --time-budget 200
   bench round3_pp4_h5120 /tmp/m19 280 --pp 4 --vp 2 --microbatches 8 --hidden 5120 --heads 40 $R3 --time-budget 225;;
+round4a)  # issue 27, round 4 (pre-registered in benchmarks/planner_calibration_round4.md), call 1:
+  # round 3's two unmeasured shapes, 3 rounds each (the time budgets), with the gpu-only segment
+  R4="--seq 1024 --micro-batch-size 2 --transposes te,torch --rounds 5 --gpu-only-steps 3"
+  bench round3_pp4_h5120 /tmp/m19 250 --pp 4 --vp 2 --microbatches 8 --hidden 5120 --heads 40 $R4 --time-budget 180
+  bench round3_pp4_m12 /tmp/m19 290 --pp 4 --vp 2 --microbatches 12 --hidden 4096 --heads 32 $R4 --time-budget 235;;
+round4b)  # issue 27, round 4, call 2
+  bench round4_pp4_vp4_h2048 /tmp/m19 300 --pp 4 --vp 4 --microbatches 8 --hidden 2048 --heads 16 \
+    --seq 1024 --micro-batch-size 2 --transposes te,torch --rounds 5 --gpu-only-steps 3 --time-budget 240;;
 round3b)  # issue 27, round 3, call 2
   bench round3_pp4_m12 /tmp/m19 300 --pp 4 --vp 2 --microbatches 12 --hidden 4096 --heads 32 \
     --seq 1024 --micro-batch-size 2 --transposes te,torch --rounds 5 --time-budget 245;;

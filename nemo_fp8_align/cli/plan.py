@@ -16,6 +16,7 @@ from nemo_fp8_align.planner.costs import (GPUS, MODELS, OVERLAP_PENALTY_H200, La
 from nemo_fp8_align.planner.program import Placement
 from nemo_fp8_align.planner.recipes import RECIPES, PostProcessing, post_processing
 from nemo_fp8_align.planner.simulate import Costs, Timeline, simulate
+from nemo_fp8_align.planner.two_clocks import TWO_CLOCK_PLACEMENTS
 
 __all__ = ["add_plan_parser", "plan_report", "run_plan"]
 
@@ -183,7 +184,9 @@ def plan_result(args: argparse.Namespace) -> Tuple[str, Dict[Placement, Timeline
                               allgather_gbps=x.allgather_gbps, p2p_gbps=x.p2p_gbps,
                               overlap_penalty=x.overlap_penalty, work=work)
     costs, measured = apply_measured(args, costs, x.pp, x.vp)
-    timelines = {p: simulate(schedule, p, costs, overlap_p2p=x.overlap_p2p) for p in Placement}
+    # two clocks (host times measured) model none / lazy / aligned only
+    placements = TWO_CLOCK_PLACEMENTS if costs.two_clocks else tuple(Placement)
+    timelines = {p: simulate(schedule, p, costs, overlap_p2p=x.overlap_p2p) for p in placements}
     lines = [head, _costs_line(costs, info, x, work)] + ([measured] if measured else []) + [
         "", _table(timelines, schedule.pp), "", _recommendation(timelines)]
     summary.update(_summary(timelines, costs, work, info, m))
@@ -206,14 +209,15 @@ def _nothing(summary: Dict, reason: str) -> Dict:
 
 def _summary(tls: Dict[Placement, Timeline], costs: Costs, work: PostProcessing,
              info: Dict, m: int) -> Dict:
-    step = {p.value: tls[p].step_time * 1e3 for p in Placement}
+    step = {p.value: tl.step_time * 1e3 for p, tl in tls.items()}
     return {"nothing_to_align": None, "microbatches": m,
             "saving_ms": step["lazy"] - step["aligned"],
             "lazy_extra_ms": step["lazy"] - step["none"], "step_ms": step,
             # the plugin's policies: off leaves megatron-core / TE building at first use (lazy)
             "policy_step_ms": {"off": step["lazy"], "lazy": step["lazy"],
                                "aligned": step["aligned"]},
-            "modelled_only": [p.value for p in _MODELLED_ONLY],
+            "modelled_only": [p.value for p in _MODELLED_ONLY if p in tls],
+            "two_clocks": costs.two_clocks,
             "post_processing": {"kind": work.kind, "what": work.what,
                                 "bytes_per_weight": work.bytes_per_weight,
                                 "bytes_per_chunk": work.bytes_per_weight * info["weight_bytes"],

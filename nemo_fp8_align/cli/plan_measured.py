@@ -10,7 +10,7 @@ from typing import Dict, List, Optional, Tuple
 
 from nemo_fp8_align.errors import PlanInputError
 from nemo_fp8_align.planner.measured import PER_CHUNK, SHARED_GPU_SLOWDOWN, measured_costs
-from nemo_fp8_align.planner.simulate import Costs
+from nemo_fp8_align.planner.timeline import Costs
 
 __all__ = ["add_measured_arguments", "apply_measured", "measured_flag"]
 
@@ -20,6 +20,12 @@ _HELP = {
     "transpose": "one chunk's post-all-gather work (transposes) per step, built alone (lazy)",
     "host_wait": "host work at a chunk's first forward of a step during which the GPU idles "
                  "(that forward minus the chunk's median forward, where no transposes run in it)",
+    "forward_host": "the host's time for one forward call (launching it); with the two other "
+                    "host times it switches to two clocks per rank, and --measured-forward-ms, "
+                    "-backward-ms, -transpose-ms are then the GPU's own times (for launch-bound "
+                    "runs: small chunks)",
+    "backward_host": "the host's time for one backward call (two clocks)",
+    "transpose_host": "the host's time to build one chunk's transposes (two clocks)",
 }
 
 
@@ -84,5 +90,6 @@ def apply_measured(args: argparse.Namespace, costs: Costs, pp: int, vp: int
                                                     else [])
     line = ("measured (replacing the derived durations): " + (" ".join(named) or "none")
             + (f"; ranks share one GPU: aligned transposes x{share:.3f}"
-               if args.ranks_share_gpu else ""))
+               if args.ranks_share_gpu else "")
+            + ("; two clocks per rank (host and GPU times)" if out.two_clocks else ""))
     return out, line

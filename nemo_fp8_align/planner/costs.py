@@ -29,7 +29,7 @@ from typing import Dict, Optional, Tuple
 
 from nemo_fp8_align.errors import PlanInputError
 from nemo_fp8_align.planner.recipes import PostProcessing, post_processing
-from nemo_fp8_align.planner.simulate import Costs
+from nemo_fp8_align.planner.timeline import Costs
 
 __all__ = ["ModelShape", "GpuProfile", "Layout", "MODELS", "GPUS", "chunk_costs", "PlanInputError",
            "OVERLAP_PENALTY_H200"]

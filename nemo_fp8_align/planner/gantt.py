@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence
 
-from nemo_fp8_align.planner.simulate import Timeline
+from nemo_fp8_align.planner.timeline import Timeline
 
 __all__ = ["COLOURS", "plot_plan", "plot_timelines", "require_matplotlib", "warmup_window",
            "first_chunk_window"]
