@@ -36,6 +36,11 @@ ROUND3_RUNS = ROOT / "benchmarks" / "results" / "pipeline_step_time_mps_round3"
 ROUND3 = ("round3_pp4_vp4_h3072", "round3_pp4_h5120", "round3_pp4_m12")
 ROUND3_QUIET = 0.05  # each policy's per-round medians within 5% of each other
 ROUND3_MIN_JUDGED = 4  # of 6 shapes; fewer judged: round 3 settles nothing
+#: round 4: the two-clock planner (R3), fixed before measuring (planner_calibration_round4.md);
+#: its first two runs are round 3's unmeasured shapes and count for round 3 too
+ROUND4_RUNS = ROOT / "benchmarks" / "results" / "pipeline_step_time_mps_round4"
+ROUND4 = ("round3_pp4_h5120", "round3_pp4_m12", "round4_pp4_vp4_h2048")
+ROUND4_MIN_JUDGED = 4  # of 6 rows
 
 
 def shape_argv(bench: Dict[str, Any]) -> List[str]:
@@ -89,8 +94,11 @@ def rows_of(name: str, role: str, slowdown: float, runs: Path = RUNS) -> List[Di
         no_slowdown = plan_json(base)["saving_ms"]
         sv, paired = cfg["saving"], cfg["saving"]["paired_per_round_ms"]
         out.append({
+            **two_clock_predictions(cfg, b, slowdown),
             "run": name, "role": role, "mcore": data["versions"]["megatron_core"],
-            "pp": b["pp"], "impl": cfg["transposes"], "steps": cfg["groups"]["lazy"]["step"]["n"],
+            "pp": b["pp"], "vp": b["vp"], "microbatches": b["microbatches"],
+            "hidden": b["hidden"],
+            "impl": cfg["transposes"], "steps": cfg["groups"]["lazy"]["step"]["n"],
             "rounds": paired["n"], "measured": sv["measured_ms"], "paired": paired,
             "gpu": data["versions"].get("gpu", "?"),
             "predicted": pred["saving_ms"], "step_ms": pred["step_ms"],
@@ -99,6 +107,34 @@ def rows_of(name: str, role: str, slowdown: float, runs: Path = RUNS) -> List[Di
             "inside_no_slowdown": paired["min"] <= no_slowdown <= paired["max"],
             "noise": noise(cfg)})
     return out
+
+
+def two_clock_argv(cfg: Dict[str, Any], pp: int, vp: int) -> List[str]:
+    """Round 4's R3 inputs, the run's own: per (rank, chunk) GPU times from its gpu-only
+    segment, host times from its lazy segments, the host-clock wait at a chunk's first forward
+    from its aligned segments with TE's transpose, p2p from its IPC probe."""
+    cells = [cfg["two_clock_costs"][f"r{r}c{c}"] for r in range(pp) for c in range(vp)]
+    argv = []
+    for flag, key in (("forward", "forward_gpu"), ("backward", "backward_gpu"),
+                      ("transpose", "transpose_gpu"), ("host-wait", "host_wait"),
+                      ("forward-host", "forward_host"), ("backward-host", "backward_host"),
+                      ("transpose-host", "transpose_host")):
+        argv += [f"--measured-{flag}-ms", ",".join(repr(max(0.0, x[key])) for x in cells)]
+    return argv + ["--measured-p2p-ms", repr(cfg["saving"]["planner_inputs_ms"]["p2p"])]
+
+
+def two_clock_predictions(cfg: Dict[str, Any], b: Dict[str, Any],
+                          slowdown: float) -> Dict[str, Any]:
+    """R3 (two clocks, the shipped slowdown) and R3' (no slowdown) for a run with a gpu-only
+    segment; ``two_clock_valid``: every cell's calls fitted inside the GPU backlog."""
+    two = cfg.get("two_clock_costs")
+    if not two:
+        return {"r3": None, "r3_no_slowdown": None, "two_clock_valid": False}
+    base = shape_argv(b) + two_clock_argv(cfg, b["pp"], b["vp"])
+    return {"r3": plan_json(base + ["--ranks-share-gpu", "--shared-gpu-slowdown",
+                                    repr(slowdown)])["saving_ms"],
+            "r3_no_slowdown": plan_json(base)["saving_ms"],
+            "two_clock_valid": not any(v["backlog_short"] for v in two.values())}
 
 
 def noise(cfg: Dict[str, Any]) -> float:
@@ -284,16 +320,22 @@ def _why_failed(data: Dict[str, Any]) -> str:
     return line.split(" Tried to allocate")[0].strip() + (f" ({gpu.group(0)})" if gpu else "")
 
 
-def _attempted(names: Tuple[str, ...], runs: Path, role: str,
+def _found(names: Tuple[str, ...], folders: Tuple[Path, ...]) -> Dict[str, Path]:
+    """Each run's file, from the first folder that has it (a run may serve two rounds)."""
+    return {n: next(d for d in folders if (d / f"{n}.json").is_file()) for n in names
+            if any((d / f"{n}.json").is_file() for d in folders)}
+
+
+def _attempted(names: Tuple[str, ...], folders: Tuple[Path, ...], role: str,
                slowdown: float) -> Tuple[List[Dict[str, Any]], List[str]]:
     """A pre-registered round's files: its rows (completed runs) and the lines that say which
     runs are not measured yet and which did not complete, with their own error."""
-    files = {n: json.loads((runs / f"{n}.json").read_text()) for n in names
-             if (runs / f"{n}.json").is_file()}
+    where = _found(names, folders)
+    files = {n: json.loads((d / f"{n}.json").read_text()) for n, d in where.items()}
     failed = {n: _why_failed(data) for n, data in files.items() if not data.get("ok")}
     missing = [n for n in names if n not in files]
     rows = [r for n, data in files.items() if data.get("ok")
-            for r in rows_of(n, role, slowdown, runs)]
+            for r in rows_of(n, role, slowdown, where[n])]
     lines = [f"Not measured yet: {', '.join(missing)}." if missing else
              "Every pre-registered run was attempted."]
     if failed:
@@ -307,7 +349,7 @@ def round2_note(slowdown: float, runs: Path = ROUND2_RUNS) -> str:
     only runs with at least MIN_ROUNDS rounds are judged."""
     head = ("\n## Round 2: shapes measured after the models were fixed "
             "(`benchmarks/planner_calibration_round2.md`)\n\n")
-    rows, lines = _attempted(ROUND2, runs, "round 2", slowdown)
+    rows, lines = _attempted(ROUND2, (runs,), "round 2", slowdown)
     judged = [r for r in rows if r["rounds"] >= MIN_ROUNDS]
     lines[0] = head + lines[0]
     if rows:
@@ -322,7 +364,7 @@ def round2_note(slowdown: float, runs: Path = ROUND2_RUNS) -> str:
     return "\n".join(lines) + "\n"
 
 
-def round3_note(slowdown: float, runs: Path = ROUND3_RUNS) -> str:
+def round3_note(slowdown: float, runs: Tuple[Path, ...] = (ROUND3_RUNS, ROUND4_RUNS)) -> str:
     """Round 3's verdict: judged = >= MIN_ROUNDS rounds and quiet (ROUND3_QUIET); done
     when at least ROUND3_MIN_JUDGED shapes are judged and R1 puts every judged one inside."""
     head = ("\n## Round 3: PP=4 shapes that fit 80 GB, with a noise gate, fixed before measuring "
@@ -357,6 +399,57 @@ def round3_note(slowdown: float, runs: Path = ROUND3_RUNS) -> str:
     return "\n".join(lines) + "\n"
 
 
+_HEADER4 = ("| run | GPU | PP / VP / M | hidden | transposes | steps/policy (rounds) | noise | "
+            "paired per round min / median / max | **R3 (two clocks)** | inside? | R3' (no "
+            "slowdown) | R1 (one clock) | GPU times valid |")
+
+
+def _row4(r: Dict[str, Any]) -> str:
+    p = r["paired"]
+    inside = "-" if r["r3"] is None else "yes" if r["inside_r3"] else "**no**"
+    return (f"| {r['run']} | {r['gpu']} | {r['pp']} / {r['vp']} / {r['microbatches']} | "
+            f"{r['hidden']} | {r['impl']} | {r['steps']} ({r['rounds']}) | {r['noise']:.1%} | "
+            f"{_f(p['min'])} / {_f(p['median'])} / {_f(p['max'])} | **{_f(r['r3'])}** | {inside} "
+            f"| {_f(r['r3_no_slowdown'])} | {_f(r['predicted'])} | "
+            f"{'yes' if r['two_clock_valid'] else 'no'} |")
+
+
+def round4_note(slowdown: float, runs: Tuple[Path, ...] = (ROUND4_RUNS,)) -> str:
+    """Round 4's verdict: R3 (two clocks) primary; judged = round 3's gate and valid GPU times;
+    done when at least ROUND4_MIN_JUDGED rows are judged and R3 puts every judged one inside."""
+    head = ("\n## Round 4: the two-clock planner (R3), fixed before measuring "
+            "(`benchmarks/planner_calibration_round4.md`)\n\n")
+    rows, lines = _attempted(ROUND4, runs, "round 4", slowdown)
+    for r in rows:
+        r["inside_r3"] = r["r3"] is not None and r["paired"]["min"] <= r["r3"] <= r["paired"]["max"]
+    ok = [r["rounds"] >= MIN_ROUNDS and r["noise"] <= ROUND3_QUIET and r["two_clock_valid"]
+          for r in rows]
+    judged = [r for r, q in zip(rows, ok) if q]
+    inside = sum(r["inside_r3"] for r in judged)
+    if len(judged) < ROUND4_MIN_JUDGED:
+        verdict = (f"fewer than {ROUND4_MIN_JUDGED} of {2 * len(ROUND4)} rows judged: round 4 "
+                   "settles nothing" + (f"; with {len(judged) - inside} judged row(s) outside "
+                                        "under R3 it cannot be met by the runs still to come"
+                                        if inside < len(judged) else ""))
+    else:
+        verdict = "met" if inside == len(judged) else "not met"
+    lines[0] = head + lines[0]
+    shown = [r for r, q in zip(rows, ok) if not q]
+    if shown:
+        lines.append(f"Not judged (fewer than {MIN_ROUNDS} rounds, per-round medians more than "
+                     f"{ROUND3_QUIET:.0%} apart, or no valid gpu-only segment): " + "; ".join(
+                         f"{r['run']} {r['impl']}" for r in shown) + ".")
+    lines.append(f"Judged: {len(judged)} of {len(rows)} rows. Inside the paired spread, R3 "
+                 f"(two clocks, slowdown {slowdown:.3f}, primary): {inside} of {len(judged)}; "
+                 f"R3' (no slowdown): "
+                 f"{sum(r['paired']['min'] <= (r['r3_no_slowdown'] or -1e9) <= r['paired']['max'] for r in judged)}"
+                 f" of {len(judged)}; R1 (one clock): {sum(r['inside'] for r in judged)} of "
+                 f"{len(judged)}. **Verdict: {verdict}.**\n")
+    if rows:
+        lines += [_HEADER4, "|" + "---|" * 13] + [_row4(r) for r in rows]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/planner_calibration.md"))
@@ -367,7 +460,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     found = mlm_summaries()
     mlm = [row for path in found for row in mlm_rows(path, slowdown)]
     text = (markdown(rows, slowdown, [] if argv is None else argv) + mlmgpu_note(found, mlm)
-            + round2_note(slowdown) + round3_note(slowdown))
+            + round2_note(slowdown) + round3_note(slowdown) + round4_note(slowdown))
     Path(args.out).write_text(text)
     print(text)
     return 0

@@ -151,7 +151,7 @@ def test_round3_is_the_pre_registered_set_and_judges_only_quiet_runs(tmp_path):
 
     shutil.copy(cal.RUNS / "call2_mcore0161_pp4.json", tmp_path / f"{cal.ROUND3[0]}.json")
     shutil.copy(cal.RUNS / "call2_mcore0192_pp2.json", tmp_path / f"{cal.ROUND3[1]}.json")
-    note = cal.round3_note(cal.fit_slowdown(), tmp_path)
+    note = cal.round3_note(cal.fit_slowdown(), (tmp_path,))
     assert f"Not measured yet: {cal.ROUND3[2]}." in note
     # the PP=2 run (per-round medians up to 10.2% apart) is shown, not judged
     assert re.search(rf"Not judged .*{cal.ROUND3[1]} te \(6 rounds, 10\.2%\); "
@@ -162,10 +162,75 @@ def test_round3_is_the_pre_registered_set_and_judges_only_quiet_runs(tmp_path):
 
     # two quiet runs judged: 4 shapes; R1 misses one (torch: 13.7 < 14.4), so not met
     shutil.copy(cal.RUNS / "call2_mcore0192_pp4.json", tmp_path / f"{cal.ROUND3[1]}.json")
-    note = cal.round3_note(cal.fit_slowdown(), tmp_path)
+    note = cal.round3_note(cal.fit_slowdown(), (tmp_path,))
     assert "Judged: 4 of 4 shapes" in note and "**Verdict: not met.**" in note
     one_round_short = json.loads((tmp_path / f"{cal.ROUND3[0]}.json").read_text())
     for cfg in one_round_short["configs"]:
         cfg["saving"]["paired_per_round_ms"]["n"] = 2
     (tmp_path / f"{cal.ROUND3[0]}.json").write_text(json.dumps(one_round_short))
-    assert "Judged: 2 of 4 shapes" in cal.round3_note(cal.fit_slowdown(), tmp_path)
+    assert "Judged: 2 of 4 shapes" in cal.round3_note(cal.fit_slowdown(), (tmp_path,))
+
+
+def _with_two_clock_costs(src, dst, short=False):
+    """A recorded run with a gpu-only segment's figures put in (test data: the GPU times are
+    the run's own per-chunk spans, the host times made up from them)."""
+    import json
+
+    data = json.loads(src.read_text())
+    for cfg in data["configs"]:
+        cfg["two_clock_costs"] = {
+            k: {"forward_host": 1.2 * v["forward"], "forward_gpu": v["forward"],
+                "backward_host": 0.9 * v["backward"], "backward_gpu": v["backward"],
+                "transpose_host": 0.05, "transpose_gpu": v["transpose"],
+                "host_wait": max(0.0, v["first_extra"]), "backlog_short": short}
+            for k, v in cfg["per_rank_costs"].items()}
+    dst.write_text(json.dumps(data))
+
+
+def test_round4_is_the_pre_registered_set_and_judges_r3_on_valid_gpu_times(tmp_path):
+    """Round 4's runs are the ones its file names; R3 is plan on two clocks fed the run's own
+    host and GPU times; a row is judged with round 3's gate and a gpu-only segment whose calls
+    all fitted inside the backlog; fewer than 4 judged rows settle nothing."""
+    written = (ROOT / "benchmarks/planner_calibration_round4.md").read_text()
+    assert set(re.findall(r"^\| `(round\d_\w+)` \|", written, re.M)) == set(cal.ROUND4)
+    assert "at least 4 of the 6 rows" in written and cal.ROUND4_MIN_JUDGED == 4
+    assert "Not measured yet: " + ", ".join(cal.ROUND4) in cal.round4_note(1.13, (tmp_path,))
+
+    quiet = cal.RUNS / "call2_mcore0192_pp4.json"
+    _with_two_clock_costs(quiet, tmp_path / f"{cal.ROUND4[0]}.json")
+    _with_two_clock_costs(quiet, tmp_path / f"{cal.ROUND4[1]}.json", short=True)
+    import shutil
+    shutil.copy(cal.RUNS / "call1_mcore0192_pp4.json", tmp_path / f"{cal.ROUND4[2]}.json")
+    slowdown = cal.fit_slowdown()
+    note = cal.round4_note(slowdown, (tmp_path,))
+    # the backlog-short run and the run without a gpu-only segment are shown, not judged
+    assert (f"Not judged (fewer than 3 rounds, per-round medians more than 5% apart, or no "
+            f"valid gpu-only segment): {cal.ROUND4[1]} te; {cal.ROUND4[1]} torch; "
+            f"{cal.ROUND4[2]} te; {cal.ROUND4[2]} torch.") in note
+    assert "Judged: 2 of 6 rows." in note and "round 4 settles nothing" in note
+    rows = cal.rows_of(cal.ROUND4[0], "round 4", slowdown, tmp_path)
+    import json
+    cfg = json.loads((tmp_path / f"{cal.ROUND4[0]}.json").read_text())["configs"][1]
+    bench = json.loads(quiet.read_text())["bench"]
+    argv = cal.two_clock_argv(cfg, 4, 2)
+    cells = [cfg["two_clock_costs"][f"r{r}c{c}"] for r in range(4) for c in range(2)]
+    for flag, key in (("forward", "forward_gpu"), ("backward", "backward_gpu"),
+                      ("transpose", "transpose_gpu"), ("host-wait", "host_wait"),
+                      ("forward-host", "forward_host"), ("backward-host", "backward_host"),
+                      ("transpose-host", "transpose_host")):
+        got = argv[argv.index(f"--measured-{flag}-ms") + 1].split(",")
+        assert [float(x) for x in got] == [x[key] for x in cells], flag
+    want = cal.plan_json(cal.shape_argv(bench) + argv
+                         + ["--ranks-share-gpu", "--shared-gpu-slowdown", repr(slowdown)])
+    assert rows[1]["r3"] == want["saving_ms"] and rows[1]["r3"] != rows[1]["predicted"]
+    table = [x for x in note.splitlines() if x.startswith(f"| {cal.ROUND4[0]} ")]
+    assert len(table) == 2 and f"**{rows[1]['r3']:.1f}**" in table[1]
+
+    # four judged rows, R3 decides: the verdict follows inside_r3 of every judged row
+    _with_two_clock_costs(quiet, tmp_path / f"{cal.ROUND4[1]}.json")
+    note = cal.round4_note(slowdown, (tmp_path,))
+    judged = [r for n in cal.ROUND4[:2] for r in cal.rows_of(n, "round 4", slowdown, tmp_path)]
+    inside = [r["paired"]["min"] <= r["r3"] <= r["paired"]["max"] for r in judged]
+    assert "Judged: 4 of 6 rows." in note
+    assert f"**Verdict: {'met' if all(inside) else 'not met'}.**" in note
+    assert f"primary): {sum(inside)} of 4" in note
