@@ -364,6 +364,17 @@ def round2_note(slowdown: float, runs: Path = ROUND2_RUNS) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _verdict(judged: int, inside: int, minimum: int, total: int, round_no: int, unit: str,
+             model: str) -> str:
+    """A pre-registered round's verdict: met / not met once ``minimum`` of ``total`` are judged;
+    before that nothing, or already out of reach if a judged one is outside."""
+    if judged >= minimum:
+        return "met" if inside == judged else "not met"
+    return (f"fewer than {minimum} of {total} {unit}s judged: round {round_no} settles nothing"
+            + (f"; with {judged - inside} judged {unit}(s) outside under {model} it cannot be "
+               "met by the runs still to come" if inside < judged else ""))
+
+
 def round3_note(slowdown: float, runs: Tuple[Path, ...] = (ROUND3_RUNS, ROUND4_RUNS)) -> str:
     """Round 3's verdict: judged = >= MIN_ROUNDS rounds and quiet (ROUND3_QUIET); done
     when at least ROUND3_MIN_JUDGED shapes are judged and R1 puts every judged one inside."""
@@ -375,13 +386,7 @@ def round3_note(slowdown: float, runs: Tuple[Path, ...] = (ROUND3_RUNS, ROUND4_R
     noisy = [r for r, q in zip(rows, quiet) if not q]
     r1 = sum(r["inside"] for r in judged)
     r2 = sum(r["inside_no_slowdown"] for r in judged)
-    if len(judged) < ROUND3_MIN_JUDGED:
-        verdict = (f"fewer than {ROUND3_MIN_JUDGED} of {2 * len(ROUND3)} shapes judged: round 3 "
-                   "settles nothing" + (f"; with {len(judged) - r1} judged shape(s) outside under "
-                                        "R1 it cannot be met by the runs still to come"
-                                        if r1 < len(judged) else ""))
-    else:
-        verdict = "met" if r1 == len(judged) else "not met"
+    verdict = _verdict(len(judged), r1, ROUND3_MIN_JUDGED, 2 * len(ROUND3), 3, "shape", "R1")
     lines[0] = head + lines[0]
     if noisy:
         lines.append(f"Not judged (fewer than {MIN_ROUNDS} rounds, or a policy's per-round "
@@ -426,13 +431,7 @@ def round4_note(slowdown: float, runs: Tuple[Path, ...] = (ROUND4_RUNS,)) -> str
           for r in rows]
     judged = [r for r, q in zip(rows, ok) if q]
     inside = sum(r["inside_r3"] for r in judged)
-    if len(judged) < ROUND4_MIN_JUDGED:
-        verdict = (f"fewer than {ROUND4_MIN_JUDGED} of {2 * len(ROUND4)} rows judged: round 4 "
-                   "settles nothing" + (f"; with {len(judged) - inside} judged row(s) outside "
-                                        "under R3 it cannot be met by the runs still to come"
-                                        if inside < len(judged) else ""))
-    else:
-        verdict = "met" if inside == len(judged) else "not met"
+    verdict = _verdict(len(judged), inside, ROUND4_MIN_JUDGED, 2 * len(ROUND4), 4, "row", "R3")
     lines[0] = head + lines[0]
     shown = [r for r, q in zip(rows, ok) if not q]
     if shown:

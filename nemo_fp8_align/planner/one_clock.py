@@ -100,10 +100,7 @@ class OneClockSim:
             return False
         if isinstance(op, Compute):
             mine = c.of(rank.rank, op.chunk)
-            if op.kind == "F" and op.chunk not in rank.host_paid:
-                rank.host_paid.add(op.chunk)
-                self.add(rank, "host_wait", rank.t, rank.t + mine.host_wait, op.chunk)
-                rank.t += mine.host_wait
+            self.host_wait(rank, op)
             dur = mine.forward if op.kind == "F" else mine.backward
             self.add(rank, "forward" if op.kind == "F" else "backward", rank.t, rank.t + dur,
                      op.chunk, op.microbatch)
@@ -136,6 +133,15 @@ class OneClockSim:
             if delta > 0:
                 rank.pending.append([op.chunk, delta, rank.t])
         return True
+
+    def host_wait(self, rank: RankState, op: Compute) -> None:
+        """At a chunk's first forward of the step the host does first-use work (the GPU idles
+        unless work is queued): once per chunk, on the host's clock."""
+        if op.kind == "F" and op.chunk not in rank.host_paid:
+            rank.host_paid.add(op.chunk)
+            wait = self.c.of(rank.rank, op.chunk).host_wait
+            self.add(rank, "host_wait", rank.t, rank.t + wait, op.chunk)
+            rank.t += wait
 
     def transpose(self, rank: RankState, chunk: int) -> None:
         """Lazy: queued at the start of the chunk's first forward, so they run during its host

@@ -70,10 +70,7 @@ class TwoClockSim(OneClockSim):
             return False
         if isinstance(op, Compute):
             mine = c.of(rank.rank, op.chunk)
-            if op.kind == "F" and op.chunk not in rank.host_paid:
-                rank.host_paid.add(op.chunk)
-                self.add(rank, "host_wait", rank.t, rank.t + mine.host_wait, op.chunk)
-                rank.t += mine.host_wait
+            self.host_wait(rank, op)
             fwd = op.kind == "F"
             self.call(rank, "forward" if fwd else "backward",
                       mine.forward_host if fwd else mine.backward_host,
