@@ -25,8 +25,8 @@ class Marks:
     """Paired time marks: CUDA events on the GPU, the host clock on the CPU dry run."""
 
     def __init__(self, cuda: bool) -> None:
-        self.cuda, self.open, self.pairs = cuda, {}, []
-        self.host: List[tuple] = []  # (label, host ms)
+        self.cuda = cuda
+        self.pairs: List[tuple] = []  # (label, start mark, end mark, host ms)
         self.gpu_only = False  # queue a GPU sleep before every timed call (calibration)
         self.sleep_cycles = 0
 
@@ -53,8 +53,7 @@ class Marks:
         self.backlog()
         h0, start = time.perf_counter(), self.now()
         out = fn(*args, **kwargs)
-        self.pairs.append((label, start, self.now()))
-        self.host.append((label, (time.perf_counter() - h0) * 1e3))
+        self.pairs.append((label, start, self.now(), (time.perf_counter() - h0) * 1e3))
         return out
 
     def now(self) -> Any:
@@ -70,12 +69,10 @@ class Marks:
     def collect(self) -> Dict[str, List[float]]:
         """Durations (ms) by label since the last call (the caller has synchronised)."""
         out: Dict[str, List[float]] = {}
-        for label, a, b in self.pairs:
+        for label, a, b, host_ms in self.pairs:
             out.setdefault(label, []).append(round(self.ms(a, b), 4))
-        for label, ms in self.host:
-            out.setdefault("host_" + label, []).append(round(ms, 4))
+            out.setdefault("host_" + label, []).append(round(host_ms, 4))
         self.pairs.clear()
-        self.host.clear()
         return out
 
 

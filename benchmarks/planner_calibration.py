@@ -103,10 +103,17 @@ def rows_of(name: str, role: str, slowdown: float, runs: Path = RUNS) -> List[Di
             "gpu": data["versions"].get("gpu", "?"),
             "predicted": pred["saving_ms"], "step_ms": pred["step_ms"],
             "no_slowdown": no_slowdown, "uniform": sv["predicted_ms"],
-            "inside": paired["min"] <= pred["saving_ms"] <= paired["max"],
-            "inside_no_slowdown": paired["min"] <= no_slowdown <= paired["max"],
             "noise": noise(cfg)})
+        row = out[-1]
+        row.update({f"inside{k}": _inside(row.get(v), paired) for k, v in (
+            ("", "predicted"), ("_no_slowdown", "no_slowdown"), ("_r3", "r3"),
+            ("_r3_no_slowdown", "r3_no_slowdown"))})
     return out
+
+
+def _inside(predicted: Optional[float], paired: Dict[str, float]) -> bool:
+    """A prediction lies in [min, max] of the paired per-round differences (None: none made)."""
+    return predicted is not None and paired["min"] <= predicted <= paired["max"]
 
 
 def two_clock_argv(cfg: Dict[str, Any], pp: int, vp: int) -> List[str]:
@@ -425,8 +432,6 @@ def round4_note(slowdown: float, runs: Tuple[Path, ...] = (ROUND4_RUNS,)) -> str
     head = ("\n## Round 4: the two-clock planner (R3), fixed before measuring "
             "(`benchmarks/planner_calibration_round4.md`)\n\n")
     rows, lines = _attempted(ROUND4, runs, "round 4", slowdown)
-    for r in rows:
-        r["inside_r3"] = r["r3"] is not None and r["paired"]["min"] <= r["r3"] <= r["paired"]["max"]
     ok = [r["rounds"] >= MIN_ROUNDS and r["noise"] <= ROUND3_QUIET and r["two_clock_valid"]
           for r in rows]
     judged = [r for r, q in zip(rows, ok) if q]
@@ -441,8 +446,7 @@ def round4_note(slowdown: float, runs: Tuple[Path, ...] = (ROUND4_RUNS,)) -> str
     lines.append(f"Judged: {len(judged)} of {len(rows)} rows. Inside the paired spread, R3 "
                  f"(two clocks, slowdown {slowdown:.3f}, primary): {inside} of {len(judged)}; "
                  f"R3' (no slowdown): "
-                 f"{sum(r['paired']['min'] <= (r['r3_no_slowdown'] or -1e9) <= r['paired']['max'] for r in judged)}"
-                 f" of {len(judged)}; R1 (one clock): {sum(r['inside'] for r in judged)} of "
+                 f"{sum(r['inside_r3_no_slowdown'] for r in judged)} of {len(judged)}; R1 (one clock): {sum(r['inside'] for r in judged)} of "
                  f"{len(judged)}. **Verdict: {verdict}.**\n")
     if rows:
         lines += [_HEADER4, "|" + "---|" * 13] + [_row4(r) for r in rows]

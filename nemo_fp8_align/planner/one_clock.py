@@ -47,6 +47,7 @@ from nemo_fp8_align.planner.timeline import Interval, Timeline
 
 __all__ = ["OneClockSim", "RankState"]
 
+
 class RankState:
     """One rank's place in its program and its clock(s) during a simulation."""
 
@@ -92,11 +93,7 @@ class OneClockSim:
     def step(self, rank: RankState) -> bool:
         """Execute ``rank``'s current op; False when it must wait for a peer to post."""
         op, c = rank.ops[rank.pc], self.c
-        # overlap_p2p_comm: megatron-core waits for the receives before the forward (backward)
-        # step, i.e. before the module hooks that wait for all-gathers and build transposes.
-        kind = op.kind if isinstance(op, Compute) else "B" if isinstance(op, BubbleDeadline) \
-            else "F" if isinstance(op, (GatherWait, Transpose, SideStart)) else None
-        if kind is not None and not self.await_receives(rank, kind):
+        if not self.received_for(rank, op):
             return False
         if isinstance(op, Compute):
             mine = c.of(rank.rank, op.chunk)
@@ -133,6 +130,14 @@ class OneClockSim:
             if delta > 0:
                 rank.pending.append([op.chunk, delta, rank.t])
         return True
+
+    def received_for(self, rank: RankState, op) -> bool:
+        """overlap_p2p_comm: megatron-core waits for the receives before the forward (backward)
+        step, i.e. before the module hooks that wait for all-gathers and build transposes; False
+        while a peer has not posted them."""
+        kind = op.kind if isinstance(op, Compute) else "B" if isinstance(op, BubbleDeadline) \
+            else "F" if isinstance(op, (GatherWait, Transpose, SideStart)) else None
+        return kind is None or self.await_receives(rank, kind)
 
     def host_wait(self, rank: RankState, op: Compute) -> None:
         """At a chunk's first forward of the step the host does first-use work (the GPU idles

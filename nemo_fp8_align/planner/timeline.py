@@ -40,10 +40,6 @@ class ChunkCosts:
                              f"{[n for n in HOST_TIMES if n not in given]}; the two-clock model "
                              "needs every call's host time (or none: one clock)")
 
-    @property
-    def two_clocks(self) -> bool:
-        return self.forward_host is not None
-
 
 @dataclass(frozen=True)
 class Costs(ChunkCosts):
@@ -64,18 +60,21 @@ class Costs(ChunkCosts):
         if not self.shared_gpu_slowdown >= 1:
             raise ValueError(f"Costs.shared_gpu_slowdown={self.shared_gpu_slowdown} must be >= 1 "
                              "(contention does not make transposes faster)")
+        if len({c.forward_host is not None for c in self.cells()}) > 1:
+            raise ValueError("Costs.per_chunk: host times given for some (rank, chunk) and not "
+                             "for others; give them for every one or for none")
 
     def of(self, rank: int, chunk: int) -> ChunkCosts:
         return self if self.per_chunk is None else self.per_chunk[rank][chunk]
 
+    def cells(self) -> List[ChunkCosts]:
+        """Every (rank, chunk)'s durations: ``per_chunk``'s, or this one set for all."""
+        return [self] if self.per_chunk is None else [c for row in self.per_chunk for c in row]
+
     @property
     def two_clocks(self) -> bool:
-        cells = [self] if self.per_chunk is None else [c for row in self.per_chunk for c in row]
-        flags = {c.forward_host is not None for c in cells}
-        if len(flags) > 1:
-            raise ValueError("Costs.per_chunk: host times given for some (rank, chunk) and not "
-                             "for others; give them for every one or for none")
-        return flags.pop()
+        """The cells' host times are given (all or none of the cells: checked at construction)."""
+        return self.cells()[0].forward_host is not None
 
     def check_shape(self, pp: int, vp: int) -> None:
         rows = self.per_chunk

@@ -64,9 +64,7 @@ class TwoClockSim(OneClockSim):
 
     def step(self, rank: RankState) -> bool:
         op, c = rank.ops[rank.pc], self.c
-        kind = op.kind if isinstance(op, Compute) else \
-            "F" if isinstance(op, (GatherWait, Transpose)) else None
-        if kind is not None and not self.await_receives(rank, kind):
+        if not self.received_for(rank, op):
             return False
         if isinstance(op, Compute):
             mine = c.of(rank.rank, op.chunk)
