@@ -37,12 +37,15 @@ def predict(pp: int, vp: int, m: int, forward_ms: float, backward_ms: float, tra
 
 
 def per_rank_costs(b: Any, ranks: List[Dict[str, Any]], policy: str, impl: str,
-                   discard: int, prefix: str = "") -> Dict[tuple, Dict[str, float]]:
+                   discard: int, prefix: str = "",
+                   backlog_ms: float = float("inf")) -> Dict[tuple, Dict[str, float]]:
     """Per (pp rank, chunk), medians in ms: forward, backward, the chunk's transposes, and the
     first forward's extra (its duration minus the chunk's median forward minus the transposes
     built inside it): host-side work at a chunk's first use in a step (DDP's and TE's hooks,
     the FP8 scale update) during which this rank's GPU stream waits for the host.
-    ``prefix="host_"``: the same from the calls' host times instead of their event spans."""
+    ``prefix="host_"``: the same from the calls' host times instead of their event spans.
+    ``backlog_ms`` (gpu-only segments): a call whose host time reached it is left out, since its
+    span may hold waits for the host; ``dropped`` is the share of a cell's calls left out."""
     InterleavedSchedule = _planner()[0]
     sched = InterleavedSchedule(b.pp, b.vp, b.microbatches)
     chunk_of = [sched.forward_table[v][1] for v in range(sched.total)]
@@ -51,50 +54,71 @@ def per_rank_costs(b: Any, ranks: List[Dict[str, Any]], policy: str, impl: str,
     for r in ranks:
         acc = {c: {"forward": [], "backward": [], "transpose": [], "first_extra": []}
                for c in range(b.vp)}
+        calls = {c: [0, 0] for c in range(b.vp)}  # (left out, all) per chunk
         for seg in r["segments"]:
             if seg["policy"] != policy or seg["transposes"] != impl:
                 continue
             for row in _timed(seg, discard):
-                fwd, bwd = row.get(prefix + "forward", []), row.get(prefix + "backward", [])
+                fwd, bwd = (_fitting(row, prefix + k, backlog_ms) for k in ("forward", "backward"))
                 if len(fwd) != sched.total or len(bwd) != sched.total:
                     continue
                 for c in range(b.vp):
                     mine = [d for v, d in enumerate(fwd) if chunk_of[v] == c]
-                    trans = sum(row.get(f"{prefix}transpose_c{c}", []))
-                    inside = trans if policy != "aligned" else 0.0
+                    theirs = [d for k, d in enumerate(bwd) if b.vp - 1 - chunk_of[k] == c]
+                    trans = _fitting(row, f"{prefix}transpose_c{c}", backlog_ms)
+                    calls[c][0] += (mine + theirs + trans).count(None)
+                    calls[c][1] += len(mine + theirs + trans)
                     a = acc[c]
-                    a["forward"] += mine
-                    a["backward"] += [d for k, d in enumerate(bwd) if b.vp - 1 - chunk_of[k] == c]
-                    a["transpose"].append(trans)
-                    a["first_extra"].append(fwd[first[c]] - inside - statistics.median(mine))
+                    a["forward"] += [d for d in mine if d is not None]
+                    a["backward"] += [d for d in theirs if d is not None]
+                    if None not in trans:
+                        a["transpose"].append(sum(trans))
+                    inside = sum(trans) if policy != "aligned" and None not in trans else 0.0
+                    fitted = [d for d in mine if d is not None]
+                    if fwd[first[c]] is not None and fitted:
+                        a["first_extra"].append(fwd[first[c]] - inside - statistics.median(fitted))
         for c, a in acc.items():
             if a["forward"]:
-                out[(r["pp_rank"], c)] = {k: statistics.median(v) for k, v in a.items()}
+                cell = {k: statistics.median(v) if v else None for k, v in a.items()}
+                if backlog_ms != float("inf"):
+                    cell["dropped"] = calls[c][0] / max(calls[c][1], 1)
+                out[(r["pp_rank"], c)] = cell
     return out
 
 
+def _fitting(row: Dict[str, Any], label: str, backlog_ms: float) -> List[Optional[float]]:
+    """``row[label]`` with None for each call whose host time (``host_<label>``) reached the
+    backlog; the host times themselves (``label`` starting "host_") are never left out."""
+    spans = row.get(label, [])
+    if label.startswith("host_") or backlog_ms == float("inf"):
+        return list(spans)
+    return [d if h < backlog_ms else None
+            for d, h in zip(spans, row.get("host_" + label, [float("inf")] * len(spans)))]
+
+
 def two_clock_costs(b: Any, ranks: List[Dict[str, Any]], impl: str,
-                    discard: int) -> Dict[tuple, Dict[str, float]]:
+                    discard: int) -> Dict[tuple, Dict[str, Any]]:
     """Per (pp rank, chunk), ms: each call's host time (lazy segments; the host wait from
     aligned segments with TE's transpose, as ``per_rank_costs``) and its GPU time (the
-    gpu-only segment, every step); empty without a gpu-only segment. ``backlog_short``: a call
-    whose host time exceeded the backlog, so its gpu-only span may still include host waits."""
-    gpu = per_rank_costs(b, ranks, "gpu_only", impl, 0)
+    gpu-only segment, every step, from the calls whose host time stayed inside the backlog);
+    empty without a gpu-only segment. ``gpu_calls_dropped``: the share of the cell's calls
+    left out; ``backlog_short``: some kind of call (forward, backward, transpose) had none
+    inside the backlog, so the cell has no GPU time for it (None)."""
+    backlog = min((s.get("backlog_ms", 0.0) for r in ranks for s in r["segments"]
+                   if s["policy"] == "gpu_only"), default=0.0)
+    gpu = per_rank_costs(b, ranks, "gpu_only", impl, 0, backlog_ms=backlog)
     if not gpu:
         return {}
     host = per_rank_costs(b, ranks, "lazy", impl, discard, prefix="host_")
     wait = per_rank_costs(b, ranks, "aligned", "te" if "te" in b.transposes else impl, discard,
                           prefix="host_")
-    backlog = min((s.get("backlog_ms", 0.0) for r in ranks for s in r["segments"]
-                   if s["policy"] == "gpu_only"), default=0.0)
-    longest = max((x for r in ranks for s in r["segments"] if s["policy"] == "gpu_only"
-                   for row in s["rows"] for k, xs in row.items() if k.startswith("host_")
-                   for x in xs), default=0.0)
+    kinds = ("forward", "backward", "transpose")
     return {k: {"forward_host": host[k]["forward"], "backward_host": host[k]["backward"],
                 "transpose_host": host[k]["transpose"],
                 "host_wait": max(0.0, wait.get(k, {}).get("first_extra", 0.0)),
                 "forward_gpu": g["forward"], "backward_gpu": g["backward"],
-                "transpose_gpu": g["transpose"], "backlog_short": longest >= backlog}
+                "transpose_gpu": g["transpose"], "gpu_calls_dropped": g["dropped"],
+                "backlog_short": any(g[x] is None for x in kinds)}
             for k, g in gpu.items() if k in host}
 
 
@@ -348,10 +372,13 @@ def markdown(s: Dict[str, Any]) -> str:
         if cfg.get("two_clock_costs"):
             lines += ["", "Host and GPU time per call (medians, ms; host: lazy segments, host "
                       "wait from aligned segments with TE's transpose; GPU: the gpu-only segment, "
-                      "a GPU backlog before each call): " + "; ".join(
+                      "a GPU backlog before each call, calls whose host time passed it left "
+                      "out): " + "; ".join(
                 f"{k} F {_f(v['forward_host'])}/{_f(v['forward_gpu'])} B "
                 f"{_f(v['backward_host'])}/{_f(v['backward_gpu'])} T "
                 f"{_f(v['transpose_host'])}/{_f(v['transpose_gpu'])} wait {_f(v['host_wait'])}"
+                + (f" ({100 * v['gpu_calls_dropped']:.0f}% of gpu-only calls past the backlog)"
+                   if v.get("gpu_calls_dropped") else "")
                 + (" (backlog short)" if v["backlog_short"] else "")
                 for k, v in cfg["two_clock_costs"].items())]
         probs = [x for g in cfg["groups"].values() for x in g["problems"]]

@@ -23,6 +23,9 @@ Markdown report.
 
   python3 benchmarks/pipeline_step_time_mps.py --pp 2 --vp 2 --microbatches 8 --out DIR
   python3 benchmarks/pipeline_step_time_mps.py --cpu-dry-run --pp 2 --out DIR   # plumbing only
+  python3 benchmarks/pipeline_step_time_mps.py --reanalyse RUN.json --ranks DIR --out DIR2
+      # a finished run's summary again, from its rank files (rankN.json or .json.gz), with the
+      # analysis as it is now; the run's own summary is left as it was
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
+import mps_analysis  # noqa: E402
 import mps_p2p  # noqa: E402
 from mps_timing import Marks, instrument  # noqa: E402
 from nemo_fp8_align.demo.ranks import free_port  # noqa: E402
@@ -316,6 +320,8 @@ def parse(argv: List[str]) -> argparse.Namespace:
     ap.add_argument("--name", default="pipeline_step_time_mps")
     ap.add_argument("--out", required=True)
     ap.add_argument("--results", default=None, help="also write the Markdown report here")
+    ap.add_argument("--reanalyse", default=None, help="a finished run's summary JSON (no run)")
+    ap.add_argument("--ranks", default=None, help="with --reanalyse: the run's rank files")
     return ap.parse_args(argv)
 
 
@@ -331,8 +337,44 @@ def bench_of(a: argparse.Namespace) -> Bench:
     return Bench(**kw)
 
 
+def _load(path: str) -> Dict[str, Any]:
+    import gzip
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
+        return json.load(f)
+
+
+def reanalyse(a: argparse.Namespace) -> int:
+    """``--reanalyse RUN.json --ranks DIR``: the run's summary again from its rank files."""
+    if not a.ranks:
+        raise SystemExit("--reanalyse needs --ranks DIR (the run's rankN.json or rankN.json.gz)")
+    old = _load(a.reanalyse)
+    b = Bench(**{k: tuple(v) if isinstance(v, list) else v for k, v in old["bench"].items()})
+    ranks = []
+    for r in range(b.ranks):
+        found = [p for p in (os.path.join(a.ranks, f"rank{r}.json{z}") for z in ("", ".gz"))
+                 if os.path.exists(p)]
+        if not found:
+            raise SystemExit(f"--ranks {a.ranks}: no rank{r}.json or rank{r}.json.gz")
+        ranks.append(_load(found[0]))
+    return _write(a, mps_analysis.analyse(b, ranks, old["failed"], old["wall_s"], old["argv"]))
+
+
+def _write(a: argparse.Namespace, summary: Dict[str, Any]) -> int:
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "summary.json"), "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=1, default=str)
+    text = mps_analysis.markdown(summary)
+    for path in filter(None, [os.path.join(a.out, f"{a.name}.md"), a.results]):
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    print(text)
+    return 0 if summary["ok"] else 1
+
+
 def main(argv: List[str]) -> int:
     a = parse(argv)
+    if a.reanalyse:
+        return reanalyse(a)
     b = bench_of(a)
     os.makedirs(a.out, exist_ok=True)
     import torch.multiprocessing as mp
@@ -344,22 +386,13 @@ def main(argv: List[str]) -> int:
                            start_method="spawn")
     except Exception as exc:  # the ranks' files say more
         failed = str(exc)[-3000:]
-    import mps_analysis
     ranks = []
     for r in range(b.ranks):
         path = os.path.join(a.out, f"rank{r}.json")
         if os.path.exists(path):
             with open(path, encoding="utf-8") as f:
                 ranks.append(json.load(f))
-    summary = mps_analysis.analyse(b, ranks, failed, time.time() - t0, argv)
-    with open(os.path.join(a.out, "summary.json"), "w", encoding="utf-8") as f:
-        json.dump(summary, f, indent=1, default=str)
-    text = mps_analysis.markdown(summary)
-    for path in filter(None, [os.path.join(a.out, f"{a.name}.md"), a.results]):
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(text)
-    print(text)
-    return 0 if summary["ok"] else 1
+    return _write(a, mps_analysis.analyse(b, ranks, failed, time.time() - t0, argv))
 
 
 if __name__ == "__main__":

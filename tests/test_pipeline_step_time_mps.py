@@ -38,6 +38,44 @@ def test_host_wait_longer_than_the_transposes_hides_the_lazy_ones():
     assert slower["lazy"] > slower["none"]
 
 
+def _segment(policy, chunk_of, host_forward=None, span_forward=None, host_t1=0.2):
+    """One segment of one rank (pp 2, vp 2, 4 microbatches) with one step: every forward 1 ms,
+    backward 2 ms, each chunk's transposes 0.5 ms; host times 0.5 ms unless given."""
+    n = len(chunk_of)
+    row = {"forward": span_forward or [1.0] * n, "backward": [2.0] * n,
+           "transpose_c0": [0.5], "transpose_c1": [0.5],
+           "host_forward": host_forward or [0.5] * n, "host_backward": [0.5] * n,
+           "host_transpose_c0": [0.2], "host_transpose_c1": [host_t1]}
+    return {"policy": policy, "transposes": "te", "round": 0, "rows": [row], "backlog_ms": 15.0}
+
+
+def test_gpu_times_leave_out_the_calls_past_the_backlog_cell_by_cell():
+    from nemo_fp8_align.core.schedule import InterleavedSchedule
+
+    class B:
+        pp, vp, microbatches, transposes = 2, 2, 4, ("te",)
+
+    sched = InterleavedSchedule(2, 2, 4)
+    chunk_of = [sched.forward_table[v][1] for v in range(sched.total)]
+    mine = [v for v, c in enumerate(chunk_of) if c == 0][:3]  # 3 of chunk 0's 4 forwards
+    host = [20.0 if v in mine else 0.5 for v in range(len(chunk_of))]
+    span = [30.0 if v in mine else 1.0 for v in range(len(chunk_of))]
+    ranks = []
+    for r in range(2):
+        base = [_segment(p, chunk_of) for p in ("lazy", "aligned")]
+        # rank 1: three forwards of chunk 0 waited for the host past the backlog (their spans
+        # hold that wait); rank 0: every transpose of chunk 1 did
+        gpu = (_segment("gpu_only", chunk_of, host, span) if r == 1
+               else _segment("gpu_only", chunk_of, host_t1=16.0))
+        ranks.append({"rank": r, "pp_rank": r, "segments": base + [gpu]})
+    two = mps_analysis.two_clock_costs(B, ranks, "te", 0)
+    assert two[(1, 0)]["forward_gpu"] == 1.0  # the 30 ms spans left out
+    assert two[(1, 0)]["gpu_calls_dropped"] == pytest.approx(3 / 9)  # 4 F + 4 B + 1 T
+    assert two[(0, 1)]["transpose_gpu"] is None and two[(0, 1)]["backlog_short"]
+    assert [k for k, v in two.items() if v["backlog_short"]] == [(0, 1)]  # per cell, not pooled
+    assert two[(0, 0)]["gpu_calls_dropped"] == 0.0 and two[(0, 0)]["transpose_gpu"] == 0.5
+
+
 def test_rounds_rotate_and_bad_arguments_are_refused():
     import pipeline_step_time_mps as bench
 
@@ -87,3 +125,26 @@ def test_cpu_dry_run(tmp_path):
     text = (tmp_path / "dry.md").read_text()
     assert "| aligned | 4 |" in text and "Observed placement" in text
     assert "Host and GPU time per call" in text
+
+
+def test_reanalyse_rebuilds_a_real_run_from_its_gzipped_rank_files(tmp_path):
+    """Round 4's m12 run (one H100 split by MPS): the same figures from its rank files, and the
+    gpu-only GPU times judged cell by cell (the run's own summary had one pooled flag)."""
+    run = ROOT / "benchmarks" / "results" / "pipeline_step_time_mps_round4"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "pipeline_step_time_mps.py"), "--reanalyse",
+         str(run / "round3_pp4_m12.json"), "--ranks", str(run / "raw" / "round3_pp4_m12"),
+         "--out", str(tmp_path), "--name", "m12"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    old = json.loads((run / "round3_pp4_m12.json").read_text())
+    new = json.loads((tmp_path / "summary.json").read_text())
+    for a, b in zip(old["configs"], new["configs"]):
+        assert a["saving"]["paired_per_round_ms"] == pytest.approx(b["saving"]["paired_per_round_ms"])
+        assert a["per_rank_costs"]["r3c1"] == pytest.approx(b["per_rank_costs"]["r3c1"])
+        assert all(v["backlog_short"] for v in a["two_clock_costs"].values())  # pooled
+        two = b["two_clock_costs"]
+        assert not any(v["backlog_short"] for v in two.values())
+        # the last stage's calls waited for the host past the backlog, the middle ones never
+        assert two["r3c1"]["gpu_calls_dropped"] > 0.3 and two["r1c0"]["gpu_calls_dropped"] == 0
+    assert "of gpu-only calls past the backlog" in (tmp_path / "m12.md").read_text()
