@@ -133,9 +133,10 @@ def two_clock_argv(cfg: Dict[str, Any], pp: int, vp: int) -> List[str]:
 def two_clock_predictions(cfg: Dict[str, Any], b: Dict[str, Any],
                           slowdown: float) -> Dict[str, Any]:
     """R3 (two clocks, the shipped slowdown) and R3' (no slowdown) for a run with a gpu-only
-    segment; ``two_clock_valid``: every cell's calls fitted inside the GPU backlog."""
+    segment (none where a cell has no GPU time of some kind); ``two_clock_valid``: no cell's
+    ``backlog_short`` (round 4's registered summaries pooled it over all cells)."""
     two = cfg.get("two_clock_costs")
-    if not two or any(v["backlog_short"] and None in v.values() for v in two.values()):
+    if not two or any(None in v.values() for v in two.values()):
         return {"r3": None, "r3_no_slowdown": None, "two_clock_valid": False}
     base = shape_argv(b) + two_clock_argv(cfg, b["pp"], b["vp"])
     return {"r3": plan_json(base + ["--ranks-share-gpu", "--shared-gpu-slowdown",

@@ -234,3 +234,16 @@ def test_round4_is_the_pre_registered_set_and_judges_r3_on_valid_gpu_times(tmp_p
     assert "Judged: 4 of 6 rows." in note
     assert f"**Verdict: {'met' if all(inside) else 'not met'}.**" in note
     assert f"primary): {sum(inside)} of 4" in note
+
+
+def test_no_two_clock_prediction_from_a_cell_without_gpu_times():
+    """A re-analysed run (cell-by-cell validity) whose cell kept no forward inside the backlog:
+    no R3 (the planner is never fed a missing duration), and the row is not valid."""
+    import json
+    run = json.loads((ROOT / "benchmarks" / "results" / "pipeline_step_time_mps_round4" /
+                      "posthoc" / "round3_pp4_m12.json").read_text())
+    cfg = run["configs"][1]
+    assert cal.two_clock_predictions(cfg, run["bench"], SHARED_GPU_SLOWDOWN)["r3"] is not None
+    cfg["two_clock_costs"]["r3c1"].update(forward_gpu=None, backlog_short=True)
+    assert cal.two_clock_predictions(cfg, run["bench"], SHARED_GPU_SLOWDOWN) == \
+        {"r3": None, "r3_no_slowdown": None, "two_clock_valid": False}
