@@ -188,7 +188,7 @@ def plan_result(args: argparse.Namespace) -> Tuple[str, Dict[Placement, Timeline
     placements = TWO_CLOCK_PLACEMENTS if costs.two_clocks else tuple(Placement)
     timelines = {p: simulate(schedule, p, costs, overlap_p2p=x.overlap_p2p) for p in placements}
     lines = [head, _costs_line(costs, info, x, work)] + ([measured] if measured else []) + [
-        "", _table(timelines, schedule.pp), "", _recommendation(timelines)]
+        "", _table(timelines, schedule.pp), "", _recommendation(timelines), _TRUST]
     summary.update(_summary(timelines, costs, work, info, m))
     return "\n".join(lines) + "\n", timelines, summary
 
@@ -301,6 +301,14 @@ def _table(tls: Dict[Placement, Timeline], pp: int) -> str:
     rows.append("(extra: step time the transposes add; idle vs none: the idle they induce per rank, "
                 "negative where they filled idle time)")
     return "\n".join(rows)
+
+
+#: What the calibration rounds (benchmarks/results/planner_calibration.md) support, printed
+#: under every recommendation so that nobody reads a prediction as a measurement.
+_TRUST = ("How far to trust it: compared with measurements only on one GPU split by CUDA MPS, "
+          "fed each run's own durations (docs/planner.md, 'How well it predicts'): a generic "
+          "transpose's saving came out up to 50% high, TE's transpose's saving (a few ms, under "
+          "1% of a step) was not predicted; never compared on one GPU per rank.")
 
 
 def _recommendation(tls: Dict[Placement, Timeline]) -> str:
