@@ -8,7 +8,10 @@ GPT from megatron-core's TE layer spec (``fp8_param=True``: TE ``Float8Tensor`` 
 with ``overlap_param_gather``, ``align_param_gather`` and ``fp8_param_gather``, the distributed
 optimizer, and ``align_fp8_transposes`` with the TE backend. Groups go through
 benchmarks/mps_p2p.py (size-1 groups on the device; p2p over CUDA IPC where it works, else
-through host memory; both modes' one-way cost is measured first).
+through host memory; both modes' one-way cost is measured first). ``--p2p nccl`` runs the same
+job on a GPU per rank instead (no MPS, NCCL groups, megatron-core's own p2p; its one-way cost
+measured first): the setup of a cluster node, which the planner models. Never run on GPUs yet
+(no machine with several GPUs was lent); its CPU dry run (plain gloo) is in the tests.
 
 One job, one model: after a warm-up, rounds of segments, one segment per (policy, transpose
 implementation), in an order rotated every round; the first steps of each segment are
@@ -71,7 +74,7 @@ class Bench:
     steps_per_segment: int = 12
     discard: int = 2
     warmup: int = 8
-    p2p: str = "auto"  # auto (IPC if every rank can open it) | host
+    p2p: str = "auto"  # auto (IPC if every rank can open it) | host | nccl (a GPU per rank)
     time_budget: int = 0  # seconds for the rounds; fewer rounds (>= 2) if the warm-up says so
     gpu_only_steps: int = 0  # per transposes, after the rounds: steps with a GPU backlog (Marks)
     cpu_dry_run: bool = False
@@ -133,11 +136,12 @@ def _model(b: Bench, pp_rank: int):
 
 
 def _worker(rank: int, b: Bench, port: int, out: str) -> None:
-    cuda = not b.cpu_dry_run
-    if cuda:  # before the first CUDA call of this process: its MPS share
+    cuda, shared = not b.cpu_dry_run, b.p2p != "nccl"
+    if cuda and shared:  # before the first CUDA call of this process: its MPS share
         os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(100 // b.ranks)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    result: Dict[str, Any] = {"rank": rank, "share_percent": 100 // b.ranks if cuda else None}
+    result: Dict[str, Any] = {"rank": rank,
+                              "share_percent": 100 // b.ranks if cuda and shared else None}
     try:
         _run(rank, b, cuda, out, result)
     except Exception:
@@ -152,17 +156,18 @@ def _run(rank: int, b: Bench, cuda: bool, out: str, result: Dict[str, Any]) -> N
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    if cuda:
-        torch.cuda.set_device(0)
+    if cuda:  # --p2p nccl: a GPU per rank (a cluster node); else every rank on GPU 0 (MPS)
+        torch.cuda.set_device(rank if b.p2p == "nccl" else 0)
     else:
         torch.set_num_threads(1)
         from nemo_fp8_align.demo.cpu_redirects import enable_cpu_compat
         enable_cpu_compat()
-    dist.init_process_group(mps_p2p.enable_mps_backend(), rank=rank, world_size=b.ranks)
+    dist.init_process_group(_process_group_backend(b, cuda), rank=rank, world_size=b.ranks)
     ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=b.pp,
                                  virtual_pipeline_model_parallel_size=b.vp)
     pp_rank, dp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank()
-    result.update(pp_rank=pp_rank, dp_rank=dp_rank, versions=_versions(cuda))
+    result.update(pp_rank=pp_rank, dp_rank=dp_rank, versions=_versions(cuda),
+                  backend=str(dist.get_backend()))
     act_bytes = b.seq * b.micro_batch_size * b.hidden * 2
     mps_p2p.settings["slots"] = 2 * b.microbatches * b.vp + 4  # > one step's sends per channel
     result["p2p"] = _p2p_costs(b, cuda, pp_rank, dp_rank, act_bytes)
@@ -259,7 +264,7 @@ def _versions(cuda: bool) -> Dict[str, str]:
     v = {"torch": torch.__version__, "megatron_core": megatron.core.__version__}
     if cuda:
         import transformer_engine
-        v.update(te=transformer_engine.__version__, gpu=torch.cuda.get_device_name(0),
+        v.update(te=transformer_engine.__version__, gpu=torch.cuda.get_device_name(),
                  mps_share=os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", ""))
     return v
 
@@ -294,15 +299,28 @@ def _judge(b: Bench, policy: str, records: List[Dict[str, Any]]) -> List[str]:
     return problems[:20]
 
 
+def _process_group_backend(b: Bench, cuda: bool) -> str:
+    """NCCL with a GPU per rank; the MPS groups (mps_p2p) where ranks share one GPU; plain gloo
+    for the CPU dry run of ``--p2p nccl`` (megatron-core's own p2p, no MPS groups)."""
+    if b.p2p == "nccl":
+        return "nccl" if cuda else "gloo"
+    return mps_p2p.enable_mps_backend()
+
+
 def _p2p_costs(b: Bench, cuda: bool, pp_rank: int, dp_rank: int, nbytes: int) -> Dict[str, Any]:
-    """Both p2p modes' one-way cost at the activation size, between pipeline ranks 0 and 1."""
+    """The p2p modes' one-way cost at the activation size, between pipeline ranks 0 and 1."""
     if not cuda:
-        return {"mode": "host", "probe": {"p2p": "host", "errors": ["CPU dry run"]}}
+        mode = "nccl" if b.p2p == "nccl" else "host"
+        return {"mode": mode, "probe": {"p2p": mode, "errors": ["CPU dry run"]}}
     from megatron.core import parallel_state as ps
     peer = ps.get_pipeline_model_parallel_next_rank() if pp_rank == 0 else \
         ps.get_pipeline_model_parallel_prev_rank()
-    return mps_p2p.measure_modes(dp_rank == 0 and pp_rank in (0, 1), peer, nbytes,
-                                 try_ipc=b.p2p == "auto")
+    mine = dp_rank == 0 and pp_rank in (0, 1)
+    if b.p2p == "nccl":
+        timed = {"nccl": {**mps_p2p.pingpong(peer, nbytes), "mode": "nccl"}} if mine else {}
+        dist.barrier()
+        return {"mode": "nccl", "probe": {"p2p": "nccl", "errors": []}, **timed}
+    return mps_p2p.measure_modes(mine, peer, nbytes, try_ipc=b.p2p == "auto")
 
 
 def parse(argv: List[str]) -> argparse.Namespace:
@@ -315,7 +333,8 @@ def parse(argv: List[str]) -> argparse.Namespace:
     ap.add_argument("--recipe", default=d.recipe, choices=["delayed", "tensorwise"])
     ap.add_argument("--policies", default=",".join(d.policies))
     ap.add_argument("--transposes", default="te", help="te | torch | te,torch (slow variant)")
-    ap.add_argument("--p2p", default="auto", choices=["auto", "host"])
+    ap.add_argument("--p2p", default="auto", choices=["auto", "host", "nccl"],
+                    help="auto/host: ranks share GPU 0 under MPS; nccl: a GPU per rank")
     ap.add_argument("--cpu-dry-run", action="store_true")
     ap.add_argument("--name", default="pipeline_step_time_mps")
     ap.add_argument("--out", required=True)
@@ -334,7 +353,12 @@ def bench_of(a: argparse.Namespace) -> Bench:
           [t for t in kw["transposes"] if t not in ("te", "torch")]
     if bad or kw["discard"] >= kw["steps_per_segment"]:
         raise SystemExit(f"bad --policies/--transposes {bad} or --discard >= --steps-per-segment")
-    return Bench(**kw)
+    b = Bench(**kw)
+    if b.p2p == "nccl" and not b.cpu_dry_run and torch.cuda.device_count() < b.ranks:
+        raise SystemExit(f"--p2p nccl needs a GPU per rank: {b.ranks} ranks (--pp {b.pp} x --dp "
+                         f"{b.dp}), {torch.cuda.device_count()} GPUs visible; use --p2p auto to "
+                         "share one GPU under MPS")
+    return b
 
 
 def _load(path: str) -> Dict[str, Any]:

@@ -41,6 +41,10 @@ ROUND3_MIN_JUDGED = 4  # of 6 shapes; fewer judged: round 3 settles nothing
 ROUND4_RUNS = ROOT / "benchmarks" / "results" / "pipeline_step_time_mps_round4"
 ROUND4 = ("round3_pp4_h5120", "round3_pp4_m12", "round4_pp4_vp4_h2048")
 ROUND4_MIN_JUDGED = 4  # of 6 rows
+# Round 5 (benchmarks/planner_calibration_round5.md): a GPU per pipeline rank, NCCL.
+ROUND5_RUNS = ROOT / "benchmarks" / "results" / "pipeline_step_time_round5"
+ROUND5 = ("round5_pp4_vp4_h3072", "round5_pp4_h5120", "round5_pp4_m12", "round5_pp4_vp4_h2048")
+ROUND5_MIN_JUDGED = 4  # of 8 rows
 
 
 def shape_argv(bench: Dict[str, Any]) -> List[str]:
@@ -383,13 +387,18 @@ def _verdict(judged: int, inside: int, minimum: int, total: int, round_no: int, 
                "met by the runs still to come" if inside < judged else ""))
 
 
+def _quiet(r: Dict[str, Any]) -> bool:
+    """Round 3's gate (rounds 4 and 5 too): enough rounds, each policy's per-round medians close."""
+    return r["rounds"] >= MIN_ROUNDS and r["noise"] <= ROUND3_QUIET
+
+
 def round3_note(slowdown: float, runs: Tuple[Path, ...] = (ROUND3_RUNS, ROUND4_RUNS)) -> str:
     """Round 3's verdict: judged = >= MIN_ROUNDS rounds and quiet (ROUND3_QUIET); done
     when at least ROUND3_MIN_JUDGED shapes are judged and R1 puts every judged one inside."""
     head = ("\n## Round 3: PP=4 shapes that fit 80 GB, with a noise gate, fixed before measuring "
             "(`benchmarks/planner_calibration_round3.md`)\n\n")
     rows, lines = _attempted(ROUND3, runs, "round 3", slowdown)
-    quiet = [r["rounds"] >= MIN_ROUNDS and r["noise"] <= ROUND3_QUIET for r in rows]
+    quiet = [_quiet(r) for r in rows]
     judged = [r for r, q in zip(rows, quiet) if q]
     noisy = [r for r, q in zip(rows, quiet) if not q]
     r1 = sum(r["inside"] for r in judged)
@@ -433,8 +442,7 @@ def round4_note(slowdown: float, runs: Tuple[Path, ...] = (ROUND4_RUNS,)) -> str
     head = ("\n## Round 4: the two-clock planner (R3), fixed before measuring "
             "(`benchmarks/planner_calibration_round4.md`)\n\n")
     rows, lines = _attempted(ROUND4, runs, "round 4", slowdown)
-    ok = [r["rounds"] >= MIN_ROUNDS and r["noise"] <= ROUND3_QUIET and r["two_clock_valid"]
-          for r in rows]
+    ok = [_quiet(r) and r["two_clock_valid"] for r in rows]
     judged = [r for r, q in zip(rows, ok) if q]
     inside = sum(r["inside_r3"] for r in judged)
     verdict = _verdict(len(judged), inside, ROUND4_MIN_JUDGED, 2 * len(ROUND4), 4, "row", "R3")
@@ -454,6 +462,38 @@ def round4_note(slowdown: float, runs: Tuple[Path, ...] = (ROUND4_RUNS,)) -> str
     return "\n".join(lines) + "\n"
 
 
+_HEADER5 = ("| run | GPU | PP / VP / M | hidden | transposes | steps/policy (rounds) | noise | "
+            "paired per round min / median / max | **R2 (primary)** | inside? | uniform planner |")
+
+
+def _row5(r: Dict[str, Any]) -> str:
+    p = r["paired"]
+    return (f"| {r['run']} | {r['gpu']} | {r['pp']} / {r['vp']} / {r['microbatches']} | "
+            f"{r['hidden']} | {r['impl']} | {r['steps']} ({r['rounds']}) | {r['noise']:.1%} | "
+            f"{_f(p['min'])} / {_f(p['median'])} / {_f(p['max'])} | **{_f(r['no_slowdown'])}** "
+            f"| {'yes' if r['inside_no_slowdown'] else '**no**'} | {_f(r['uniform'])} |")
+
+
+def round5_note(slowdown: float, runs: Tuple[Path, ...] = (ROUND5_RUNS,)) -> str:
+    """Round 5's verdict: R2 (one clock, no shared-GPU slowdown: the ranks have a GPU each)
+    primary; judged = round 3's gate; done when at least ROUND5_MIN_JUDGED rows are judged and
+    R2 puts every judged one inside."""
+    head = ("\n## Round 5: a GPU per pipeline rank (NCCL), fixed before measuring "
+            "(`benchmarks/planner_calibration_round5.md`)\n\n")
+    rows, lines = _attempted(ROUND5, runs, "round 5", slowdown)
+    judged = [r for r in rows if _quiet(r)]
+    inside = sum(r["inside_no_slowdown"] for r in judged)
+    verdict = _verdict(len(judged), inside, ROUND5_MIN_JUDGED, 2 * len(ROUND5), 5, "row", "R2")
+    lines[0] = head + lines[0]
+    lines.append(f"Judged (>= {MIN_ROUNDS} rounds, each policy's per-round medians within "
+                 f"{ROUND3_QUIET:.0%}): {len(judged)} of {len(rows)} rows. Inside the paired "
+                 f"spread, R2 (one clock, the run's own durations, no slowdown): {inside} of "
+                 f"{len(judged)}. **Verdict: {verdict}.**\n")
+    if rows:
+        lines += [_HEADER5, "|" + "---|" * 11] + [_row5(r) for r in rows]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/planner_calibration.md"))
@@ -464,7 +504,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     found = mlm_summaries()
     mlm = [row for path in found for row in mlm_rows(path, slowdown)]
     text = (markdown(rows, slowdown, [] if argv is None else argv) + mlmgpu_note(found, mlm)
-            + round2_note(slowdown) + round3_note(slowdown) + round4_note(slowdown))
+            + round2_note(slowdown) + round3_note(slowdown) + round4_note(slowdown)
+            + round5_note(slowdown))
     Path(args.out).write_text(text)
     print(text)
     return 0

@@ -1,6 +1,7 @@
 """The one-GPU MPS step-time benchmark (benchmarks/pipeline_step_time_mps.py): its planner
 comparison, its argument checks, and its CPU dry run (gloo), so it keeps working without a GPU."""
 
+import inspect
 import json
 import subprocess
 import sys
@@ -91,7 +92,6 @@ def test_rounds_rotate_and_bad_arguments_are_refused():
 @pytest.mark.slow
 def test_cpu_dry_run(tmp_path):
     pytest.importorskip("megatron.core")
-    import inspect
 
     from megatron.core.models.gpt import GPTModel
 
@@ -125,6 +125,30 @@ def test_cpu_dry_run(tmp_path):
     text = (tmp_path / "dry.md").read_text()
     assert "| aligned | 4 |" in text and "Observed placement" in text
     assert "Host and GPU time per call" in text
+    assert rank0["backend"] == "mps_fast" and summary["p2p"]["mode"] == "host"
+
+
+def test_cpu_dry_run_of_the_gpu_per_rank_mode(tmp_path):
+    """``--p2p nccl`` (a GPU per rank, the cluster setup the planner models; never run on GPUs):
+    plain process groups and megatron-core's own p2p, none of the MPS harness's groups."""
+    from megatron.core.models.gpt import GPTModel
+
+    if "vp_stage" not in inspect.signature(GPTModel.__init__).parameters:
+        pytest.skip("the real-stack harness needs megatron-core >= 0.14 (GPTModel vp_stage)")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "pipeline_step_time_mps.py"), "--cpu-dry-run",
+         "--p2p", "nccl", "--pp", "2", "--vp", "2", "--microbatches", "4", "--hidden", "64",
+         "--heads", "4", "--seq", "16", "--micro-batch-size", "1", "--rounds", "2",
+         "--steps-per-segment", "2", "--discard", "1", "--warmup", "1", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["ok"] and summary["p2p"]["mode"] == "nccl"
+    assert {p: g["step"]["n"] for p, g in summary["configs"][0]["groups"].items()} == \
+        {"off": 2, "lazy": 2, "aligned": 2}
+    for r in range(2):
+        rank = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert rank["backend"] == "gloo" and rank["share_percent"] is None
 
 
 def test_reanalyse_rebuilds_a_real_run_from_its_gzipped_rank_files(tmp_path):

@@ -247,3 +247,40 @@ def test_no_two_clock_prediction_from_a_cell_without_gpu_times():
     cfg["two_clock_costs"]["r3c1"].update(forward_gpu=None, backlog_short=True)
     assert cal.two_clock_predictions(cfg, run["bench"], SHARED_GPU_SLOWDOWN) == \
         {"r3": None, "r3_no_slowdown": None, "two_clock_valid": False}
+
+
+def test_round5_is_the_pre_registered_set_and_judges_r2_without_the_shared_gpu(tmp_path):
+    """Round 5 (a GPU per rank): its runs are the ones its file names and the script runs; R2
+    (the run's own durations, no --ranks-share-gpu) decides; round 3's gate; fewer than 4
+    judged rows settle nothing, and a judged row outside says it cannot be met."""
+    import json
+    written = (ROOT / "benchmarks/planner_calibration_round5.md").read_text()
+    assert set(re.findall(r"^\| `(round\d_\w+)` \|", written, re.M)) == set(cal.ROUND5)
+    script = (ROOT / "validation/run_step_time_mps.sh").read_text()
+    assert all(f"bench {n} " in script for n in cal.ROUND5) and "--p2p nccl" in script
+    assert "at least 4 of the 8 rows" in written and cal.ROUND5_MIN_JUDGED == 4
+    assert "Not measured yet: " + ", ".join(cal.ROUND5) in cal.round5_note(1.13, (tmp_path,))
+
+    # a real run (round 4's m12, one H100 split by MPS) standing in for a round-5 file; its
+    # generic-transpose spread widened to 17.0 ms: R1 (16.7) would be inside, R2 (17.7) is not
+    data = json.loads((cal.ROUND4_RUNS / "round3_pp4_m12.json").read_text())
+    data["configs"][1]["saving"]["paired_per_round_ms"]["max"] = 17.0
+    (tmp_path / f"{cal.ROUND5[2]}.json").write_text(json.dumps(data))
+    slowdown = cal.fit_slowdown()
+    rows = cal.rows_of(cal.ROUND5[2], "round 5", slowdown, tmp_path)
+    want = cal.plan_json(cal.shape_argv(data["bench"])
+                         + cal.measured_argv(data["configs"][1], 4, 2))["saving_ms"]
+    assert rows[1]["no_slowdown"] == want and rows[1]["predicted"] < 17.0 < want
+    note = cal.round5_note(slowdown, (tmp_path,))
+    assert "Judged (>= 3 rounds, each policy's per-round medians within 5%): 2 of 2 rows." in note
+    assert "no slowdown): 1 of 2." in note
+    assert "round 5 settles nothing; with 1 judged row(s) outside under R2" in note
+    table = [x for x in note.splitlines() if x.startswith(f"| {cal.ROUND5[2]} ")]
+    assert len(table) == 2 and f"**{want:.1f}** | **no** |" in table[1]
+
+    # a noisy run is shown, not judged
+    for g in data["configs"][0]["groups"].values():
+        g["per_round"] = {k: v * (1.2 if i == 0 else 1.0)
+                          for i, (k, v) in enumerate(g["per_round"].items())}
+    (tmp_path / f"{cal.ROUND5[2]}.json").write_text(json.dumps(data))
+    assert "1 of 2 rows" in cal.round5_note(slowdown, (tmp_path,))

@@ -4,7 +4,8 @@
 # PyTorch extension, start CUDA MPS, and run benchmarks/pipeline_step_time_mps.py per
 # configuration while time is left. Results (Markdown + JSON per run) under $OUT.
 # Usage (from a copy of the repo whose parent holds .h200/, e.g. .gpuwork/repo):
-#   bash validation/run_step_time_mps.sh [BUDGET_SECONDS] [first|second|round2a|round2b|round2c|round3a|round3b|round4a|round4b]
+#   bash validation/run_step_time_mps.sh [BUDGET_SECONDS] [first|second|round2a|round2b|round2c|round3a|round3b|round4a|round4b|round5a|round5b]
+# round5a/round5b need 4 GPUs (a GPU per pipeline rank, no MPS); never run yet.
 # .h200/ is made on the CPU machine as validation/run_real_stack.sh's header says, but with only
 # transformer-engine-cu13 (library stripped, gzipped), transformer-engine, pydantic,
 # pydantic-core, annotated-types, typing-inspection, megatron-core 0.19.2 (.h200/) and 0.16.1
@@ -42,9 +43,14 @@ else
   el "TE extension build: $(tail -1 /tmp/bench/te_build.log)"
   gzip -c /tmp/site/transformer_engine/wheel_lib/$EXT > "$OUT"/te_torch_ext.so.gz  # for a later call
 fi
-export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
-mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
-nvidia-cuda-mps-control -d && el "MPS daemon started"
+CASE=${2:-first}
+if [ "${CASE#round5}" = "$CASE" ]; then  # every case but round 5 shares one GPU under MPS
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
+  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+  nvidia-cuda-mps-control -d && el "MPS daemon started"
+else  # round 5: a GPU per rank, NCCL (NVLink multicast off, as the device tool asks)
+  export NCCL_NVLS_ENABLE=0; el "no MPS: $(nvidia-smi -L | wc -l) GPUs"
+fi
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader
 bench() {  # name, mcore dir, limit s, args...
   local name=$1 mc=$2 limit=$3; shift 3
@@ -58,7 +64,7 @@ bench() {  # name, mcore dir, limit s, args...
   tar czf "$OUT"/bench.tar.gz -C /tmp bench 2>/dev/null  # what comes back even if cut short
 }
 COMMON="--vp 2 --microbatches 8 --hidden 4096 --heads 32 --seq 1024 --micro-batch-size 2 --transposes te,torch"
-case ${2:-first} in
+case $CASE in
 first)  # 2026-12-03, call 1 (as run)
   bench mcore0192_pp2 /tmp/m19 170 --pp 2 $COMMON --warmup 3 --time-budget 100
   bench mcore0192_pp4 /tmp/m19 200 --pp 4 $COMMON --warmup 3 --time-budget 130
@@ -93,10 +99,19 @@ round4a)  # issue 27, round 4 (pre-registered in benchmarks/planner_calibration_
 round4b)  # issue 27, round 4, call 2
   bench round4_pp4_vp4_h2048 /tmp/m19 300 --pp 4 --vp 4 --microbatches 8 --hidden 2048 --heads 16 \
     --seq 1024 --micro-batch-size 2 --transposes te,torch --rounds 5 --gpu-only-steps 3 --time-budget 240;;
+round5a)  # issue 27, round 5 (pre-registered in benchmarks/planner_calibration_round5.md): a GPU
+  # per pipeline rank (4 GPUs), NCCL; rounds 3 and 4's shapes, call 1
+  R5="--seq 1024 --micro-batch-size 2 --transposes te,torch --rounds 5 --p2p nccl"
+  bench round5_pp4_vp4_h3072 /tmp/m19 280 --pp 4 --vp 4 --microbatches 8 --hidden 3072 --heads 24 $R5 --time-budget 220
+  bench round5_pp4_h5120 /tmp/m19 280 --pp 4 --vp 2 --microbatches 8 --hidden 5120 --heads 40 $R5 --time-budget 220;;
+round5b)  # issue 27, round 5, call 2
+  R5="--seq 1024 --micro-batch-size 2 --transposes te,torch --rounds 5 --p2p nccl"
+  bench round5_pp4_m12 /tmp/m19 280 --pp 4 --vp 2 --microbatches 12 --hidden 4096 --heads 32 $R5 --time-budget 220
+  bench round5_pp4_vp4_h2048 /tmp/m19 280 --pp 4 --vp 4 --microbatches 8 --hidden 2048 --heads 16 $R5 --time-budget 220;;
 round3b)  # issue 27, round 3, call 2
   bench round3_pp4_m12 /tmp/m19 300 --pp 4 --vp 2 --microbatches 12 --hidden 4096 --heads 32 \
     --seq 1024 --micro-batch-size 2 --transposes te,torch --rounds 5 --time-budget 245;;
 esac
-echo quit | nvidia-cuda-mps-control
+[ -n "$CUDA_MPS_PIPE_DIRECTORY" ] && echo quit | nvidia-cuda-mps-control
 tar czf "$OUT"/bench.tar.gz -C /tmp bench 2>/dev/null
 el "done"
