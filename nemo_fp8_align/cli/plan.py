@@ -307,8 +307,8 @@ def _table(tls: Dict[Placement, Timeline], pp: int) -> str:
 #: under every recommendation so that nobody reads a prediction as a measurement.
 _TRUST = ("How far to trust it: compared with measurements only on one GPU split by CUDA MPS, "
           "fed each run's own durations (docs/planner.md, 'How well it predicts'): a generic "
-          "transpose's saving came out up to 50% high, TE's transpose's saving (a few ms, under "
-          "1% of a step) was not predicted; never compared on one GPU per rank.")
+          "transpose's saving came out from about 20% low to 50% high, TE's transpose's saving (a "
+          "few ms, under 1% of a step) was not predicted; never compared on one GPU per rank.")
 
 
 def _recommendation(tls: Dict[Placement, Timeline]) -> str:
