@@ -90,9 +90,9 @@ def test_rounds_rotate_and_bad_arguments_are_refused():
 
 
 @pytest.mark.slow
-def test_cpu_dry_run(tmp_path):
+def _dry_run(tmp_path, *args):
+    """The harness's CPU dry run (gloo) at PP=2 VP=2, 4 microbatches, a tiny GPT, 2 rounds."""
     pytest.importorskip("megatron.core")
-
     from megatron.core.models.gpt import GPTModel
 
     if "vp_stage" not in inspect.signature(GPTModel.__init__).parameters:
@@ -102,11 +102,14 @@ def test_cpu_dry_run(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "pipeline_step_time_mps.py"), "--cpu-dry-run",
          "--pp", "2", "--vp", "2", "--microbatches", "4", "--hidden", "64", "--heads", "4",
-         "--seq", "16", "--micro-batch-size", "1", "--rounds", "2", "--steps-per-segment", "3",
-         "--discard", "1", "--warmup", "1", "--gpu-only-steps", "2", "--out", str(tmp_path),
-         "--name", "dry"],
+         "--seq", "16", "--micro-batch-size", "1", "--rounds", "2", "--discard", "1",
+         "--warmup", "1", "--out", str(tmp_path), *args],
         capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_cpu_dry_run(tmp_path):
+    _dry_run(tmp_path, "--steps-per-segment", "3", "--gpu-only-steps", "2", "--name", "dry")
     summary = json.loads((tmp_path / "summary.json").read_text())
     (cfg,) = summary["configs"]
     assert {p: g["step"]["n"] for p, g in cfg["groups"].items()} == \
@@ -131,17 +134,7 @@ def test_cpu_dry_run(tmp_path):
 def test_cpu_dry_run_of_the_gpu_per_rank_mode(tmp_path):
     """``--p2p nccl`` (a GPU per rank, the cluster setup the planner models; never run on GPUs):
     plain process groups and megatron-core's own p2p, none of the MPS harness's groups."""
-    from megatron.core.models.gpt import GPTModel
-
-    if "vp_stage" not in inspect.signature(GPTModel.__init__).parameters:
-        pytest.skip("the real-stack harness needs megatron-core >= 0.14 (GPTModel vp_stage)")
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "pipeline_step_time_mps.py"), "--cpu-dry-run",
-         "--p2p", "nccl", "--pp", "2", "--vp", "2", "--microbatches", "4", "--hidden", "64",
-         "--heads", "4", "--seq", "16", "--micro-batch-size", "1", "--rounds", "2",
-         "--steps-per-segment", "2", "--discard", "1", "--warmup", "1", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _dry_run(tmp_path, "--p2p", "nccl", "--steps-per-segment", "2")
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["ok"] and summary["p2p"]["mode"] == "nccl"
     assert {p: g["step"]["n"] for p, g in summary["configs"][0]["groups"].items()} == \
