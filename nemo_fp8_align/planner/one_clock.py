@@ -96,13 +96,8 @@ class OneClockSim:
         if not self.received_for(rank, op):
             return False
         if isinstance(op, Compute):
-            mine = c.of(rank.rank, op.chunk)
             self.host_wait(rank, op)
-            dur = mine.forward if op.kind == "F" else mine.backward
-            self.add(rank, "forward" if op.kind == "F" else "backward", rank.t, rank.t + dur,
-                     op.chunk, op.microbatch)
-            rank.t += dur
-            self.side_penalty(rank)
+            self.compute(rank, op)
         elif isinstance(op, Comm):
             return self.comm(rank, op)
         elif isinstance(op, Launch):
@@ -113,9 +108,7 @@ class OneClockSim:
                 order = self.deadline_order[rank.rank]
                 rank.pending.sort(key=lambda p: order.index(p[0]) if p[0] in order else 0)
         elif isinstance(op, GatherWait):
-            end = max(rank.t, rank.gather_done[op.chunk])
-            self.add(rank, "gather_wait", rank.t, end, op.chunk)
-            rank.t = end
+            self.gather_wait(rank, op.chunk)
         elif isinstance(op, Transpose):
             self.transpose(rank, op.chunk)
         elif isinstance(op, BubbleDeadline):
@@ -130,6 +123,21 @@ class OneClockSim:
             if delta > 0:
                 rank.pending.append([op.chunk, delta, rank.t])
         return True
+
+    def compute(self, rank: RankState, op: Compute) -> None:
+        """A forward or backward: the rank's one clock moves by its duration."""
+        mine = self.c.of(rank.rank, op.chunk)
+        dur = mine.forward if op.kind == "F" else mine.backward
+        self.add(rank, "forward" if op.kind == "F" else "backward", rank.t, rank.t + dur,
+                 op.chunk, op.microbatch)
+        rank.t += dur
+        self.side_penalty(rank)
+
+    def gather_wait(self, rank: RankState, chunk: int) -> None:
+        """The chunk's all-gather wait before its first forward."""
+        end = max(rank.t, rank.gather_done[chunk])
+        self.add(rank, "gather_wait", rank.t, end, chunk)
+        rank.t = end
 
     def received_for(self, rank: RankState, op) -> bool:
         """overlap_p2p_comm: megatron-core waits for the receives before the forward (backward)

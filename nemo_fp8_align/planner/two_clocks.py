@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from typing import List, Tuple
 
-from nemo_fp8_align.planner.program import Comm, Compute, GatherWait, Launch, Placement, Transpose
+from nemo_fp8_align.planner.program import Comm, Compute, Placement
 from nemo_fp8_align.planner.one_clock import OneClockSim, RankState
 from nemo_fp8_align.planner.timeline import Timeline
 
@@ -62,31 +62,25 @@ class TwoClockSim(OneClockSim):
         rank.t += host
         self.gpu[rank.rank] = end
 
-    def step(self, rank: RankState) -> bool:
-        op, c = rank.ops[rank.pc], self.c
-        if not self.received_for(rank, op):
-            return False
-        if isinstance(op, Compute):
-            mine = c.of(rank.rank, op.chunk)
-            self.host_wait(rank, op)
-            fwd = op.kind == "F"
-            self.call(rank, "forward" if fwd else "backward",
-                      mine.forward_host if fwd else mine.backward_host,
-                      mine.forward if fwd else mine.backward, op.chunk, op.microbatch)
-        elif isinstance(op, Comm):
-            return self.comm(rank, op)
-        elif isinstance(op, Launch):
-            rank.gather_done[op.chunk] = rank.t + c.allgather
-        elif isinstance(op, GatherWait):
-            g = self.gpu[rank.rank]
-            end = max(g, rank.gather_done[op.chunk])
-            self.add(rank, "gather_wait", g, end, op.chunk)
-            self.gpu[rank.rank] = end
-        elif isinstance(op, Transpose):
-            mine = c.of(rank.rank, op.chunk)
-            slow = 1.0 if self.tl.placement is Placement.LAZY else c.shared_gpu_slowdown
-            self.call(rank, "transpose", mine.transpose_host, mine.transpose * slow, op.chunk)
-        return True
+    def compute(self, rank: RankState, op: Compute) -> None:
+        mine = self.c.of(rank.rank, op.chunk)
+        fwd = op.kind == "F"
+        self.call(rank, "forward" if fwd else "backward",
+                  mine.forward_host if fwd else mine.backward_host,
+                  mine.forward if fwd else mine.backward, op.chunk, op.microbatch)
+
+    def gather_wait(self, rank: RankState, chunk: int) -> None:
+        """The all-gather wait holds the GPU clock, not the host's."""
+        g = self.gpu[rank.rank]
+        end = max(g, rank.gather_done[chunk])
+        self.add(rank, "gather_wait", g, end, chunk)
+        self.gpu[rank.rank] = end
+
+    def transpose(self, rank: RankState, chunk: int) -> None:
+        """Queued like any call: lazy ones fill the host wait by themselves (no special case)."""
+        mine = self.c.of(rank.rank, chunk)
+        slow = 1.0 if self.tl.placement is Placement.LAZY else self.c.shared_gpu_slowdown
+        self.call(rank, "transpose", mine.transpose_host, mine.transpose * slow, chunk)
 
     def comm(self, rank: RankState, op: Comm) -> bool:
         for channel, index, is_send in op.transfers:
