@@ -421,19 +421,25 @@ def round3_note(slowdown: float, runs: Tuple[Path, ...] = (ROUND3_RUNS, ROUND4_R
     return "\n".join(lines) + "\n"
 
 
-_HEADER4 = ("| run | GPU | PP / VP / M | hidden | transposes | steps/policy (rounds) | noise | "
-            "paired per round min / median / max | **R3 (two clocks)** | inside? | R3' (no "
-            "slowdown) | R1 (one clock) | GPU times valid |")
+#: The leading columns of rounds 4 and 5's tables: the run, its shape, its noise and spread.
+_SHAPE_COLUMNS = ("| run | GPU | PP / VP / M | hidden | transposes | steps/policy (rounds) | "
+                  "noise | paired per round min / median / max |")
+_HEADER4 = (_SHAPE_COLUMNS + " **R3 (two clocks)** | inside? | R3' (no slowdown) | R1 (one "
+            "clock) | GPU times valid |")
+
+
+def _shape_cells(r: Dict[str, Any]) -> str:
+    """A row's cells under ``_SHAPE_COLUMNS``, up to and including the paired spread's ``|``."""
+    p = r["paired"]
+    return (f"| {r['run']} | {r['gpu']} | {r['pp']} / {r['vp']} / {r['microbatches']} | "
+            f"{r['hidden']} | {r['impl']} | {r['steps']} ({r['rounds']}) | {r['noise']:.1%} | "
+            f"{_f(p['min'])} / {_f(p['median'])} / {_f(p['max'])} |")
 
 
 def _row4(r: Dict[str, Any]) -> str:
-    p = r["paired"]
     inside = "-" if r["r3"] is None else "yes" if r["inside_r3"] else "**no**"
-    return (f"| {r['run']} | {r['gpu']} | {r['pp']} / {r['vp']} / {r['microbatches']} | "
-            f"{r['hidden']} | {r['impl']} | {r['steps']} ({r['rounds']}) | {r['noise']:.1%} | "
-            f"{_f(p['min'])} / {_f(p['median'])} / {_f(p['max'])} | **{_f(r['r3'])}** | {inside} "
-            f"| {_f(r['r3_no_slowdown'])} | {_f(r['predicted'])} | "
-            f"{'yes' if r['two_clock_valid'] else 'no'} |")
+    return (f"{_shape_cells(r)} **{_f(r['r3'])}** | {inside} | {_f(r['r3_no_slowdown'])} | "
+            f"{_f(r['predicted'])} | {'yes' if r['two_clock_valid'] else 'no'} |")
 
 
 def round4_note(slowdown: float, runs: Tuple[Path, ...] = (ROUND4_RUNS,)) -> str:
@@ -462,16 +468,12 @@ def round4_note(slowdown: float, runs: Tuple[Path, ...] = (ROUND4_RUNS,)) -> str
     return "\n".join(lines) + "\n"
 
 
-_HEADER5 = ("| run | GPU | PP / VP / M | hidden | transposes | steps/policy (rounds) | noise | "
-            "paired per round min / median / max | **R2 (primary)** | inside? | uniform planner |")
+_HEADER5 = _SHAPE_COLUMNS + " **R2 (primary)** | inside? | uniform planner |"
 
 
 def _row5(r: Dict[str, Any]) -> str:
-    p = r["paired"]
-    return (f"| {r['run']} | {r['gpu']} | {r['pp']} / {r['vp']} / {r['microbatches']} | "
-            f"{r['hidden']} | {r['impl']} | {r['steps']} ({r['rounds']}) | {r['noise']:.1%} | "
-            f"{_f(p['min'])} / {_f(p['median'])} / {_f(p['max'])} | **{_f(r['no_slowdown'])}** "
-            f"| {'yes' if r['inside_no_slowdown'] else '**no**'} | {_f(r['uniform'])} |")
+    return (f"{_shape_cells(r)} **{_f(r['no_slowdown'])}** | "
+            f"{'yes' if r['inside_no_slowdown'] else '**no**'} | {_f(r['uniform'])} |")
 
 
 def round5_note(slowdown: float, runs: Tuple[Path, ...] = (ROUND5_RUNS,)) -> str:
