@@ -414,8 +414,7 @@ def main(argv: List[str]) -> int:
     for r in range(b.ranks):
         path = os.path.join(a.out, f"rank{r}.json")
         if os.path.exists(path):
-            with open(path, encoding="utf-8") as f:
-                ranks.append(json.load(f))
+            ranks.append(_load(path))
     return _write(a, mps_analysis.analyse(b, ranks, failed, time.time() - t0, argv))
 
 
