@@ -25,7 +25,7 @@ class ScheduleError(ValueError):
 
 class UnsupportedSetupError(ValueError):
     """A megatron-core setting the plugin cannot align (the table in
-    ``nemo_fp8_align/integrations/refusals.py``)."""
+    ``nemo_fp8_align/refusals.py``)."""
 
 
 class PlanInputError(ValueError):

@@ -14,7 +14,7 @@ from support.nemo_config import only, seed_config
 from nemo_fp8_align.config import AlignConfig, Policy
 from nemo_fp8_align.config_check.check import (FP8AlignConfigError, Violation, align_config_from,
                                        check_config, data_parallel_size_of, find_violations)
-from nemo_fp8_align.integrations.refusals import REFUSALS, Setup
+from nemo_fp8_align.refusals import REFUSALS, Setup
 
 
 def without(cfg, dotted):
@@ -369,7 +369,7 @@ def test_overlap_param_gather_with_optimizer_step_is_accepted():
     assert v.key == "model.optim." + key
 
 
-#: (row of integrations/refusals.py, a value of NeMo's model config that fires it)
+#: (row of refusals.py, a value of NeMo's model config that fires it)
 REFUSAL_CASES = [
     ("whole_step_graphs_scope", "full_iteration"),
     ("whole_step_graphs_scope", ["attn", "full_iteration"]),
@@ -380,7 +380,7 @@ REFUSAL_CASES = [
 
 @pytest.mark.parametrize("key,value", REFUSAL_CASES)
 def test_each_refusal_row_is_reported_by_the_check_with_its_reason_and_fix(key, value):
-    """The check runs the rows of integrations/refusals.py on NeMo's model config, which NeMo
+    """The check runs the rows of refusals.py on NeMo's model config, which NeMo
     passes through to TransformerConfig: the row's field, its reason, its fix."""
     row = next(r for r in REFUSALS if r.key == key)
     v = only(find_violations(seed_config(**{row.field: value})))

@@ -1,5 +1,5 @@
 """``nemo-fp8-align check --megatron-core X.Y``: the version's own schedule rules and options,
-in both modes, from the facts the demo uses (``integrations/mcore_version.py``'s
+in both modes, from the facts the demo uses (``mcore_versions.py``'s
 ``VersionRules``). Pure check runs (no megatron-core import); that each version's real code
 agrees (its schedule's and ``initialize_model_parallel``'s own validation, its classes) is
 tests/test_mcore_versions.py, which ``make test`` runs on 0.7.0 to 0.11.0."""
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from nemo_fp8_align.cli import check_version
-from nemo_fp8_align.integrations.mcore_version import rules_for
+from nemo_fp8_align.mcore_versions import rules_for
 from support.check_json import check_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,7 +67,7 @@ def test_without_megatron_core_the_newest_rules_apply_and_the_note_says_so(monke
 
 
 def test_an_installed_version_outside_the_known_ones_gets_the_newest_rules_said_so(monkeypatch):
-    from nemo_fp8_align.integrations import mcore_version
+    from nemo_fp8_align import mcore_versions as mcore_version
 
     monkeypatch.setattr(mcore_version, "importable_version", lambda: "0.20.1")
     monkeypatch.setattr(check_version, "importable_version", lambda: "0.20.1")
@@ -82,7 +82,7 @@ def test_the_version_is_read_from_the_tree_python_would_import_without_importing
     tree = ROOT / ".mcore-wheels" / "0.8.0"
     if not (tree / "megatron" / "core").is_dir():
         pytest.skip("no megatron-core 0.8.0 tree (make test unpacks it into .mcore-wheels/)")
-    code = ("import sys; from nemo_fp8_align.integrations.mcore_version import "
+    code = ("import sys; from nemo_fp8_align.mcore_versions import "
             "importable_version as v; print(v(), 'megatron' in sys.modules, 'torch' in "
             "sys.modules)")
     env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{ROOT}"}

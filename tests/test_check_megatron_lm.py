@@ -80,7 +80,7 @@ def test_every_violation_at_once_and_the_fp8_format_once():
 
 
 def test_each_requirement_cites_megatron_lm_not_nemo():
-    """Second trial (docs/check-trial.md): Megatron-LM mode gave --overlap-grad-reduce NeMo's
+    """Second trial (records/check-held-out-trials.md): Megatron-LM mode gave --overlap-grad-reduce NeMo's
     reason; Megatron-LM 0.19.2's validate_args asserts 'Must use --overlap-param-gather with
     --overlap-grad-reduce'."""
     found = _found(drop=["--overlap-grad-reduce"])

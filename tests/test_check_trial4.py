@@ -1,6 +1,6 @@
 """The fourth fresh trial of issue 25 ("Done when"), kept: upstream configs, Megatron-LM CI
 argument lists and Megatron-Bridge recipes (as flags) that no other test contained, checked as a
-new user would, each printed fix line pasted and checked again (docs/check-trial.md, "Fourth
+new user would, each printed fix line pasted and checked again (records/check-held-out-trials.md, "Fourth
 trial"; sources in tests/data/upstream/README.md). The first tests are the three wrong answers it
 found (each seen failing before its fix), then the two weaker lines of the third trial (also seen
 failing), then every case's line. In-process calls: 55 tests in 12 s on the 2 shared cores."""

@@ -1,6 +1,6 @@
 """The fifth fresh trial of issue 25 ("Done when"), kept: upstream configs, Megatron-LM CI
 argument lists and Megatron-Bridge recipes (as flags) that no other test contained, checked as a
-new user would, each printed fix line pasted and checked again (docs/check-trial.md, "Fifth
+new user would, each printed fix line pasted and checked again (records/check-held-out-trials.md, "Fifth
 trial"; sources in tests/data/upstream/README.md). The first tests are the wrong answers it found
 (each seen failing before its fix), then every case's line."""
 

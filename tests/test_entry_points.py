@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from nemo_fp8_align.integrations import mcore_version  # noqa: E402
+from nemo_fp8_align import mcore_versions as mcore_version  # noqa: E402
 
 if mcore_version.optimizer_owns_gather():
     pytest.skip(f"megatron-core {mcore_version.installed_version()}: DDP has no "

@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from nemo_fp8_align.integrations import mcore_version  # noqa: E402
+from nemo_fp8_align import mcore_versions as mcore_version  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not mcore_version.optimizer_owns_gather(),

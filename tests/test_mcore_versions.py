@@ -16,7 +16,7 @@ pytest.importorskip("megatron.core")
 from megatron.core.distributed import DistributedDataParallelConfig  # noqa: E402
 
 from nemo_fp8_align.errors import UnsupportedSetupError  # noqa: E402
-from nemo_fp8_align.integrations import mcore_version  # noqa: E402
+from nemo_fp8_align import mcore_versions as mcore_version  # noqa: E402
 from support.configs import has_group_size  # noqa: E402
 
 OPTIMIZER_OWNED = "overlap_param_gather" not in {

@@ -36,7 +36,7 @@ def stopped_ranks(shape, fault):
 
 def _runs_here(shape):
     """0.7.0 refuses interleaving at PP 2 (its own rule): the PP 4 shape runs there."""
-    from nemo_fp8_align.integrations import mcore_version
+    from nemo_fp8_align import mcore_versions as mcore_version
 
     rule = mcore_version.installed_rules().interleaved_pp_rule(SHAPES[shape]["pp"])
     return pytest.param(shape, marks=pytest.mark.skipif(rule is not None, reason=str(rule)))
@@ -53,7 +53,7 @@ def test_demo_command_exits_1_with_every_ranks_message(capsys):
     """The demo's default shape (PP 2); 0.7.0 refuses it before any rank starts
     (test_mcore_versions.py), and the pp4-dp1 rows above stop every rank there."""
     from nemo_fp8_align.cli import main
-    from nemo_fp8_align.integrations import mcore_version
+    from nemo_fp8_align import mcore_versions as mcore_version
 
     rule = mcore_version.installed_rules().interleaved_pp_rule(2)
     if rule is not None:
@@ -68,7 +68,7 @@ def test_demo_command_exits_1_with_every_ranks_message(capsys):
 
 def test_demo_command_refuses_an_unknown_fault(capsys):
     from nemo_fp8_align.cli import main
-    from nemo_fp8_align.integrations import mcore_version
+    from nemo_fp8_align import mcore_versions as mcore_version
 
     # a shape this version runs (0.7.0 refuses the default PP 2 first, as it should)
     pp = "4" if mcore_version.installed_rules().interleaved_pp_rule(2) else "2"

@@ -16,7 +16,7 @@ pytest.importorskip("megatron.core")
 from support.demo_runs import demo  # noqa: E402
 
 from nemo_fp8_align.demo.launch import DemoRankError, alignment_problems, differences  # noqa: E402
-from nemo_fp8_align.integrations import mcore_version  # noqa: E402
+from nemo_fp8_align import mcore_versions as mcore_version  # noqa: E402
 
 pytestmark = pytest.mark.slow
 HAS = mcore_version.has_optimizer_instances()

@@ -152,7 +152,7 @@ def test_a_small_saving_of_a_long_step_is_not_zero_percent():
                                           ("model.virtual_pipeline_model_parallel_size=5",
                                            "model.virtual_pipeline_model_parallel_size")])
 def test_an_error_in_a_value_from_the_config_names_its_key(capsys, override, key):
-    """Second trial (docs/check-trial.md): plan on a launcher YAML said '--global-batch 32 is
+    """Second trial (records/check-held-out-trials.md): plan on a launcher YAML said '--global-batch 32 is
     not a multiple ...' and '--vp 3: ...' for values the YAML gave, naming flags the user never
     passed."""
     pytest.importorskip("hydra")

@@ -1,6 +1,6 @@
 """benchmarks/planner_calibration.py: the results file is what the script prints from the
 recorded runs (nobody edits a verdict by hand), and its fit / held-out split is the one written
-down before tuning (benchmarks/planner_calibration_split.md)."""
+down before tuning (records/planner-calibration-round1-split.md)."""
 
 import re
 import sys
@@ -26,7 +26,7 @@ def test_results_file_is_what_the_script_prints(tmp_path):
 def test_the_split_is_the_one_decided_before_tuning():
     runs = {p.stem for p in cal.RUNS.glob("*.json")}
     assert set(cal.FIT) | set(cal.HELD_OUT) == runs and not set(cal.FIT) & set(cal.HELD_OUT)
-    written = (ROOT / "benchmarks/planner_calibration_split.md").read_text()
+    written = (ROOT / "records/planner-calibration-round1-split.md").read_text()
     fit = re.search(r"\*\*Fit \(1 run, 2 shapes\): `(\w+)`", written).group(1)
     held = re.search(r"\*\*Held out \(5 runs, 10 shapes\):\*\* (.*?)\n- ", written, re.S).group(1)
     assert (fit,) == cal.FIT and set(re.findall(r"`(\w+)`", held)) == set(cal.HELD_OUT)
@@ -102,7 +102,7 @@ def test_round2_is_the_pre_registered_set_and_judges_r1_and_r2(tmp_path):
     import json
     import shutil
 
-    written = (ROOT / "benchmarks/planner_calibration_round2.md").read_text()
+    written = (ROOT / "records/planner-calibration-round2.md").read_text()
     assert set(re.findall(r"^\| `(round2_\w+)` \|", written, re.M)) == set(cal.ROUND2)
     assert "Not measured yet: " + ", ".join(cal.ROUND2) in cal.round2_note(1.13, tmp_path)
 
@@ -144,7 +144,7 @@ def test_round3_is_the_pre_registered_set_and_judges_only_quiet_runs(tmp_path):
     import json
     import shutil
 
-    written = (ROOT / "benchmarks/planner_calibration_round3.md").read_text()
+    written = (ROOT / "records/planner-calibration-round3.md").read_text()
     assert set(re.findall(r"^\| `(round3_\w+)` \|", written, re.M)) == set(cal.ROUND3)
     assert "at most 5%" in written and "at least 4 of the 6 shapes" in written
     assert cal.ROUND3_QUIET == 0.05 and cal.ROUND3_MIN_JUDGED == 4
@@ -191,7 +191,7 @@ def test_round4_is_the_pre_registered_set_and_judges_r3_on_valid_gpu_times(tmp_p
     """Round 4's runs are the ones its file names; R3 is plan on two clocks fed the run's own
     host and GPU times; a row is judged with round 3's gate and a gpu-only segment whose calls
     all fitted inside the backlog; fewer than 4 judged rows settle nothing."""
-    written = (ROOT / "benchmarks/planner_calibration_round4.md").read_text()
+    written = (ROOT / "records/planner-calibration-round4.md").read_text()
     assert set(re.findall(r"^\| `(round\d_\w+)` \|", written, re.M)) == set(cal.ROUND4)
     assert "at least 4 of the 6 rows" in written and cal.ROUND4_MIN_JUDGED == 4
     assert "Not measured yet: " + ", ".join(cal.ROUND4) in cal.round4_note(1.13, (tmp_path,))
@@ -254,7 +254,7 @@ def test_round5_is_the_pre_registered_set_and_judges_r2_without_the_shared_gpu(t
     (the run's own durations, no --ranks-share-gpu) decides; round 3's gate; fewer than 4
     judged rows settle nothing, and a judged row outside says it cannot be met."""
     import json
-    written = (ROOT / "benchmarks/planner_calibration_round5.md").read_text()
+    written = (ROOT / "records/planner-calibration-round5.md").read_text()
     assert set(re.findall(r"^\| `(round\d_\w+)` \|", written, re.M)) == set(cal.ROUND5)
     script = (ROOT / "validation/run_step_time_mps.sh").read_text()
     assert all(f"bench {n} " in script for n in cal.ROUND5) and "--p2p nccl" in script

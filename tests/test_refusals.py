@@ -1,4 +1,4 @@
-"""The refusal table (integrations/refusals.py) on megatron-core's own config classes, on every
+"""The refusal table (refusals.py) on megatron-core's own config classes, on every
 version in CI: each row fires for the setting built the way megatron-core accepts it on that
 version, and where megatron-core has no such setting, megatron-core itself rejects it."""
 
@@ -14,9 +14,9 @@ from megatron.core.transformer import TransformerConfig  # noqa: E402
 
 from nemo_fp8_align.errors import UnsupportedSetupError  # noqa: E402
 from nemo_fp8_align.integrations.megatron_core import align_fp8_transposes  # noqa: E402
-from nemo_fp8_align.integrations.refusals import REFUSALS, Setup, fired  # noqa: E402
+from nemo_fp8_align.refusals import REFUSALS, Setup, fired  # noqa: E402
 
-from nemo_fp8_align.integrations.mcore_version import installed_version  # noqa: E402
+from nemo_fp8_align.mcore_versions import installed_version  # noqa: E402
 
 # megatron-core 0.7.0 has no megatron.core.__version__ (its package_info has).
 MCORE = Version(Version(installed_version()).base_version)

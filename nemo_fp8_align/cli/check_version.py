@@ -1,6 +1,6 @@
 """Which megatron-core version ``nemo-fp8-align check`` checks against: ``--megatron-core X.Y``,
 else the importable one (its version read from its files, nothing imported:
-:func:`~nemo_fp8_align.integrations.mcore_version.importable_version`), else none (the newest
+:func:`~nemo_fp8_align.mcore_versions.importable_version`), else none (the newest
 rules, and a note saying so). Returns the version's rules, or the error naming the flag."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import argparse
 import re
 from typing import NamedTuple, Optional
 
-from nemo_fp8_align.integrations.mcore_version import (NEWEST, OLDEST, VersionRules,
+from nemo_fp8_align.mcore_versions import (NEWEST, OLDEST, VersionRules,
                                                        importable_rules, importable_version,
                                                        parse_version, rules_for)
 

@@ -61,7 +61,7 @@ from nemo_fp8_align.config_check.rules import RULES, Rule
 from nemo_fp8_align.config_check.rules.fp8 import PER_TENSOR_RECIPES, SUPPORTED_OPTIMIZERS
 from nemo_fp8_align.config_check.rules.model import other_model_refused
 from nemo_fp8_align.config_check.structured import BLOCK_KEY, block_fields, block_schema
-from nemo_fp8_align.integrations.mcore_version import VersionRules
+from nemo_fp8_align.mcore_versions import VersionRules
 
 __all__ = ["FP8AlignConfigError", "RULES", "Violation", "align_config_from", "check_config",
            "data_parallel_size_of", "find_violations", "plugin_off_override", "PER_TENSOR_RECIPES",

@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional
 from omegaconf import ListConfig
 
 from nemo_fp8_align.config_check.reader import ABSENT, Reader, Violation
-from nemo_fp8_align.integrations.mcore_version import VersionRules
+from nemo_fp8_align.mcore_versions import VersionRules
 
 __all__ = ["CheckContext", "device_count"]
 

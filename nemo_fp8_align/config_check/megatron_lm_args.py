@@ -88,7 +88,7 @@ FLAGS: Dict[str, Flag] = {
     "microbatch_group_size_per_vp_stage": Flag(
         "microbatch_group_size_per_vp_stage",
         "--microbatch-group-size-per-virtual-pipeline-stage", VALUE, None),
-    # Rows of the refusal table (integrations/refusals.py), which the check runs on these.
+    # Rows of the refusal table (refusals.py), which the check runs on these.
     "cuda_graph_impl": Flag("cuda_graph_impl", "--cuda-graph-impl", VALUE, "none"),
     "overlap_moe_expert_parallel_comm": Flag("overlap_moe_expert_parallel_comm",
                                              "--overlap-moe-expert-parallel-comm", STORE_TRUE,

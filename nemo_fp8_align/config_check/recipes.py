@@ -7,7 +7,7 @@ What the plugin aligns per recipe is docs/guarantees.md's and DESIGN's 5c: the p
 recipes' transposes on every version; blockwise FP8 (columnwise copy), NVFP4 (its transpose) and
 MXFP8 (the requantize of grad-buffer reuse; nothing without it) from the megatron-core whose
 post-processing places them: the runtime's own table, ``SINCE`` of
-:mod:`nemo_fp8_align.integrations.recipe_support` (0.16, 0.17 and 0.18), read here rather than
+:mod:`nemo_fp8_align.recipes` (0.16, 0.17 and 0.18), read here rather than
 repeated, so the check and the refusal at attach cannot disagree. NeMo mode's stack is NeMo 2.3.3 on megatron-core 0.12.3;
 Megatron-LM mode's is megatron-core 0.19.2. A recipe is never a fix: a recipe the plugin does not
 align is "not supported by this plugin", with the switch that turns the plugin off.
@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, List, Mapping, NamedTuple, Optional, Tuple
 
-from nemo_fp8_align.backends.recipes import RECIPE_KIND
-from nemo_fp8_align.integrations.recipe_support import SINCE
+from nemo_fp8_align.recipes import RECIPE_KIND
+from nemo_fp8_align.recipes import SINCE
 
 __all__ = ["MCORE_MEGATRON_LM", "MCORE_NEMO", "RECIPES", "SETTINGS", "Finding", "Recipe",
            "Setting", "findings", "recipe_of", "rejected"]

@@ -52,7 +52,7 @@ class TransposeRecord:
     finished forwards of this rank, inside a running one or not), ``obs_slot`` the slot of the
     first (``None``: not observed).
 
-    ``kind`` is the chunk's post-all-gather work (:mod:`~nemo_fp8_align.backends.recipes`):
+    ``kind`` is the chunk's post-all-gather work (:mod:`~nemo_fp8_align.recipes`):
     ``transpose`` (per-tensor FP8; records written before the field existed read as it),
     ``columnwise`` (blockwise FP8), ``requantize`` (MXFP8 with grad-buffer reuse),
     ``nvfp4-transpose``, or several joined with ``+``. ``transposed``, ``valid`` and

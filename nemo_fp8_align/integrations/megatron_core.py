@@ -17,9 +17,9 @@ import torch
 
 from nemo_fp8_align.config import AlignConfig
 from nemo_fp8_align.core.aligner import TransposeAligner
-from nemo_fp8_align.integrations.recipe_support import (kinds_of, mcore_features,
+from nemo_fp8_align.recipes import (kinds_of, mcore_features,
                                                         refuse_recipes, weights_with_work)
-from nemo_fp8_align.integrations.refusals import Setup, refuse_unsupported
+from nemo_fp8_align.refusals import Setup, refuse_unsupported
 from nemo_fp8_align.sync.mcore import McoreParamSync
 from nemo_fp8_align.core.schedule import InterleavedSchedule
 from nemo_fp8_align.core.telemetry import TelemetryWriter
@@ -170,7 +170,7 @@ def _optimizer_owned(optimizer: Any) -> bool:
     """Whether this megatron-core's DistributedOptimizer owns the all-gather (0.7/0.8); there
     the optimizer must be given."""
     from nemo_fp8_align.errors import UnsupportedSetupError
-    from nemo_fp8_align.integrations import mcore_version
+    from nemo_fp8_align import mcore_versions as mcore_version
 
     if not mcore_version.optimizer_owns_gather():
         return False
@@ -182,7 +182,7 @@ def _optimizer_owned(optimizer: Any) -> bool:
 def _refuse_fp8_parameters(weights: Sequence[Sequence[Any]]) -> None:
     """0.7/0.8: Transformer Engine FP8 parameters never receive the all-gather (refused)."""
     from nemo_fp8_align.errors import UnsupportedSetupError
-    from nemo_fp8_align.integrations.mcore_version import fp8_parameter_problem
+    from nemo_fp8_align.mcore_versions import fp8_parameter_problem
     from nemo_fp8_align.sync.forced_sync import param_of
 
     problem = fp8_parameter_problem([param_of(w) for chunk in weights for w in chunk])

@@ -38,7 +38,7 @@ def check_args(args: Any, world_size: Optional[int] = None) -> None:
     """Raise :class:`MegatronLMArgsError` listing every violation in ``args`` (Megatron-LM's
     parsed arguments, ``megatron.training.get_args()``)."""
     from nemo_fp8_align.config_check.megatron_lm_args import megatron_lm_violations
-    from nemo_fp8_align.integrations.mcore_version import importable_rules
+    from nemo_fp8_align.mcore_versions import importable_rules
 
     found = megatron_lm_violations(vars(args), world_size=world_size, mcore=importable_rules())
     if found:

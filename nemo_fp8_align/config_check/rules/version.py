@@ -1,7 +1,7 @@
 """Startup-check rules of the megatron-core version checked against (``check --megatron-core
 X.Y``, by default the importable one): what that version itself forbids, and the options it
 does not have, which are reported and never suggested as a fix. The facts are
-:class:`~nemo_fp8_align.integrations.mcore_version.VersionRules` (the demo's rules too); the
+:class:`~nemo_fp8_align.mcore_versions.VersionRules` (the demo's rules too); the
 pre-0.10 schedule rule (M a multiple of PP) runs in :func:`.batch.rule_microbatches` and the
 layout search (:mod:`..layout`), which also keep within the version's options. Without a
 version (megatron-core not installed and none named) nothing here runs.
@@ -15,7 +15,7 @@ from nemo_fp8_align.config_check.context import CheckContext
 from nemo_fp8_align.config_check.layout import layout_fix, layout_overrides
 from nemo_fp8_align.config_check.reader import ABSENT, UNRESOLVED
 from nemo_fp8_align.config_check.rules.fp8 import APEX_OPTIM, MCORE_OPTIM, RECIPE_NODES
-from nemo_fp8_align.integrations.mcore_version import FP8_PARAMS_WHY, nemo_optimizer_owned_problem
+from nemo_fp8_align.mcore_versions import FP8_PARAMS_WHY, nemo_optimizer_owned_problem
 
 __all__ = ["rule_interleaved_pipeline_size", "rule_version_optimizer", "rule_version_options"]
 

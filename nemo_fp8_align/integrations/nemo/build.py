@@ -74,7 +74,7 @@ def startup_check(cfg: Any, trainer: Any = None, *,
     from nemo_fp8_align.config_check.check import (FP8AlignConfigError, align_config_from,
                                                    find_violations, plugin_off_override)
 
-    from nemo_fp8_align.integrations.mcore_version import importable_rules
+    from nemo_fp8_align.mcore_versions import importable_rules
 
     # judged by the megatron-core NeMo runs on (its own schedule rules and options)
     violations = find_violations(cfg, data_parallel_size=_data_parallel_size(cfg, trainer),
@@ -154,8 +154,8 @@ def build_aligner(model: Any, config: AlignConfig, *,
 def _refuse_recipes(model: Any, weights: List[List[Any]], backend: Any) -> None:
     """Block-scaled weights: on megatron-core's optimizer as on every megatron-core path; on
     Apex's, where megatron-core post-processes nothing, refused
-    (:mod:`~nemo_fp8_align.integrations.recipe_support`)."""
-    from nemo_fp8_align.integrations.recipe_support import (kinds_of, mcore_features,
+    (:mod:`~nemo_fp8_align.recipes`)."""
+    from nemo_fp8_align.recipes import (kinds_of, mcore_features,
                                                             refuse_recipes)
 
     kinds = list(kinds_of(weights, backend))
@@ -167,7 +167,7 @@ def _refuse_recipes(model: Any, weights: List[List[Any]], backend: Any) -> None:
 
 def _param_sync(model: Any, chunks: Sequence[torch.nn.Module]) -> Any:
     if getattr(model, "use_mcore_dist_optim", False):
-        from nemo_fp8_align.integrations.mcore_version import (nemo_optimizer_owned_problem,
+        from nemo_fp8_align.mcore_versions import (nemo_optimizer_owned_problem,
                                                                optimizer_owns_gather)
         from nemo_fp8_align.sync.mcore import McoreParamSync
 

@@ -1,8 +1,30 @@
-"""Which recipe's post-all-gather work the plugin can place, on which megatron-core.
+"""The post-all-gather work of each quantized-weight recipe, named by kind.
 
-The plugin never does a block-scaled recipe's work itself: its aligned finish calls megatron-core's
-``finish_param_sync`` at the aligned slot, and megatron-core's post-processing there does the work
-(DESIGN 5c; kinds in :mod:`nemo_fp8_align.backends.recipes`). So a recipe can be aligned exactly
+After a chunk's parameter all-gather, every FP8 / FP4 recipe megatron-core trains with leaves
+work that each rank does at its own first use of the chunk unless it is placed (docs/design.md, section 5c):
+
+=================  ===============================  ============================================
+kind               recipe (TE tensor)               the work, and whose code does it
+=================  ===============================  ============================================
+transpose          delayed, tensorwise              byte transpose of the FP8 data (TE's
+                   (``Float8Tensor``)               ``_create_transpose``; the plugin's backend)
+columnwise         blockwise (``Float8Blockwise     the column-wise copy: byte transpose of the
+                   QTensor``, 2D weight blocks)     data and of the block scales (TE's
+                                                    ``_create_columnwise``)
+requantize         mxfp8 with megatron-core's       the gathered BF16 re-quantized into the MXFP8
+                   ``reuse_grad_buf_for_mxfp8_      parameter (megatron-core's
+                   param_ag`` (``MXFP8Tensor``)     ``_post_param_sync``)
+nvfp4-transpose    nvfp4 (``NVFP4Tensor``)          the NVFP4 2D transpose of the packed 4-bit
+                                                    data and its scales (TE >= 2.14, batched)
+=================  ===============================  ============================================
+
+Only ``transpose`` is ever done by the plugin's own code; the others are done by TE's or
+megatron-core's code, which the aligned finish calls at the aligned slot
+(below: on which megatron-core versions).
+
+Where each kind can be placed: the plugin never does a block-scaled recipe's work itself; its
+aligned finish calls megatron-core's ``finish_param_sync`` at the aligned slot, and
+megatron-core's post-processing there does the work. So a recipe can be aligned exactly
 where megatron-core post-processes after the wait, *and* after every all-gather the plugin cannot
 redo itself (the forced synchronous ones of evaluation and checkpointing). Read in megatron-core's
 ``distributed.param_and_grad_buffer`` module (0.12.3, 0.16.1, 0.17.1, 0.18.2, 0.19.2):
@@ -32,14 +54,42 @@ weights are left out, nothing to align.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Iterable, List, Optional, Sequence
 
-from nemo_fp8_align.backends.recipes import (COLUMNWISE, NVFP4_TRANSPOSE, REQUANTIZE, TRANSPOSE,
-                                             kind_of)
 from nemo_fp8_align.errors import UnsupportedSetupError
 
-__all__ = ["McoreFeatures", "mcore_features", "recipe_refusals", "refuse_recipes",
-           "weights_with_work"]
+__all__ = ["TRANSPOSE", "COLUMNWISE", "REQUANTIZE", "NVFP4_TRANSPOSE", "KINDS", "TE_BLOCK_CLASSES",
+           "RECIPE_KIND", "SINCE", "McoreFeatures", "chunk_kind", "kind_of", "kinds_of",
+           "mcore_features", "recipe_refusals", "refuse_recipes", "weights_with_work"]
+
+TRANSPOSE = "transpose"
+COLUMNWISE = "columnwise"
+REQUANTIZE = "requantize"
+NVFP4_TRANSPOSE = "nvfp4-transpose"
+KINDS = (TRANSPOSE, COLUMNWISE, REQUANTIZE, NVFP4_TRANSPOSE)
+
+#: TE's block-scaled tensor classes (attribute names of the TE API surface) and their kind.
+TE_BLOCK_CLASSES = (("Float8BlockwiseQTensor", COLUMNWISE), ("NVFP4Tensor", NVFP4_TRANSPOSE),
+                    ("MXFP8Tensor", REQUANTIZE))
+
+#: megatron-core's ``fp8_recipe`` / ``fp4_recipe`` name -> the kind of its weights' work.
+RECIPE_KIND = {"delayed": TRANSPOSE, "tensorwise": TRANSPOSE, "blockwise": COLUMNWISE,
+               "mxfp8": REQUANTIZE, "nvfp4": NVFP4_TRANSPOSE}
+
+
+def kind_of(backend: object, weight: object) -> str:
+    """The kind of ``weight``'s post-all-gather work: the backend's ``kind_of`` where it has
+    one, else ``transpose`` (a backend of per-tensor FP8 weights only)."""
+    ask = getattr(backend, "kind_of", None)
+    return ask(weight) if ask is not None else TRANSPOSE
+
+
+def chunk_kind(kinds: Iterable[Optional[str]]) -> str:
+    """A chunk's kinds in one telemetry value: one kind, or several joined with ``+`` (a chunk
+    mixing recipes); ``transpose`` for a chunk without quantized weights (and old records)."""
+    found = sorted({k for k in kinds if k})
+    return "+".join(found) if found else TRANSPOSE
+
 
 _OFF = "or do not attach the plugin (policy=off)"
 
@@ -62,7 +112,7 @@ def mcore_features() -> McoreFeatures:
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.distributed import param_and_grad_buffer as pgb
 
-    from nemo_fp8_align.integrations.mcore_version import installed_version
+    from nemo_fp8_align.mcore_versions import installed_version  # megatron-core installed: on use
 
     fields = {f.name for f in dataclasses.fields(DistributedDataParallelConfig)}
     return McoreFeatures(hasattr(pgb, "post_all_gather_processing"),
