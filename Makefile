@@ -38,7 +38,7 @@ install-mcore016: $(VENV16)/.installed
 install-mcore019: $(VENV19)/.installed
 
 demo: install
-	$(VENV)/bin/nemo-fp8-align demo $(DEMO_ARGS)
+	$(VENV)/bin/python -m lab.demo $(DEMO_ARGS)
 
 # megatron-core 0.17.1 and 0.18.2: their wheels' megatron/core (pure Python, ~2 MB each), read by
 # .venv-mcore019's Python ahead of its own 0.19.2 (MCORE_LINE_TESTS). 0.9.0, 0.10.0 and 0.11.0

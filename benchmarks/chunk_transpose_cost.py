@@ -24,8 +24,10 @@ from typing import Callable, List
 
 import torch
 
-from nemo_fp8_align.demo.model import DemoModelConfig, GPTChunk
-from nemo_fp8_align.backends.reference import ReferenceBackend
+# lab/ (the demo's model and loop) is read from the checkout this script sits in.
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
+from lab.demo.model import DemoModelConfig, GPTChunk  # noqa: E402
+from nemo_fp8_align.backends.reference import ReferenceBackend  # noqa: E402
 
 
 def _time(fn: Callable[[], None], reps: int, warmup: int = 3) -> List[float]:

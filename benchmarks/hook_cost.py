@@ -26,11 +26,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from nemo_fp8_align.adapters.mcore_ddp import McoreDDPAdapter
 from nemo_fp8_align.config import AlignConfig, Policy
 from nemo_fp8_align.core.aligner import TransposeAligner
 from nemo_fp8_align.core.schedule import InterleavedSchedule
 from nemo_fp8_align.core.telemetry import TelemetryWriter
-from nemo_fp8_align.sync.mcore_hold import McoreChunkHold
 
 TARGET_US = 20.0
 
@@ -58,7 +58,10 @@ class _FlagBackend:
         return len(stale)
 
 
-class _Gathered:
+class _Gathered(McoreDDPAdapter):
+    """megatron-core's adapter (the launch wrappers and step end being timed) over chunks whose
+    all-gather is always complete."""
+
     def finish(self, chunk: int) -> bool:
         return True
 
@@ -68,6 +71,8 @@ class _Gathered:
 
 class _Chunk(torch.nn.Identity):
     """A chunk with a DDP chunk's launch and step-end methods (what the aligner's hold wraps)."""
+
+    bucket_groups: List[Any] = []  # no buckets: the adapter's checks pass, wait() is a no-op
 
     def start_param_sync(self, *unused: Any, force_sync: bool = False,
                          force_dispatch: bool = False) -> None:
@@ -109,10 +114,10 @@ def _measure(s: InterleavedSchedule, rank: int, policy: Optional[Policy], teleme
         if policy is not None:
             writer = TelemetryWriter(os.path.join(tmp, "t.jsonl")) if telemetry else None
             aligner = TransposeAligner(chunks, schedule=s, pp_rank=rank, dp_rank=0,
-                                       param_sync=_Gathered(), weights=weights,
+                                       adapter=_Gathered(chunks, config), weights=weights,
                                        backend=_FlagBackend(), config=AlignConfig(policy=policy),
                                        telemetry=writer)
-            aligner.attach(McoreChunkHold(chunks, config))
+            aligner.attach()
         x = torch.zeros(1)
         with torch.enable_grad():
             times = [_step(s, rank, chunks, config, weights, x) for _ in range(steps)]

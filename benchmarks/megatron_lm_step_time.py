@@ -3,7 +3,7 @@ pipeline ranks by CUDA MPS, with Transformer Engine FP8 weights, ``off`` / ``laz
 FP8 transposes, each with TE's transpose and with a generic (slow) one.
 
 One Megatron-LM job (``demo --loop megatron-lm --device cuda``'s rank code,
-nemo_fp8_align/demo/megatron_lm_gpu.py, with megatron-core's GPT from ``gpt_config_from_args``):
+lab/demo/megatron_lm_gpu.py, with megatron-core's GPT from ``gpt_config_from_args``):
 after a warm-up, rounds of segments, one segment per (policy, transposes), in an order rotated
 every round; a segment's first ``--discard`` iterations are not timed. The switch happens at an
 iteration's start (chunk 0's ``zero_grad_buffer``, where train_step begins): the previous
@@ -46,7 +46,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
-from nemo_fp8_align.demo.ranks import free_port  # noqa: E402
+from lab.demo.ranks import free_port  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -170,9 +170,9 @@ def _run(rank: int, world: int, s: Shape, result: Dict[str, Any]) -> None:
     from mps_timing import Marks, instrument
 
     from nemo_fp8_align.config import Policy
-    from nemo_fp8_align.demo.megatron_lm_gpu import GpuBook, init_gpu_groups, train_gpu
-    from nemo_fp8_align.demo.model import DemoModelConfig
-    from nemo_fp8_align.demo.options import DemoOptions
+    from lab.demo.megatron_lm_gpu import GpuBook, init_gpu_groups, train_gpu
+    from lab.demo.model import DemoModelConfig
+    from lab.demo.options import DemoOptions
 
     init_gpu_groups(rank, world, "mps_ipc")
     ps.initialize_model_parallel(1, s.pp, s.vp)

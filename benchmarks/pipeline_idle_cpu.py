@@ -3,7 +3,7 @@
 megatron-core's interleaved 1F1B schedule, DDP with overlapped and aligned param all-gathers and
 the DistributedOptimizer run on gloo exactly as in the demo (``PipelineRun``, timed by
 ``pipeline_step_time._measure``), but every chunk forward and backward *waits* a fixed time and
-a chunk's transposes cost ``delta`` (``nemo_fp8_align.demo.sleep_model``), so four ranks on two
+a chunk's transposes cost ``delta`` (``lab.demo.sleep_model``), so four ranks on two
 CPU cores give a GPU-like timeline. Per configuration, in one process group:
 
 * ``none``: no transpose cost (the baseline), plugin off;
@@ -42,9 +42,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pipeline_step_time import _checks, _measure  # noqa: E402  (the same timing code)
 
 from nemo_fp8_align.config import Policy  # noqa: E402
-from nemo_fp8_align.demo.model import DemoModelConfig  # noqa: E402
-from nemo_fp8_align.demo.sleep_model import SleepCosts, attach_sleep_costs  # noqa: E402
-from nemo_fp8_align.demo.train import DemoOptions, distributed  # noqa: E402
+from lab.demo.model import DemoModelConfig  # noqa: E402
+from lab.demo.sleep_model import SleepCosts, attach_sleep_costs  # noqa: E402
+from lab.demo.train import DemoOptions, distributed  # noqa: E402
 from nemo_fp8_align.core.schedule import InterleavedSchedule  # noqa: E402
 from nemo_fp8_align.planner import Costs, Placement, simulate  # noqa: E402
 
@@ -204,7 +204,7 @@ def _report(args: argparse.Namespace, configs: List[Dict[str, Any]], wall_s: flo
              f"- engine: megatron-core interleaved 1F1B + DDP (overlap_param_gather, align_param_gather) + "
              f"DistributedOptimizer, gloo, PP={args.pp}, DP=1, N=PP; a tiny GPT whose chunk forward "
              f"waits {args.forward_ms:g} ms and backward {args.backward_ms:g} ms "
-             "(`nemo_fp8_align/demo/sleep_model.py`); a chunk's transposes wait delta, whoever builds them",
+             "(`lab/demo/sleep_model.py`); a chunk's transposes wait delta, whoever builds them",
              f"- {args.rounds} rounds in which every run takes {args.warmup} warm-up + "
              f"{-(-args.steps // args.rounds)} timed steps in turn; step = the slowest rank's "
              f"step (forward/backward + optimizer step); sweep wall time {wall_s / 60:.1f} min",

@@ -35,10 +35,12 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from nemo_fp8_align.config import Policy
-from nemo_fp8_align.demo.model import DemoModelConfig
-from nemo_fp8_align.demo.train import DemoOptions, PipelineRun, distributed
-from nemo_fp8_align.core.telemetry import record_problems
+# lab/ (the demo's model and loop) is read from the checkout this script sits in.
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
+from nemo_fp8_align.config import Policy  # noqa: E402
+from lab.demo.model import DemoModelConfig  # noqa: E402
+from lab.demo.train import DemoOptions, PipelineRun, distributed  # noqa: E402
+from nemo_fp8_align.core.telemetry import record_problems  # noqa: E402
 
 
 class Stopwatch:

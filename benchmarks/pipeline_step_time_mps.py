@@ -52,7 +52,7 @@ sys.path.insert(0, HERE)
 import mps_analysis  # noqa: E402
 import mps_p2p  # noqa: E402
 from mps_timing import Marks, instrument  # noqa: E402
-from nemo_fp8_align.demo.ranks import free_port  # noqa: E402
+from lab.demo.ranks import free_port  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +160,7 @@ def _run(rank: int, b: Bench, cuda: bool, out: str, result: Dict[str, Any]) -> N
         torch.cuda.set_device(rank if b.p2p == "nccl" else 0)
     else:
         torch.set_num_threads(1)
-        from nemo_fp8_align.demo.cpu_redirects import enable_cpu_compat
+        from lab.demo.cpu_redirects import enable_cpu_compat
         enable_cpu_compat()
     dist.init_process_group(_process_group_backend(b, cuda), rank=rank, world_size=b.ranks)
     ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=b.pp,

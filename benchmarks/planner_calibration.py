@@ -2,7 +2,7 @@
 ``nemo-fp8-align plan --format json`` fed that run's measured per-chunk durations
 (``--measured-*-ms``, ``--ranks-share-gpu``) predicts lazy - aligned per step; the measured
 saving and its paired per-round spread come from the same run's file. Shapes were split into fit
-and held out before the planner was tuned (benchmarks/planner_calibration_split.md); only FIT
+and held out before the planner was tuned (records/planner-calibration-round1-split.md); only FIT
 gave a number (the shared-GPU slowdown), and the table judges the held-out shapes.
 
     python benchmarks/planner_calibration.py [--out benchmarks/results/planner_calibration.md]
@@ -22,26 +22,28 @@ from typing import Any, Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "benchmarks" / "results" / "pipeline_step_time_mps_h200"
-#: decided before tuning (benchmarks/planner_calibration_split.md, committed first)
+#: decided before tuning (records/planner-calibration-round1-split.md, committed first)
 FIT = ("call2_mcore0192_pp4",)
 HELD_OUT = ("call2_mcore0161_pp4", "call1_mcore0192_pp4", "call2_mcore0192_pp2",
             "call1_mcore0192_pp2", "call1_mcore0161_pp2")
-#: round 2: models and shapes fixed before these were measured (planner_calibration_round2.md)
+#: round 2: models and shapes fixed before these were measured
+#: (records/planner-calibration-round2.md)
 ROUND2_RUNS = ROOT / "benchmarks" / "results" / "pipeline_step_time_mps_round2"
 ROUND2 = ("round2_pp4_vp4", "round2_pp2_m16", "round2_pp4_h6144")
 MIN_ROUNDS = 3  # rounds 2 and 3: a run with fewer rounds is shown, not judged
 #: round 3: PP=4 shapes that fit 80 GB and a noise gate, fixed before measuring
-#: (planner_calibration_round3.md)
+#: (records/planner-calibration-round3.md)
 ROUND3_RUNS = ROOT / "benchmarks" / "results" / "pipeline_step_time_mps_round3"
 ROUND3 = ("round3_pp4_vp4_h3072", "round3_pp4_h5120", "round3_pp4_m12")
 ROUND3_QUIET = 0.05  # each policy's per-round medians within 5% of each other
 ROUND3_MIN_JUDGED = 4  # of 6 shapes; fewer judged: round 3 settles nothing
-#: round 4: the two-clock planner (R3), fixed before measuring (planner_calibration_round4.md);
+#: round 4: the two-clock planner (R3), fixed before measuring
+#: (records/planner-calibration-round4.md);
 #: its first two runs are round 3's unmeasured shapes and count for round 3 too
 ROUND4_RUNS = ROOT / "benchmarks" / "results" / "pipeline_step_time_mps_round4"
 ROUND4 = ("round3_pp4_h5120", "round3_pp4_m12", "round4_pp4_vp4_h2048")
 ROUND4_MIN_JUDGED = 4  # of 6 rows
-# Round 5 (benchmarks/planner_calibration_round5.md): a GPU per pipeline rank, NCCL.
+# Round 5 (records/planner-calibration-round5.md): a GPU per pipeline rank, NCCL.
 ROUND5_RUNS = ROOT / "benchmarks" / "results" / "pipeline_step_time_round5"
 ROUND5 = ("round5_pp4_vp4_h3072", "round5_pp4_h5120", "round5_pp4_m12", "round5_pp4_vp4_h2048")
 ROUND5_MIN_JUDGED = 4  # of 8 rows
@@ -190,7 +192,7 @@ def markdown(rows: List[Dict[str, Any]], slowdown: float, argv: List[str]) -> st
         f"transpose) = **{slowdown:.3f}**, `--shared-gpu-slowdown`'s default. No parameter was "
         "chosen from any run's step times or savings.",
         f"- **Held out:** {', '.join(HELD_OUT)} (both transposes each: 10 shapes).",
-        "- Written down in `benchmarks/planner_calibration_split.md`, committed before the "
+        "- Written down in `records/planner-calibration-round1-split.md`, committed before the "
         "calibrated planner existed. Caveat: the host-wait form of the model was introduced by "
         "issue 20's analysis with all 12 shapes in view; the split is about fitted numbers.",
         "- **Inputs per shape**, all measured per-chunk durations of that run, passed as `plan "
@@ -360,7 +362,7 @@ def round2_note(slowdown: float, runs: Path = ROUND2_RUNS) -> str:
     """Round 2's verdict: R1 (the shipped slowdown) is the primary, R2 (no slowdown) beside it;
     only runs with at least MIN_ROUNDS rounds are judged."""
     head = ("\n## Round 2: shapes measured after the models were fixed "
-            "(`benchmarks/planner_calibration_round2.md`)\n\n")
+            "(`records/planner-calibration-round2.md`)\n\n")
     rows, lines = _attempted(ROUND2, (runs,), "round 2", slowdown)
     judged = [r for r in rows if r["rounds"] >= MIN_ROUNDS]
     lines[0] = head + lines[0]
@@ -396,7 +398,7 @@ def round3_note(slowdown: float, runs: Tuple[Path, ...] = (ROUND3_RUNS, ROUND4_R
     """Round 3's verdict: judged = >= MIN_ROUNDS rounds and quiet (ROUND3_QUIET); done
     when at least ROUND3_MIN_JUDGED shapes are judged and R1 puts every judged one inside."""
     head = ("\n## Round 3: PP=4 shapes that fit 80 GB, with a noise gate, fixed before measuring "
-            "(`benchmarks/planner_calibration_round3.md`)\n\n")
+            "(`records/planner-calibration-round3.md`)\n\n")
     rows, lines = _attempted(ROUND3, runs, "round 3", slowdown)
     quiet = [_quiet(r) for r in rows]
     judged = [r for r, q in zip(rows, quiet) if q]
@@ -446,7 +448,7 @@ def round4_note(slowdown: float, runs: Tuple[Path, ...] = (ROUND4_RUNS,)) -> str
     """Round 4's verdict: R3 (two clocks) primary; judged = round 3's gate and valid GPU times;
     done when at least ROUND4_MIN_JUDGED rows are judged and R3 puts every judged one inside."""
     head = ("\n## Round 4: the two-clock planner (R3), fixed before measuring "
-            "(`benchmarks/planner_calibration_round4.md`)\n\n")
+            "(`records/planner-calibration-round4.md`)\n\n")
     rows, lines = _attempted(ROUND4, runs, "round 4", slowdown)
     ok = [_quiet(r) and r["two_clock_valid"] for r in rows]
     judged = [r for r, q in zip(rows, ok) if q]
@@ -481,7 +483,7 @@ def round5_note(slowdown: float, runs: Tuple[Path, ...] = (ROUND5_RUNS,)) -> str
     primary; judged = round 3's gate; done when at least ROUND5_MIN_JUDGED rows are judged and
     R2 puts every judged one inside."""
     head = ("\n## Round 5: a GPU per pipeline rank (NCCL), fixed before measuring "
-            "(`benchmarks/planner_calibration_round5.md`)\n\n")
+            "(`records/planner-calibration-round5.md`)\n\n")
     rows, lines = _attempted(ROUND5, runs, "round 5", slowdown)
     judged = [r for r in rows if _quiet(r)]
     inside = sum(r["inside_no_slowdown"] for r in judged)

@@ -12,7 +12,7 @@ The configuration and the errors are imported with the package (both need nothin
 standard library); the entry points, the backend and the startup check on first use, so
 ``import nemo_fp8_align`` imports neither torch, megatron-core, NeMo, Lightning, Transformer
 Engine nor OmegaConf. Everything else is imported from its module (``nemo_fp8_align.core``,
-``.backends``, ``.integrations``, ...; docs/layout.md).
+``.adapters``, ``.backends``, ``.integrations``, ...; docs/layout.md).
 """
 
 from __future__ import annotations
@@ -37,17 +37,6 @@ _ON_FIRST_USE: Dict[str, str] = {
     "FP8AlignConfigError": "config_check.check",
 }
 
-#: Names this package once exported, and the module each is imported from now.
-_MOVED: Dict[str, str] = {
-    "FP8Weights": "integrations.nemo.build", "TransposeAligner": "core.aligner",
-    "InterleavedSchedule": "core.schedule", "FP8TransposeBackend": "backends.protocol",
-    "ReferenceBackend": "backends.reference", "ReferenceFP8Weight": "backends.reference",
-    "McoreParamSync": "sync.mcore", "ApexParamSync": "sync.apex",
-    "find_violations": "config_check.check", "Violation": "config_check.check",
-    "ConfigLoadError": "errors", "DemoRankError": "errors", "PlanInputError": "errors",
-    "StaleFP8Error": "errors", "TelemetryError": "errors",
-}
-
 __all__ = [
     # entry points
     "align_fp8_transposes", "FP8TransposeAlignment", "FP8TransposeAlignMixin",
@@ -67,8 +56,7 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(f"{__name__}.{_ON_FIRST_USE[name]}"), name)
         globals()[name] = value
         return value
-    hint = (f"; import it from {__name__}.{_MOVED[name]}" if name in _MOVED else "")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}{hint}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list:

@@ -7,14 +7,13 @@ Startup: ``ScheduleError`` (a pipeline shape megatron-core would reject),
 ``UnsupportedSetupError`` (a megatron-core setting the plugin cannot align); the config check's
 ``FP8AlignConfigError`` lives with its ``Violation`` (``nemo_fp8_align.config_check``). Run time:
 ``StepMismatchError``, ``ScheduleRebindError``, ``TransposeVerifyError``, ``CudaGraphCaptureError``,
-``StaleFP8Error`` (the reference backend read stale bytes) and ``DemoRankError`` (demo ranks
-failed). All are importable
-from ``nemo_fp8_align``.
+and ``StaleFP8Error`` (the reference backend read stale bytes). All are importable from
+``nemo_fp8_align``.
 """
 
-from typing import Any, Dict, List
+from typing import Any, List
 
-__all__ = ["ConfigLoadError", "CudaGraphCaptureError", "DemoRankError", "PlanInputError",
+__all__ = ["ConfigLoadError", "CudaGraphCaptureError", "PlanInputError",
            "ScheduleError", "ScheduleRebindError", "SharedEmbeddingBucketError", "StaleFP8Error",
            "StepMismatchError", "TelemetryError", "TransposeVerifyError", "UnsupportedSetupError"]
 
@@ -46,16 +45,6 @@ class StaleFP8Error(RuntimeError):
 
 class TelemetryError(ValueError):
     """Telemetry that cannot be read as this project's records."""
-
-
-class DemoRankError(RuntimeError):
-    """One or more demo ranks failed; the message holds each failed rank's own error (its first
-    line), one per line; ``reports`` maps each failed rank to its whole text, ``times`` to when
-    it raised (``time.time()``), ``tracebacks`` to its traceback."""
-
-    reports: Dict[int, str] = {}
-    times: Dict[int, float] = {}
-    tracebacks: Dict[int, str] = {}
 
 
 class StepMismatchError(RuntimeError):

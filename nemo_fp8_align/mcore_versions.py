@@ -8,7 +8,7 @@ same facts for a version named by number, pinned to the classes by tests).
   the parameter all-gather belongs to the DistributedOptimizer (``OptimizerConfig.
   overlap_param_gather``), chained bucket after bucket from ``zero_grad`` and its own forward
   pre-hook across all chunks, and the model chunks have no ``start_param_sync``: the plugin then
-  holds the optimizer's chain (:mod:`~nemo_fp8_align.sync.mcore_optimizer_hold`), and refuses
+  holds the optimizer's chain (:mod:`~nemo_fp8_align.adapters.mcore_optimizer`), and refuses
   Transformer Engine FP8 parameters, which those versions' DDP never gathers into.
 """
 

@@ -12,13 +12,13 @@ from nemo_fp8_align.config import AlignConfig, Policy
 from nemo_fp8_align.core.aligner import StepMismatchError, TransposeAligner
 from nemo_fp8_align.core.schedule import AT_START, InterleavedSchedule
 from nemo_fp8_align.core.telemetry import TelemetryWriter, read_records
-from nemo_fp8_align.sync.mcore_hold import McoreChunkHold
+from nemo_fp8_align.adapters.mcore_ddp import McoreDDPAdapter
 
 
 @pytest.mark.parametrize("rank", [0, 1, 2, 3])
 def test_aligned_every_chunk_at_its_slot_once(rank):
     r = make_rank(rank=rank)
-    assert r.aligner.attach(r.hold)
+    assert r.aligner.attach()
     for _ in range(3):
         run_training_step(r)
     recs = r.aligner.records
@@ -33,7 +33,7 @@ def test_aligned_every_chunk_at_its_slot_once(rank):
 
 def test_chunk0_is_finished_after_both_preloop_launches():
     r = make_rank(rank=2)
-    r.aligner.attach(r.hold)
+    r.aligner.attach()
     run_training_step(r)
     assert r.sync.log[:3] == [("launch", 0), ("launch", 1), ("finish", 0)]
     assert r.aligner.records[0].vmid == AT_START and r.aligner.records[0].slot == 0
@@ -42,7 +42,7 @@ def test_chunk0_is_finished_after_both_preloop_launches():
 @pytest.mark.parametrize("rank", [0, 3])
 def test_lazy_only_observes_first_use(rank):
     r = make_rank(rank=rank, policy=Policy.LAZY)
-    r.aligner.attach(r.hold)
+    r.aligner.attach()
     run_training_step(r)
     assert not [e for e in r.sync.log if e[0] == "finish"]  # lazy never finishes anything
     for rec in r.aligner.records:
@@ -54,7 +54,7 @@ def test_lazy_only_observes_first_use(rank):
 def test_attach_detach_idempotent_and_leak_free():
     r = make_rank()
     original = r.config.param_sync_func
-    assert r.aligner.attach(r.hold) and r.aligner.attach(r.hold)
+    assert r.aligner.attach() and r.aligner.attach()
     assert [len(c._forward_pre_hooks) for c in r.chunks] == [1, 1, 1]
     r.aligner.detach()
     r.aligner.detach()
@@ -62,14 +62,14 @@ def test_attach_detach_idempotent_and_leak_free():
     assert r.config.param_sync_func is original
     run_training_step(r)  # detached: nothing recorded, weights built lazily by the chunks
     assert r.aligner.records == []
-    assert r.aligner.attach(r.hold)  # re-attach works after detach
+    assert r.aligner.attach()  # re-attach works after detach
     run_training_step(r)
     assert len(r.aligner.records) == 3
 
 
 def test_forward_only_passes_do_nothing():
     r = make_rank()
-    r.aligner.attach(r.hold)
+    r.aligner.attach()
     with torch.no_grad():  # forward-only: the schedule calls no param_sync_func
         for v in range(r.schedule.total):
             r.chunks[r.schedule.chunk_of(v)](torch.ones(1))
@@ -84,7 +84,7 @@ def test_forward_only_passes_do_nothing():
 
 def test_schedule_mismatch_is_an_error():
     r = make_rank(m=8)
-    r.aligner.attach(r.hold)
+    r.aligner.attach()
     r.config.param_sync_func[0]()
     r.config.param_sync_func[1]()
     r.chunks[1](torch.ones(1))  # held: raised inside the schedule it would hang the peers
@@ -95,28 +95,28 @@ def test_schedule_mismatch_is_an_error():
 def test_inactive_where_no_transpose_is_needed(caplog):
     r = make_rank(needed=False)
     with caplog.at_level(logging.INFO):
-        assert not r.aligner.attach(r.hold)
+        assert not r.aligner.attach()
     assert "fake backend says so" in caplog.text
     assert all(not c._forward_pre_hooks for c in r.chunks)
 
 
 def test_policy_off_attaches_nothing():
     r = make_rank(policy=Policy.OFF)
-    assert not r.aligner.attach(r.hold)
+    assert not r.aligner.attach()
     assert not r.aligner.attached
 
 
 def test_chunks_without_start_param_sync_name_the_fix():
     r = make_rank()
     with pytest.raises(TypeError, match="overlap_param_gather=True"):
-        McoreChunkHold([torch.nn.Linear(1, 1)], r.config)
+        McoreDDPAdapter([torch.nn.Linear(1, 1)], r.config)
 
 
 def test_wrong_chunk_count_is_rejected():
     r = make_rank()
     with pytest.raises(ValueError, match="virtual_pipeline_model_parallel_size=3"):
         TransposeAligner(r.chunks[:2], schedule=r.schedule, pp_rank=0, dp_rank=0,
-                         param_sync=r.sync, weights=r.weights, backend=FakeBackend(),
+                         adapter=r.new_adapter(), weights=r.weights, backend=FakeBackend(),
                          config=AlignConfig())
 
 
@@ -124,7 +124,7 @@ def test_telemetry_lines(tmp_path):
     r = make_rank(rank=3)
     path = tmp_path / "t.jsonl"
     r.aligner.telemetry = TelemetryWriter(str(path))
-    r.aligner.attach(r.hold)
+    r.aligner.attach()
     run_training_step(r)
     r.aligner.detach()
     rows = read_records([str(path)])
@@ -140,7 +140,7 @@ def test_telemetry_lines(tmp_path):
 def test_unfinished_all_gather_builds_nothing_early():
     r = make_rank()
     r.sync.report_finished = False
-    r.aligner.attach(r.hold)
+    r.aligner.attach()
     run_training_step(r)
     assert r.aligner.records and not any(rec.after_all_gather for rec in r.aligner.records)
     assert all(rec.transposed == 0 for rec in r.aligner.records)  # no transpose of stale bytes
@@ -153,7 +153,7 @@ def test_record_problems_judges_slots_per_policy_and_duplicates():
     from nemo_fp8_align.core.telemetry import record_problems
 
     r = make_rank(rank=2)
-    r.aligner.attach(r.hold)
+    r.aligner.attach()
     run_training_step(r)
     rows = [asdict(rec) for rec in r.aligner.records]
     assert record_problems(rows) == []
@@ -175,7 +175,7 @@ def test_record_problems_judges_slots_per_policy_and_duplicates():
 
 def test_timestamps_follow_launch_gather_build_first_use():
     r = make_rank(rank=1)
-    r.aligner.attach(r.hold)
+    r.aligner.attach()
     run_training_step(r)
     for rec in r.aligner.records:
         assert rec.t_launch <= rec.t_slot <= rec.t_gathered <= rec.t_done <= rec.t_first_use
@@ -184,7 +184,7 @@ def test_timestamps_follow_launch_gather_build_first_use():
 
 def test_lazy_records_time_and_validity_at_first_use():
     r = make_rank(rank=2, policy=Policy.LAZY)
-    r.aligner.attach(r.hold)
+    r.aligner.attach()
     run_training_step(r)
     for rec in r.aligner.records:
         assert rec.t_launch <= rec.t_slot == rec.t_first_use <= rec.t_done
@@ -204,7 +204,7 @@ def test_shorter_step_is_an_error_at_the_next_step_and_eval_never_raises():
     from nemo_fp8_align.core.aligner import StepMismatchError
 
     r = make_rank(pp=2, vp=2, m=4)
-    r.aligner.attach(r.hold)
+    r.aligner.attach()
     drive_forwards(r, 4)  # M=2 ran, M=4 planned
     with torch.no_grad():  # a forward-only pass after it does not trip over the open step
         drive_forwards(r, 8, launch=False)
@@ -217,7 +217,7 @@ def test_longer_step_is_an_error_at_the_first_extra_forward():
     from nemo_fp8_align.core.aligner import StepMismatchError
 
     r = make_rank(pp=2, vp=2, m=2)
-    r.aligner.attach(r.hold)
+    r.aligner.attach()
     drive_forwards(r, 4)
     r.chunks[1](torch.ones(1))
     with pytest.raises(StepMismatchError, match="beyond its 4th"):
@@ -228,7 +228,7 @@ def test_step_end_check_runs_before_the_grad_sync():
     from nemo_fp8_align.core.aligner import StepMismatchError
 
     r = make_rank(pp=2, vp=2, m=4)
-    r.aligner.attach(r.hold)
+    r.aligner.attach()
     drive_forwards(r, 8)
     end_step(r)  # complete step: passes through
     assert r.chunks[0].grad_syncs == 1
@@ -244,9 +244,9 @@ def test_changing_m_is_replanned_per_step():
     m = {"value": 4}
     r = make_rank(pp=2, vp=2, m=4, rank=1)
     r.aligner = TransposeAligner(r.chunks, schedule=r.schedule, pp_rank=1, dp_rank=0,
-                                 param_sync=r.sync, weights=r.weights, backend=FakeBackend(),
+                                 adapter=r.new_adapter(), weights=r.weights, backend=FakeBackend(),
                                  config=AlignConfig(), num_microbatches=lambda: m["value"])
-    r.aligner.attach(r.hold)
+    r.aligner.attach()
     run_training_step(r)
     m["value"] = 6
     r.schedule = InterleavedSchedule(2, 2, 6)
@@ -264,7 +264,7 @@ def test_inside_cuda_graph_capture_counts_but_refuses_work(monkeypatch):
     import nemo_fp8_align.core.aligner as aligner_mod
 
     r = make_rank(pp=2, vp=2, m=2, rank=0)
-    r.aligner.attach(r.hold)
+    r.aligner.attach()
     r.config.param_sync_func[0]()
     r.config.param_sync_func[1]()
     monkeypatch.setattr(aligner_mod, "_capturing_cuda_graph", lambda: True)
@@ -288,7 +288,7 @@ def test_a_whole_step_inside_a_capture_refuses_at_its_start(monkeypatch):
     import nemo_fp8_align.core.aligner as aligner_mod
 
     r = make_rank(pp=2, vp=2, m=2, rank=1)
-    r.aligner.attach(r.hold)
+    r.aligner.attach()
     monkeypatch.setattr(aligner_mod, "_capturing_cuda_graph", lambda: True)
     r.config.param_sync_func[0]()
     r.config.param_sync_func[1]()
@@ -308,11 +308,11 @@ def test_verify_mode_names_step_chunk_and_weight(policy):
 
     r = make_rank(pp=2, vp=2, m=2, rank=1, policy=policy)
     r.aligner = TransposeAligner(r.chunks, schedule=r.schedule, pp_rank=1, dp_rank=0,
-                                 param_sync=r.sync, weights=r.weights, backend=VerifyingBackend(),
+                                 adapter=r.new_adapter(), weights=r.weights, backend=VerifyingBackend(),
                                  config=AlignConfig(policy=policy, verify_every_n_steps=2))
     for chunk in r.chunks:
         chunk.backend = r.aligner.backend
-    r.aligner.attach(r.hold)
+    r.aligner.attach()
     run_training_step(r)  # step 0 verified, all good
     r.weights[1][1].corrupt = True
     run_training_step(r)  # step 1 is not a verify step
@@ -331,7 +331,7 @@ def test_step_without_launches_is_counted_not_misjudged(caplog):
     with gradients. Nothing is built early, nothing recorded, the forwards are counted; the
     next launched step is aligned as usual."""
     r = make_rank(pp=2, vp=2, m=2, rank=1)
-    r.aligner.attach(r.hold)
+    r.aligner.attach()
     wrapped, r.config.param_sync_func = r.config.param_sync_func, None
     with caplog.at_level(logging.WARNING):
         for v in range(r.schedule.total):
@@ -352,7 +352,7 @@ def test_foreign_module_forwards_are_not_chunk_forwards():
     between the step's launches and its first forward: the count is untouched."""
     r = make_rank(pp=2, vp=2, m=2, rank=1)
     foreign = torch.nn.Linear(1, 1)
-    r.aligner.attach(r.hold)
+    r.aligner.attach()
     foreign(torch.ones(1))
     run_training_step(r)
     r.config.param_sync_func[0]()
@@ -366,17 +366,17 @@ def test_foreign_module_forwards_are_not_chunk_forwards():
 
 def test_a_second_aligner_on_the_same_chunks_is_refused_until_the_first_detaches():
     r = make_rank(pp=2, vp=2, m=2)
-    assert r.aligner.attach(r.hold)
+    assert r.aligner.attach()
     original = r.config.param_sync_func
     second = TransposeAligner(r.chunks, schedule=r.schedule, pp_rank=r.rank, dp_rank=0,
-                              param_sync=r.sync, weights=r.weights, backend=FakeBackend(),
+                              adapter=r.new_adapter(), weights=r.weights, backend=FakeBackend(),
                               config=AlignConfig())
     with pytest.raises(RuntimeError, match="already has an aligned FP8-transpose engine"):
-        second.attach(McoreChunkHold(r.chunks, r.config))
+        second.attach()
     assert r.config.param_sync_func is original  # nothing half-done
     assert [len(c._forward_pre_hooks) for c in r.chunks] == [1, 1]
     r.aligner.detach()
-    assert second.attach(McoreChunkHold(r.chunks, r.config))  # free after the first detached
+    assert second.attach()  # free after the first detached
     run_training_step(r)
     assert len(second.records) == 2 and r.aligner.records == []
     second.detach()
@@ -384,20 +384,20 @@ def test_a_second_aligner_on_the_same_chunks_is_refused_until_the_first_detaches
 
 def test_attach_after_an_error_in_the_hold_leaves_the_chunks_free(monkeypatch):
     r = make_rank(pp=2, vp=2, m=2)
-    monkeypatch.setattr(McoreChunkHold, "_rebind_bound_list",
+    monkeypatch.setattr(McoreDDPAdapter, "_rebind_bound_list",
                         lambda self: (_ for _ in ()).throw(OSError("injected")))
     with pytest.raises(OSError, match="injected"):
-        r.aligner.attach(r.hold)
+        r.aligner.attach()
     assert not vars(r.chunks[0]).get("start_param_sync")
     monkeypatch.undo()
-    assert r.aligner.attach(r.hold)
+    assert r.aligner.attach()
 
 
 def test_telemetry_is_flushed_once_per_step(tmp_path):
     path = tmp_path / "t.jsonl"
     r = make_rank(pp=2, vp=2, m=2, rank=1)
     r.aligner.telemetry = TelemetryWriter(str(path))
-    r.aligner.attach(r.hold)
+    r.aligner.attach()
     run_training_step(r)
     r.config.param_sync_func[0]()  # the next step starts: the last one's lines are on disk
     assert len(read_records([str(path)])) == 2
@@ -410,7 +410,7 @@ def test_functions_replaced_after_attach_raise_instead_of_leaving_the_aligner_bl
     from nemo_fp8_align.errors import ScheduleRebindError
 
     r = make_rank(pp=2, vp=2, m=2, rank=1)
-    r.aligner.attach(r.hold)
+    r.aligner.attach()
     run_training_step(r)
     theirs = r.config.param_sync_func = [r.sync.launcher(c) for c in range(2)]  # not ours
     r.chunks[0](torch.ones(1))  # launched yet no step opened: the foreign functions are seen
@@ -423,7 +423,7 @@ def test_functions_replaced_after_attach_raise_instead_of_leaving_the_aligner_bl
 
 def test_a_forward_only_pass_setting_param_sync_func_to_none_is_not_a_rebind():
     r = make_rank(pp=2, vp=2, m=2, rank=1)
-    r.aligner.attach(r.hold)
+    r.aligner.attach()
     run_training_step(r)
     ours, r.config.param_sync_func = r.config.param_sync_func, None  # megatron-core, eval
     with torch.no_grad():
@@ -441,11 +441,11 @@ def test_an_unlaunched_step_is_verified_at_every_forward():
     r = make_rank(pp=2, vp=2, m=2, rank=1)
     backend = VerifyingBackend()
     r.aligner = TransposeAligner(r.chunks, schedule=r.schedule, pp_rank=1, dp_rank=0,
-                                 param_sync=r.sync, weights=r.weights, backend=backend,
+                                 adapter=r.new_adapter(), weights=r.weights, backend=backend,
                                  config=AlignConfig(verify_every_n_steps=5))
     for chunk in r.chunks:
         chunk.backend = backend
-    r.aligner.attach(r.hold)
+    r.aligner.attach()
     run_training_step(r)
     r.config.param_sync_func, wrapped = None, r.config.param_sync_func
     r.chunks[0](torch.ones(1))  # all valid and right: passes
@@ -458,7 +458,7 @@ def test_an_unlaunched_step_is_verified_at_every_forward():
 
 def test_an_error_inside_a_step_does_not_blame_the_next_step():
     r = make_rank(pp=2, vp=2, m=2, rank=1)
-    r.aligner.attach(r.hold)
+    r.aligner.attach()
     r.config.param_sync_func[0]()
     r.config.param_sync_func[1]()
     r.chunks[1](torch.ones(1))  # forward 0 is chunk 0's
@@ -473,7 +473,7 @@ def test_records_of_tensor_parallel_peers_and_of_a_resumed_run_are_not_duplicate
     from nemo_fp8_align.core.telemetry import record_problems
 
     r = make_rank(pp=2, vp=2, m=2, rank=1)
-    r.aligner.attach(r.hold)
+    r.aligner.attach()
     run_training_step(r)
     mine = [asdict(x) for x in r.aligner.records]
     assert {x["run"] for x in mine} == {r.aligner.run_id} and mine[0]["rank"] == -1
@@ -491,7 +491,7 @@ def test_a_dropped_model_is_collectable(detach):
     import weakref
 
     r = make_rank()
-    assert r.aligner.attach(r.hold)
+    assert r.aligner.attach()
     run_training_step(r)
     if detach:
         r.aligner.detach()

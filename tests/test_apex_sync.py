@@ -1,4 +1,4 @@
-"""ApexParamSync against a stand-in of Apex DistributedFusedAdam's bucket state machine.
+"""ApexAdapter against a stand-in of Apex DistributedFusedAdam's bucket state machine.
 
 Apex is not installable here: everything in this file runs against tests/support/standins/apex_dfa.py,
 never against Apex itself. Covered: the cases NeMo PR #9481 got wrong (the last chunk; a second
@@ -15,7 +15,7 @@ from support.standins.apex_dfa import FakeFP8Backend, FakeFP8Param, StandInDistr
 from nemo_fp8_align.config import AlignConfig
 from nemo_fp8_align.core.aligner import TransposeAligner
 from nemo_fp8_align.core.schedule import InterleavedSchedule
-from nemo_fp8_align.sync.apex import ApexParamSync
+from nemo_fp8_align.adapters.apex import ApexAdapter
 
 
 def make_chunks(vp, per_chunk=2, shape=(3, 4)):
@@ -31,6 +31,21 @@ def raw(p, name):
     return object.__getattribute__(p, name)
 
 
+class ParamsChunk:
+    """A model chunk as the adapter reads it: ``parameters()`` (the stand-in parameters are not
+    torch tensors, so no torch module can hold them)."""
+
+    def __init__(self, params):
+        self._params = list(params)
+
+    def parameters(self):
+        return iter(self._params)
+
+
+def as_modules(chunks):
+    return [ParamsChunk(ps) for ps in chunks]
+
+
 def nemo_buckets(chunks):
     # NeMo (VP): one bucket per model chunk, list reversed: bucket 0 holds the last chunk.
     return list(reversed(chunks))
@@ -38,7 +53,7 @@ def nemo_buckets(chunks):
 
 def test_rejects_an_optimizer_without_apex_buckets():
     with pytest.raises(TypeError, match="distributed_fused_adam"):
-        ApexParamSync(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), [[]])
+        ApexAdapter(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), [])
 
 
 def test_ready_chunk_is_copied_without_any_collective():
@@ -49,7 +64,7 @@ def test_ready_chunk_is_copied_without_any_collective():
     opt._try_start_bucket_param_sync(chunks[0])  # schedule: launch chunk 0 ...
     opt._try_start_bucket_param_sync(chunks[1])  # ... then chunk 1, which finishes chunk 0
     assert opt._params_buckets[1].status is opt.ParameterStatus.READY
-    sync = ApexParamSync(opt, chunks)
+    sync = ApexAdapter(opt, as_modules(chunks))
     assert not sync.finished(0)
     before = list(opt.events)
     assert sync.finish(0) is True
@@ -71,7 +86,7 @@ def test_syncing_chunk_is_waited_for_then_copied():
     opt._try_start_bucket_param_sync(chunks[0])
     opt._try_start_bucket_param_sync(chunks[1])
     assert opt._params_buckets[1].status is opt.ParameterStatus.SYNCING
-    sync = ApexParamSync(opt, chunks)
+    sync = ApexAdapter(opt, as_modules(chunks))
     assert sync.finish(0) is True
     assert opt.events[-1] == ("wait", (1,))
     assert all(torch.equal(raw(p, "data"), values[id(p)]) for p in chunks[0])
@@ -86,7 +101,7 @@ def test_last_chunk_still_syncing_is_waited_for_then_copied():
         opt._try_start_bucket_param_sync(chunks[c])
     last, bucket_of_last = 2, 0
     assert opt._params_buckets[bucket_of_last].status is opt.ParameterStatus.SYNCING
-    sync = ApexParamSync(opt, chunks)
+    sync = ApexAdapter(opt, as_modules(chunks))
     assert sync.finish(last) is True
     assert ("wait", (bucket_of_last,)) in opt.events
     assert not any(e[0] == "blocking_all_gather" for e in opt.events)
@@ -99,8 +114,8 @@ def test_unlaunched_bucket_runs_one_blocking_all_gather_and_is_reported(caplog):
     opt = StandInDistributedFusedAdam(nemo_buckets(chunks))
     values = new_values(chunks, 0)
     opt.step(values)  # launches bucket 0 (chunk 1) only; chunk 0's bucket stays SHARDED
-    sync = ApexParamSync(opt, chunks)
-    with caplog.at_level(logging.WARNING, logger="nemo_fp8_align.sync.apex"):
+    sync = ApexAdapter(opt, as_modules(chunks))
+    with caplog.at_level(logging.WARNING, logger="nemo_fp8_align.adapters.apex"):
         assert sync.finish(0) is True
     assert [e[0] for e in opt.events].count("blocking_all_gather") == 1
     assert sync.blocking_all_gathers == [1, 0]
@@ -125,7 +140,7 @@ def test_a_second_param_copy_resets_the_transpose_cache():
     # resets the cache of every parameter it copies; the bucket is still live.
     chunks, opt, _ = shared_bucket_setup()
     backend = FakeFP8Backend()
-    sync = ApexParamSync(opt, chunks)
+    sync = ApexAdapter(opt, as_modules(chunks))
     sync.finish(0)
     backend.build_transposes(chunks[0])
     assert 1 in opt._params_buckets
@@ -136,7 +151,7 @@ def test_a_second_param_copy_resets_the_transpose_cache():
 def test_adapter_leaves_no_armed_hook_behind_so_first_use_keeps_the_transposes():
     chunks, opt, values = shared_bucket_setup()
     backend = FakeFP8Backend()
-    sync = ApexParamSync(opt, chunks)
+    sync = ApexAdapter(opt, as_modules(chunks))
     assert sync.finish(0)
     backend.build_transposes(chunks[0])
     resets = [raw(p, "cache_resets") for p in chunks[0]]
@@ -153,7 +168,7 @@ def test_nothing_armed_means_nothing_to_do():
     chunks = make_chunks(2)
     opt = StandInDistributedFusedAdam(nemo_buckets(chunks), overlap_param_sync=False)
     opt.step(new_values(chunks, 0))  # blocking param sync inside step (e.g. DP = 1)
-    sync = ApexParamSync(opt, chunks)
+    sync = ApexAdapter(opt, as_modules(chunks))
     before = list(opt.events)
     assert sync.finish(0) and sync.finish(1)
     assert opt.events == before
@@ -163,7 +178,7 @@ def test_finished_observes_only():
     chunks = make_chunks(2)
     opt = StandInDistributedFusedAdam(nemo_buckets(chunks))
     opt.step(new_values(chunks, 0))
-    sync = ApexParamSync(opt, chunks)
+    sync = ApexAdapter(opt, as_modules(chunks))
     before = list(opt.events)
     assert sync.finished(0) is False and sync.finished(1) is False
     assert opt.events == before
@@ -208,9 +223,9 @@ def test_aligner_with_apex_adapter_through_a_simulated_nemo_schedule(rank):
     modules = [ChunkModule(ps) for ps in chunks]
     opt = StandInDistributedFusedAdam(nemo_buckets(chunks))
     backend = FakeFP8Backend()
-    sync = ApexParamSync(opt, chunks)
+    sync = ApexAdapter(opt, as_modules(chunks))
     aligner = TransposeAligner(modules, schedule=schedule, pp_rank=rank, dp_rank=0,
-                               param_sync=sync, weights=chunks, backend=backend,
+                               adapter=sync, weights=chunks, backend=backend,
                                config=AlignConfig())
     assert aligner.attach()
     for step in range(2):
@@ -252,9 +267,9 @@ def test_with_the_real_te_backend_on_te_like_parameters(rank):
     chunks = [[FakeTEFloat8Param((3, 4), f"c{c}.w{i}") for i in range(2)] for c in range(vp)]
     modules = [ChunkModule(ps) for ps in chunks]
     opt = StandInDistributedFusedAdam(nemo_buckets(chunks))
-    sync = ApexParamSync(opt, chunks)
+    sync = ApexAdapter(opt, as_modules(chunks))
     aligner = TransposeAligner(modules, schedule=schedule, pp_rank=rank, dp_rank=0,
-                               param_sync=sync, weights=chunks, backend=backend,
+                               adapter=sync, weights=chunks, backend=backend,
                                config=AlignConfig())
     assert aligner.attach()
     for step in range(2):
@@ -287,7 +302,7 @@ def test_a_copy_that_raises_leaves_no_parameter_disarmed_and_uncopied():
     chunks, opt, values = shared_bucket_setup()
     failing_copy(opt, copied_first=1)
     with pytest.raises(RuntimeError, match="copy failed"):
-        ApexParamSync(opt, chunks).finish(0)
+        ApexAdapter(opt, as_modules(chunks)).finish(0)
     assert all(raw(p, "_pre_forward_hook_is_enabled") for p in chunks[0])  # bucket still live
     for p in chunks[0]:  # first use: Apex's own hook copies what the failed copy did not
         assert torch.equal(p.data, values[id(p)])
@@ -302,6 +317,6 @@ def test_after_a_failed_copy_a_copied_out_bucket_is_not_re_armed():
     opt._try_start_bucket_param_sync(chunks[1])
     failing_copy(opt, copied_first=2)  # chunk 0's whole bucket copied, then the error
     with pytest.raises(RuntimeError, match="copy failed"):
-        ApexParamSync(opt, chunks).finish(0)
+        ApexAdapter(opt, as_modules(chunks)).finish(0)
     assert not any(raw(p, "_pre_forward_hook_is_enabled") for p in chunks[0])
     assert all(torch.equal(raw(p, "data"), values[id(p)]) for p in chunks[0])

@@ -1,7 +1,7 @@
 """Table-driven bad-input battery: every invocation of ``check``, ``plan``, ``report`` and
 ``demo`` below is a user error that must end in exactly one line on stderr, exit status 2 and
-no traceback. Run in-process through ``nemo_fp8_align.cli.main`` (fast); a few as real
-subprocesses, as a shell runs them."""
+no traceback. Run in-process through ``nemo_fp8_align.cli.main`` (fast; ``demo`` is the lab's,
+``lab.demo.cli.main``, ``python -m lab.demo``); a few as real subprocesses, as a shell runs them."""
 
 import json
 import subprocess
@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from lab.demo.cli import main as demo_main
 from nemo_fp8_align.cli import main
 
 DATA = Path(__file__).parent / "data"
@@ -139,10 +140,17 @@ def _one_line_error(err):
     assert len(lines) == 1, err
 
 
+def _command(argv):
+    """The shipped command line, or for a "demo" case the lab's (``python -m lab.demo``)."""
+    return [sys.executable, "-m", "lab.demo", *argv[1:]] if argv[0] == "demo" else \
+        [sys.executable, "-m", "nemo_fp8_align", *argv]
+
+
 @pytest.mark.parametrize("command,content,extra", CASES)
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys, command, content, extra):
+    argv = _argv(tmp_path, command, content, extra)
     try:
-        code = main(_argv(tmp_path, command, content, extra))
+        code = demo_main(argv[1:]) if command == "demo" else main(argv)
     except SystemExit as exit_:  # argparse's own errors
         code = exit_.code
     out, err = capsys.readouterr()
@@ -162,28 +170,17 @@ def test_the_battery_is_large_enough():
     ["check", "/nonexistent/c.yaml"],
 ], ids=["report", "plan-seq", "plan-kv", "demo", "check"])
 def test_as_real_subprocesses(argv):
-    run = subprocess.run([sys.executable, "-m", "nemo_fp8_align", *argv], capture_output=True,
+    run = subprocess.run(_command(argv), capture_output=True,
                          text=True, timeout=120, cwd=Path(__file__).parent.parent)
     assert run.returncode == 2, run.stderr
     _one_line_error(run.stderr)
-
-
-def test_demo_fault_without_the_fault_module_is_one_line_exit_2(monkeypatch, capsys):
-    """As from an installed wheel, which leaves fault injection out (tests/test_layout.py runs
-    the wheel itself): the flag is refused before anything starts, naming it a test tool."""
-    monkeypatch.setitem(sys.modules, "nemo_fp8_align.demo.faults", None)  # import fails
-    assert main(["demo", "--fault", "mismatch_on_one_rank"]) == 2
-    err = capsys.readouterr().err
-    _one_line_error(err)
-    assert "--fault mismatch_on_one_rank: fault injection is a test tool that runs from a " \
-           "source checkout" in err
 
 
 def test_an_engine_fault_in_megatron_lm_loop_is_refused_not_ignored(capsys):
     """Issue 24: `demo --loop megatron-lm --fault NAME` printed OK with nothing injected. The
     one-rank errors now run there (tests/test_megatron_lm_loop.py); the engine faults, judged
     by the demo loop's own evidence, are refused with exit 2 before any rank starts."""
-    assert main(["demo", "--loop", "megatron-lm", "--fault", "no_wait"]) == 2
+    assert demo_main(["--loop", "megatron-lm", "--fault", "no_wait"]) == 2
     err = capsys.readouterr().err
     _one_line_error(err)
     assert "--fault no_wait: runs in the demo's own loop only (pass --loop schedule); in " \

@@ -186,9 +186,9 @@ def _bridge_rank(rank, world_size, port, callbacks_path, out_dir):
     from megatron.core.num_microbatches_calculator import (destroy_num_microbatches_calculator,
                                                           init_num_microbatches_calculator)
 
-    from nemo_fp8_align.demo.options import DemoOptions
-    from nemo_fp8_align.demo.ranks import write_error, write_result
-    from nemo_fp8_align.demo.train import PipelineRun, distributed
+    from lab.demo.options import DemoOptions
+    from lab.demo.ranks import write_error, write_result
+    from lab.demo.train import PipelineRun, distributed
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # Policy off: the demo builds no engine of its own; it binds param_sync_func after building.
@@ -239,7 +239,7 @@ def test_bridge_train_attaches_at_train_start_and_detaches_at_train_end(callback
     wrappers, so train()'s stash and restore keep the plugin in the loop (the first iteration
     runs without launches, the next two aligned); ``on_train_end`` takes every wrapper off. A
     restarted train() on a rebuilt model moves the engine to the new chunks."""
-    from nemo_fp8_align.demo.ranks import read_results, spawn_and_wait
+    from lab.demo.ranks import read_results, spawn_and_wait
 
     codes = spawn_and_wait(_bridge_rank, 2, (str(BRIDGE_CALLBACKS), str(tmp_path)), timeout_s=120)
     for rank in read_results(str(tmp_path), codes):
@@ -267,10 +267,10 @@ def _bridge_fault_rank(rank, world_size, port, callbacks_path, out_dir):
     from megatron.core.num_microbatches_calculator import (destroy_num_microbatches_calculator,
                                                           init_num_microbatches_calculator)
 
-    from nemo_fp8_align.demo.faults import RANK_ERRORS, inject
-    from nemo_fp8_align.demo.options import DemoOptions
-    from nemo_fp8_align.demo.ranks import write_error, write_result
-    from nemo_fp8_align.demo.train import PipelineRun, distributed
+    from lab.demo.faults import RANK_ERRORS, inject
+    from lab.demo.options import DemoOptions
+    from lab.demo.ranks import write_error, write_result
+    from lab.demo.train import PipelineRun, distributed
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     opts = DemoOptions(pp=2, vp=2, dp=1, microbatches=4, steps=STEPS, policy=Policy.OFF,
@@ -310,8 +310,8 @@ def test_an_error_on_one_rank_stops_both_ranks_in_bridges_train(callbacks, tmp_p
     with the plugin's error class within seconds, the faulty rank saying what differed and the
     other naming it: the callback's engine agrees on the model's ranks at each step end, so
     no rank is left in a collective (with NCCL: blocked until the timeout)."""
-    from nemo_fp8_align.demo.options import DemoOptions
-    from nemo_fp8_align.demo.ranks import read_results, spawn_and_wait
+    from lab.demo.options import DemoOptions
+    from lab.demo.ranks import read_results, spawn_and_wait
     from support.rank_errors import EXPECTED, check_every_rank_stopped
 
     codes = spawn_and_wait(_bridge_fault_rank, 2, (str(BRIDGE_CALLBACKS), str(tmp_path)),

@@ -1,7 +1,7 @@
 """A new user's mistakes on the command line: each gets a clear error (exit 2) naming the flag or
 key, the value and the fix, before any work starts, and never a traceback. One table for the
-``demo`` and ``check`` commands; plus a scan that no user-facing text names a file that the
-project does not ship.
+lab's ``demo`` (``python -m lab.demo``) and the ``check`` command; plus a scan that no
+user-facing text names a file that the project does not ship.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import List
 
 import pytest
 
+from lab.demo.cli import main as demo_main
 from nemo_fp8_align.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,7 +27,7 @@ LAUNCHER = "conf/launcher/gpt3_175b_fp8_align.yaml"
 @pytest.fixture
 def no_demo_run(monkeypatch):
     """Fail loudly if the demo would start: its launcher module refuses to be imported."""
-    fake = types.ModuleType("nemo_fp8_align.demo.launch")
+    fake = types.ModuleType("lab.demo.launch")
 
     def refuse(name: str):
         # Dunder lookups are Python's own (inspect.getmodule walks sys.modules for __file__ when
@@ -37,7 +38,7 @@ def no_demo_run(monkeypatch):
         raise AssertionError(f"the demo started ({name}) although its flags were invalid")
 
     fake.__getattr__ = refuse  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "nemo_fp8_align.demo.launch", fake)
+    monkeypatch.setitem(sys.modules, "lab.demo.launch", fake)
 
 
 @pytest.fixture
@@ -101,7 +102,9 @@ def test_user_mistake_gets_a_clear_error(argv: List[str], fragments: List[str], 
                                          no_demo_run, capsys, monkeypatch) -> None:
     monkeypatch.chdir(ROOT)
     tmp = str(files)
-    status = main([a.replace("{tmp}", tmp) for a in argv])
+    argv = [a.replace("{tmp}", tmp) for a in argv]
+    # a "demo" row is the lab's `python -m lab.demo`, the rest the shipped command line
+    status = demo_main(argv[1:]) if argv[0] == "demo" else main(argv)
     out, err = capsys.readouterr()
     assert status == 2, (out, err)
     assert "OK" not in out and "Traceback" not in err
@@ -112,7 +115,7 @@ def test_user_mistake_gets_a_clear_error(argv: List[str], fragments: List[str], 
 
 
 def test_demo_policy_typo_is_argparse_choice_error() -> None:
-    run = subprocess.run([sys.executable, "-m", "nemo_fp8_align", "demo", "--policy", "eager"],
+    run = subprocess.run([sys.executable, "-m", "lab.demo", "--policy", "eager"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert run.returncode == 2
     assert "--policy: invalid choice: 'eager' (choose from" in run.stderr

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from nemo_fp8_align.cli.deps import CHECK_NEEDS, DEMO_NEEDS, missing_dependency
+from nemo_fp8_align.cli.deps import CHECK_NEEDS, missing_dependency
+from lab.demo.cli import DEMO_NEEDS
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -77,18 +78,21 @@ HIDE = textwrap.dedent("""
     for m in list(sys.modules):
         if m.split('.')[0] in {hidden!r}:
             del sys.modules[m]
-    from nemo_fp8_align.cli import main
+    from {module} import main
     sys.exit(main({argv!r}))
 """)
 
 
-@pytest.mark.parametrize("hidden,argv,extra,distribution", [
-    (["hydra"], ["check", "conf/megatron_gpt_fp8_align.yaml"], "hydra", "hydra-core"),
-    (["omegaconf", "hydra"], ["check", "conf/megatron_gpt_fp8_align.yaml"], "hydra", "omegaconf"),
-    (["megatron"], ["demo"], "mcore", "megatron-core"),
+@pytest.mark.parametrize("hidden,module,argv,extra,distribution", [
+    (["hydra"], "nemo_fp8_align.cli", ["check", "conf/megatron_gpt_fp8_align.yaml"], "hydra",
+     "hydra-core"),
+    (["omegaconf", "hydra"], "nemo_fp8_align.cli", ["check", "conf/megatron_gpt_fp8_align.yaml"],
+     "hydra", "omegaconf"),
+    (["megatron"], "lab.demo.cli", [], "mcore", "megatron-core"),  # python -m lab.demo
 ])
-def test_cli_without_a_dependency_prints_one_line(hidden, argv, extra, distribution) -> None:
-    code = HIDE.format(hidden=set(hidden), argv=argv)
+def test_cli_without_a_dependency_prints_one_line(hidden, module, argv, extra,
+                                                  distribution) -> None:
+    code = HIDE.format(hidden=set(hidden), module=module, argv=argv)
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 2

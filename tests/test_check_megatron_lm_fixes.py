@@ -251,3 +251,38 @@ def test_a_layout_with_a_smaller_micro_batch_comes_before_the_layer_count(
     fixed = payload["fixed_argv"]
     assert (per_stage in fixed) + (stages in fixed) == 1, payload["fix_text"]
     assert check(world, fixed)[0] == 0
+
+
+# --- a "did you mean" guess is text, never a flag of the fix line (issue 38 item 4) ----------
+
+
+def test_a_guess_for_an_unknown_flag_is_never_pasted_into_the_fix_line():
+    """Megatron-LM's multimodal scripts pass ``--dataloader-type external`` and their own
+    ``--dataloader-save PATH`` (their parser adds it). The guess for the unknown flag
+    (--dataloader-type) with its value was pasted as ``--dataloader-type PATH``, which replaced
+    the user's ``external`` and which Megatron-LM's parser rejects. The fix line touches the
+    unknown flag only; the guess stays in the text."""
+    argv = GOOD + ["--dataloader-type", "external", "--dataloader-save", "/out/dataloader"]
+    status, payload = as_json(4, argv)
+    assert status == 2
+    [v] = payload["violations"]
+    assert v["key"] == "--dataloader-save" and "did you mean --dataloader-type?" in v["expected"]
+    assert "--dataloader-type" not in v["fix"], v["fix"]
+    assert "--dataloader-type" not in payload["fix_text"], payload["fix_text"]
+    assert payload["fix_passes"] and payload["fix_drop"] == ["--dataloader-save"], payload
+    at = payload["fixed_argv"].index("--dataloader-type")
+    assert payload["fixed_argv"][at + 1] == "external", payload["fixed_argv"]
+
+
+@pytest.mark.parametrize("unknown", [["--virtual-pipeline-model-parallel-size", "2"],
+                                     ["--fp8-params"], ["--align-param-gather"]])
+def test_no_guess_becomes_a_flag_of_the_fix_line(unknown):
+    """The table of flags users bring from NeMo or older releases names the flag meant in the
+    text; the fix line drops the unknown one and sets nothing on a guess (--align-param-gather's
+    close match was --no-align-param-gather: pasted, it turned the setting off)."""
+    status, payload = as_json(4, GOOD + unknown)
+    assert status == 2
+    [v] = payload["violations"]
+    assert "did you mean" in v["expected"], v
+    assert v["fix"] == f"drop {unknown[0]}", v["fix"]
+    assert payload["fix_overrides"] == [] and payload["fix_passes"], payload

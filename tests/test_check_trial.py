@@ -136,7 +136,7 @@ def test_a_value_megatron_lm_rejects_does_not_hide_the_rest_of_the_list():
     assert any(n.startswith("--hybrid-layer-pattern:") for n in payload["notes"]), payload["notes"]
 
 
-# --- the second trial (records/check-held-out-trials.md, "Second trial") ---------------------------------
+# --- the second trial (records/check-held-out-trials.md, "Second trial") --------------------------
 
 
 def test_a_tp_that_fills_the_node_is_changed_before_the_node_count():
@@ -250,7 +250,7 @@ def test_a_hybrid_pattern_of_one_segment_per_rank_is_kept_at_a_smaller_pipeline_
     assert payload["fix_text"] == "--pipeline-model-parallel-size 2", payload["fix_text"]
 
 
-# --- the third trial (records/check-held-out-trials.md, "Third trial") -----------------------------------
+# --- the third trial (records/check-held-out-trials.md, "Third trial") ----------------------------
 
 
 CP_A2A_P2P = "ft_gpt3_mcore_te_tp1_pp2_cp4_a2a_p2p_nondeterministic"

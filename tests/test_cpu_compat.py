@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from nemo_fp8_align.demo.cpu_redirects import enable_cpu_compat
+from lab.demo.cpu_redirects import enable_cpu_compat
 
 
 def test_redirects_and_undo():
@@ -47,7 +47,7 @@ def test_the_demo_asks_for_a_group_size_only_where_megatron_core_has_one():
 
     from megatron.core.transformer import TransformerConfig
 
-    from nemo_fp8_align.demo.train import _group_size
+    from lab.demo.train import _group_size
 
     assert _group_size(TransformerConfig, 3) == {"microbatch_group_size_per_vp_stage": 3}
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from nemo_fp8_align.config import AlignConfig
-from nemo_fp8_align.sync.mcore_hold import McoreChunkHold
+from nemo_fp8_align.adapters.mcore_ddp import McoreDDPAdapter
 from nemo_fp8_align.core.aligner import TransposeAligner
 from nemo_fp8_align.core.schedule import InterleavedSchedule
 from nemo_fp8_align.core.telemetry import record_problems
@@ -43,6 +43,7 @@ class Chunk(torch.nn.Module):
         super().__init__()
         self.layer = ReferenceFP8Linear(HIDDEN, HIDDEN, backend=backend, name=name)
         self.launch = lambda: None
+        self.bucket_groups = []  # what GatheringAdapter's real checks read
 
     def start_param_sync(self, *unused, force_sync=False, force_dispatch=False):
         self.launch()
@@ -76,6 +77,24 @@ class GatheringSync:
         return chunk in self.done
 
 
+class GatheringAdapter(McoreDDPAdapter):
+    """megatron-core's adapter (launch wrappers, step end: the real code) finishing through
+    :class:`GatheringSync`."""
+
+    def __init__(self, chunks, config, sync):
+        super().__init__(chunks, config)
+        self.sync = sync
+
+    def wait(self, chunk):
+        pass
+
+    def finish(self, chunk):
+        return self.sync.finish(chunk)
+
+    def finished(self, chunk):
+        return self.sync.finished(chunk)
+
+
 class NewBufferBackend(ReferenceBackend):
     """A backend that builds every transpose into a fresh buffer (and keeps the old one alive,
     as a cache or an autograd graph might): a captured graph then reads last step's bytes."""
@@ -103,9 +122,10 @@ def make_rank(rank, backend=None, seed=0):
     config = SimpleNamespace(param_sync_func=[chunk.start_param_sync for chunk in chunks])
     schedule = InterleavedSchedule(PP, VP, M)
     aligner = TransposeAligner(chunks, schedule=schedule, pp_rank=rank, dp_rank=0,
-                               param_sync=sync, weights=[[c.layer.fp8_weight] for c in chunks],
+                               adapter=GatheringAdapter(chunks, config, sync),
+                               weights=[[c.layer.fp8_weight] for c in chunks],
                                backend=backend, config=AlignConfig())
-    aligner.attach(McoreChunkHold(chunks, config))
+    aligner.attach()
     return SimpleNamespace(chunks=chunks, sync=sync, config=config, schedule=schedule,
                            aligner=aligner, rank=rank)
 

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from nemo_fp8_align.demo.ranks import read_results, spawn_and_wait, write_error, write_result
-from nemo_fp8_align.errors import DemoRankError
+from lab.demo.ranks import read_results, spawn_and_wait, write_error, write_result
+from lab.demo.ranks import DemoRankError
 
 
 def _rank(rank, world_size, port, out_dir, plan):

@@ -18,8 +18,8 @@ How each kind of block is run:
   default backend must give the install hint and leave nothing attached.
 
 What is not run here, and where it is instead: ``make test`` (CI runs it: ``.ci/run``), the
-training command of the NeMo example on its GPU config (the example on the CPU config is the smoke
-run; here the command's overrides are composed and checked as the model's startup check does),
+training command of the NeMo example on its GPU config (here the command's overrides are composed
+and checked as the model's startup check does; the README's CPU variant of it is run as written),
 Megatron-LM's ``pretrain`` and Bridge's ``pretrain`` around the hook and the callback (the hook in
 Megatron-LM's real loop: tests/test_megatron_lm_loop.py; Bridge's loop does not import on a CPU
 machine: its real ``CallbackManager`` fires the callback here), the ``pip install`` lines of
@@ -56,16 +56,26 @@ def sandbox(tmp_path):
     return tmp_path
 
 
+#: The lab's demo as documented (run from a checkout: the repository root on the path).
+LAB_DEMO = ["python", "-m", "lab.demo"]
+
+
 def run_command(line, cwd):
-    """``nemo-fp8-align ARGS`` as this interpreter's module (the venv's console script)."""
+    """``nemo-fp8-align ARGS`` as this interpreter's module (the venv's console script), or
+    ``python -m lab.demo ARGS`` with this interpreter."""
     argv = shlex.split(line, comments=True)
-    if argv[0] != "nemo-fp8-align":
+    if argv[0] in ("python", ".venv/bin/python") and argv[1:3] == LAB_DEMO[1:]:  # the docs'
+        # checkout spelling names the venv `make demo` builds: this interpreter's
+        command = [sys.executable, "-m", "lab.demo"] + argv[3:]
+    elif argv[0] == "nemo-fp8-align":
+        command = [sys.executable, "-m", "nemo_fp8_align"] + argv[1:]
+    else:
         raise AssertionError(f"no runner for {argv[0]!r} (a documented command this test "
                              f"cannot run: give it a handler)")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    return subprocess.run([sys.executable, "-m", "nemo_fp8_align"] + argv[1:], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=600, check=False)
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=600, check=False)
 
 
 def commands(text):
@@ -113,19 +123,19 @@ def quick_start(block, **_):
     first runs the demo whose output the README shows (next block)."""
     assert [c.split("#")[0].strip() for c in commands(block.text)] == ["make demo", "make test"]
     assert (ROOT / ".ci" / "run").read_text().strip().endswith("make test")
-    assert demo_args()  # `make demo` runs `nemo-fp8-align demo $(DEMO_ARGS)`
+    assert demo_args()  # `make demo` runs `python -m lab.demo $(DEMO_ARGS)`
 
 
 def demo_args():
     dry = subprocess.run(["make", "-n", "-s", "demo"], cwd=ROOT, capture_output=True, text=True,
                          check=True).stdout
-    line = next(x for x in dry.splitlines() if "nemo-fp8-align demo" in x)
-    return line.split("nemo-fp8-align demo", 1)[1].strip()
+    line = next(x for x in dry.splitlines() if "-m lab.demo" in x)
+    return line.split("-m lab.demo", 1)[1].strip()
 
 
 def demo_output(block, sandbox, **_):
     pytest.importorskip("megatron.core")
-    out = run_command(f"nemo-fp8-align demo {demo_args()}", sandbox)
+    out = run_command(f"python -m lab.demo {demo_args()}", sandbox)
     assert out.returncode == 0, out.stderr[-3000:]
     assert missing_lines(block.text, out.stdout, consecutive=True) == [], out.stdout
 
@@ -177,6 +187,24 @@ def example_command(block, sandbox, **_):
     assert out.returncode == 0 and ": OK" in out.stdout, out.stdout + out.stderr
 
 
+def cpu_example_command(block, sandbox, **_):
+    """The example on the CPU config, run as written (4 gloo processes, about a minute): from a
+    checkout, ``.`` and ``tests`` on the path (the repository's, read from the sandbox), the
+    venv's ``torchrun`` being this interpreter's ``torch.distributed.run``. It trains to the end
+    and logs the plugin's attach line once (the README's "did it work" log)."""
+    pytest.importorskip("nemo.collections.nlp.models.language_modeling.megatron_gpt_model")
+    env_setting, argv = commands(block.text)[0].split(" ", 1)
+    argv = shlex.split(argv)
+    assert env_setting == "PYTHONPATH=.:tests" and argv[0] == ".venv/bin/torchrun", block.text
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)]),
+               OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run"] + argv[1:], cwd=sandbox,
+                         env=env, capture_output=True, text=True, timeout=900, check=False)
+    shown = out.stdout + out.stderr
+    assert out.returncode == 0, shown[-4000:]
+    assert shown.count("nemo_fp8_align: aligned FP8 transposes attached (mixin;") == 1, shown[-4000:]
+
+
 def _ddp_model(monkeypatch):
     pytest.importorskip("megatron.core")
     from support.ddp_chunks import ddp_chunks
@@ -208,8 +236,8 @@ def megatron_lm_snippet(block, monkeypatch, **_):
     from megatron.training import global_vars
     from megatron.training.arguments import parse_and_validate_args
 
-    from nemo_fp8_align.demo.megatron_lm_loop import megatron_lm_argv
-    from nemo_fp8_align.demo.options import DemoOptions
+    from lab.demo.megatron_lm_loop import megatron_lm_argv
+    from lab.demo.options import DemoOptions
     from support.attach_leftovers import leftovers, module_hooks
 
     argv = megatron_lm_argv(DemoOptions(pp=2, vp=2, dp=1, microbatches=4, steps=2),
@@ -338,10 +366,11 @@ def smoke_output(block, **_):
 # (file, how the block's first line starts) -> handler
 HANDLERS = [
     ("README.md", "make demo", quick_start),
-    ("README.md", "nemo_fp8_align demo: PP=2", demo_output),
+    ("docs/testing.md", "nemo_fp8_align demo: PP=2", demo_output),
     ("README.md", "from nemo.collections.nlp.models.language_modeling", mixin_class),
     ("README.md", "from nemo.collections.nlp.parts.megatron_trainer_builder", callback_trainer),
     ("README.md", "python examples/megatron_gpt_pretraining.py", example_command),
+    ("README.md", "PYTHONPATH=.:tests .venv/bin/torchrun", cpu_example_command),
     ("README.md", "from nemo_fp8_align import TEBackend", align_snippet),
     ("README.md", "from megatron.training.argument_utils", megatron_lm_snippet),
     ("README.md", "from nemo_fp8_align.integrations.bridge", bridge_snippet),
@@ -353,7 +382,7 @@ HANDLERS = [
     ("docs/planner.md", "$ nemo-fp8-align plan --model llama3-70b", report_on_data),
     ("docs/planner.md", "$ nemo-fp8-align plan --recipe mxfp8", report_on_data),
     ("docs/planner.md", "$ nemo-fp8-align plan --layers 8", report_on_data),
-    ("docs/telemetry.md", "$ nemo-fp8-align demo", transcript_with_timings),
+    ("docs/telemetry.md", "$ .venv/bin/python -m lab.demo", transcript_with_timings),
     ("docs/telemetry.md", "$ nemo-fp8-align report aligned.jsonl", ab_report),
     ("docs/testing.md", "chunk  aligned slot", smoke_output),
 ]

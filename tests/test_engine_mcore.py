@@ -5,17 +5,15 @@ can read the same run.
 """
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 pytest.importorskip("megatron.core")
 
 from support.configs import has_group_size  # noqa: E402
-from support.demo_runs import demo  # noqa: E402
+from support.demo_runs import demo, demo_cli  # noqa: E402
 
-from nemo_fp8_align.demo.launch import alignment_problems, differences  # noqa: E402
+from lab.demo.launch import alignment_problems, differences  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -78,7 +76,7 @@ def test_foreign_module_forwards_with_gradients_never_count():
 def test_independent_evidence_places_builds_at_the_aligned_slot():
     """From the demo's own hooks (not the aligner's records): on every rank chunk 1 is built
     after T_1 - r forwards (slot T_1 = 2), none running; under lazy inside forward T_1."""
-    from nemo_fp8_align.demo.evidence import evidence_problems
+    from lab.demo.evidence import evidence_problems
 
     for policy in ("aligned", "lazy"):
         run = demo(2, 2, 2, 4, policy)
@@ -122,9 +120,8 @@ def test_vp3_group_size_and_remainder_group():
 
 def test_cli_demo_writes_telemetry_and_exits_zero(tmp_path):
     path = tmp_path / "t.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "nemo_fp8_align", "demo", "--pp", "2", "--vp", "2",
-                           "--microbatches", "2", "--steps", "1", "--telemetry", str(path)],
-                          capture_output=True, text=True, timeout=300)
+    proc = demo_cli("--pp", "2", "--vp", "2", "--microbatches", "2", "--steps", "1",
+                    "--telemetry", str(path), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "OK:" in proc.stdout
     rows = [json.loads(line) for line in path.read_text().splitlines()]
@@ -132,8 +129,7 @@ def test_cli_demo_writes_telemetry_and_exits_zero(tmp_path):
 
 
 def test_cli_demo_bad_shape_exits_2():
-    proc = subprocess.run([sys.executable, "-m", "nemo_fp8_align", "demo", "--pp", "4",
-                           "--microbatches", "2"], capture_output=True, text=True, timeout=120)
+    proc = demo_cli("--pp", "4", "--microbatches", "2", timeout=120)
     assert proc.returncode == 2
     assert "--microbatches 2" in proc.stderr and "--pp" in proc.stderr
 

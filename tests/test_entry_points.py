@@ -27,7 +27,7 @@ from nemo_fp8_align.core import claims  # noqa: E402
 from nemo_fp8_align.core.class_patch import observe_method, patched_methods  # noqa: E402
 from nemo_fp8_align.integrations import megatron_lm  # noqa: E402
 from nemo_fp8_align.integrations.megatron_core import align_fp8_transposes  # noqa: E402
-from nemo_fp8_align.sync.mcore_hold import McoreChunkHold  # noqa: E402
+from nemo_fp8_align.adapters.mcore_ddp import McoreDDPAdapter  # noqa: E402
 from support.attach_leftovers import leftovers, module_hooks  # noqa: E402
 from support.ddp_chunks import ddp_chunks  # noqa: E402
 
@@ -72,10 +72,9 @@ def _fail(*_a, **_k):
 #: Attach stages, in order, each made to fail: (what, object, attribute).
 STAGES = {
     "claim": lambda mp: mp.setattr(claims, "claim", _fail),
-    "hold rebinding the bound list": lambda mp: mp.setattr(McoreChunkHold, "_rebind_bound_list",
+    "hold rebinding the bound list": lambda mp: mp.setattr(McoreDDPAdapter, "_rebind_bound_list",
                                                            _fail),
-    "forced-sync watch": lambda mp: mp.setattr("nemo_fp8_align.sync.forced_sync."
-                                               "watch_forced_syncs", _fail),
+    "forced-sync watch": lambda mp: mp.setattr(McoreDDPAdapter, "_watch_forced_syncs", _fail),
     "forward hooks": lambda mp: mp.setattr(torch.nn.Module, "register_forward_hook", _fail),
     "build observer (telemetry)": lambda mp: mp.setattr(
         "nemo_fp8_align.core.observe.BuildObserver._started", property(_fail)),

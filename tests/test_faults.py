@@ -13,8 +13,8 @@ pytest.importorskip("megatron.core")
 from support.demo_runs import demo  # noqa: E402
 
 from nemo_fp8_align.core.schedule import InterleavedSchedule  # noqa: E402
-from nemo_fp8_align.demo.faults import FAULTS, HARMLESS, inject  # noqa: E402
-from nemo_fp8_align.demo.launch import DemoRankError, alignment_problems, differences  # noqa: E402
+from lab.demo.faults import FAULTS, HARMLESS, inject  # noqa: E402
+from lab.demo.launch import DemoRankError, alignment_problems, differences  # noqa: E402
 from nemo_fp8_align import mcore_versions as mcore_version  # noqa: E402
 
 pytestmark = pytest.mark.slow

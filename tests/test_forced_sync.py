@@ -17,8 +17,8 @@ pytest.importorskip("megatron.core")
 
 from support.demo_runs import demo  # noqa: E402
 
-from nemo_fp8_align.demo.launch import alignment_problems, differences  # noqa: E402
-from nemo_fp8_align.errors import DemoRankError  # noqa: E402
+from lab.demo.launch import alignment_problems, differences  # noqa: E402
+from lab.demo.ranks import DemoRankError  # noqa: E402
 
 
 SHAPE = (2, 2, 2, 4)  # PP, VP, DP, M
@@ -80,8 +80,8 @@ def test_without_the_plugin_the_backward_reads_stale_transposes_before_0_18():
 
 @pytest.mark.skipif(MANUAL, reason="megatron-core >= 0.16 has the processing the flag models")
 def test_manual_post_processing_is_refused_where_megatron_core_has_none(capsys):
-    from nemo_fp8_align.cli import main
+    from lab.demo.cli import main
 
-    assert main(["demo", "--manual-post-processing"]) == 2
+    assert main(["--manual-post-processing"]) == 2
     err = capsys.readouterr().err
     assert "--manual-post-processing" in err and "megatron-core >= 0.16" in err

@@ -9,7 +9,7 @@ pytest.importorskip("megatron.core")
 
 from support.demo_runs import demo  # noqa: E402
 
-from nemo_fp8_align.demo.launch import alignment_problems, differences  # noqa: E402
+from lab.demo.launch import alignment_problems, differences  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -33,12 +33,9 @@ def test_aligned_exactly_once_at_slot_0_and_bit_identical_with_a_skipped_step():
 
 
 def test_cli_demo_runs_the_mode():
-    import subprocess
-    import sys
+    from support.demo_runs import demo_cli
 
-    proc = subprocess.run([sys.executable, "-m", "nemo_fp8_align", "demo", "--dp", "2",
-                           "--microbatches", "2", "--steps", "2",
-                           "--overlap-param-gather-with-optimizer-step"],
-                          capture_output=True, text=True, timeout=600)
+    proc = demo_cli("--dp", "2", "--microbatches", "2", "--steps", "2",
+                    "--overlap-param-gather-with-optimizer-step")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "OK:" in proc.stdout and "aligned slot 0; built at slots r0:0 r1:0" in proc.stdout

@@ -46,7 +46,7 @@ def test_records_carry_gpu_wait_and_build_and_the_file_gets_them_at_the_step_end
     path = tmp_path / "t.jsonl"
     r.aligner.telemetry = TelemetryWriter(str(path))
     r.aligner._spans = GpuSpans(enabled=True)
-    r.aligner.attach(r.hold)
+    r.aligner.attach()
     run_training_step(r, end=False)
     assert all(rec.gpu_wait_ms is None for rec in r.aligner.records)  # not resolved in the step
     r.aligner.on_step_end()
@@ -66,7 +66,7 @@ def test_without_cuda_nothing_is_held_and_records_keep_host_times(tmp_path):
     path = tmp_path / "t.jsonl"
     r.aligner.telemetry = TelemetryWriter(str(path))
     r.aligner._spans = GpuSpans(enabled=False)
-    r.aligner.attach(r.hold)
+    r.aligner.attach()
     run_training_step(r)
     r.aligner.telemetry.flush()
     assert len(path.read_text().splitlines()) == 2  # written at first use, as before

@@ -19,7 +19,7 @@ from megatron.core.distributed import (DistributedDataParallel,  # noqa: E402
                                        DistributedDataParallelConfig)
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 
-from nemo_fp8_align.integrations.groups import pipeline_group, resolve_ranks  # noqa: E402
+from nemo_fp8_align.adapters.groups import pipeline_group, resolve_ranks  # noqa: E402
 from support.one_process import gloo_world  # noqa: E402
 
 try:
@@ -46,7 +46,7 @@ def _collection(**names):
 
 def _ddp(pg_collection=None):
     from nemo_fp8_align.backends.reference import ReferenceBackend
-    from nemo_fp8_align.demo.model import DemoModelConfig, GPTChunk
+    from lab.demo.model import DemoModelConfig, GPTChunk
 
     backend = ReferenceBackend()
     config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4,

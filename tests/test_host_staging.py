@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from nemo_fp8_align.demo.ranks import free_port
+from lab.demo.ranks import free_port
 
 from validation import host_staging
 

@@ -1,21 +1,19 @@
 """The house rules of the layout, checked on the tree: no import cycle between the project's
-modules (the package, validation/, benchmarks/), no package file over 400 lines, and a wheel
-that holds exactly the runtime package (an allow-list: no test scaffolding, no fault injection)."""
+modules (the package, lab/, validation/), the package imports nothing from the folders beside
+it (lab/, validation/, benchmarks/, tests/), and a wheel that holds exactly the runtime package
+(an allow-list: no test scaffolding, no fault injection, no evidence or judges)."""
 
 import ast
-import os
-import shutil
-import subprocess
-import sys
+import fnmatch
 import zipfile
 from pathlib import Path
-from typing import Dict, List, Set
+from typing import Dict, List, Set, Tuple
 
 import pytest
 
+from support.wheel import BESIDE, PACKAGE, build_wheel
+
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGE = "nemo_fp8_align"
-MAX_LINES = 400
 
 
 def _module_name(path: Path) -> str:
@@ -26,7 +24,8 @@ def _module_name(path: Path) -> str:
 
 
 def _project_modules() -> Dict[str, Path]:
-    files = list((ROOT / PACKAGE).rglob("*.py")) + list((ROOT / "validation").glob("*.py"))
+    files = (list((ROOT / PACKAGE).rglob("*.py")) + list((ROOT / "lab").rglob("*.py"))
+             + list((ROOT / "validation").glob("*.py")))
     return {_module_name(p): p for p in files}
 
 
@@ -98,10 +97,57 @@ def test_an_import_cycle_is_found():
     assert _cycles(graph) == [["a", "b", "c", "a"]]
 
 
-def test_package_files_are_small():
-    long = {str(p.relative_to(ROOT)): n for p in (ROOT / PACKAGE).rglob("*.py")
-            if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
-    assert long == {}
+#: The top-level names of what runs from a checkout only: the package importing one of them
+#: works in the checkout and fails from the wheel (``support`` is tests/support/ on the tests'
+#: path).
+CHECKOUT_ONLY = (*BESIDE, "support")
+
+
+def _imported_names(tree: ast.AST) -> List[Tuple[ast.AST, str]]:
+    """(node, dotted module name) for every import statement and every ``import_module`` /
+    ``__import__`` call with a literal name, at any depth."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            found.append((node, node.module or ""))
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if called in ("import_module", "__import__") and isinstance(node.args[0].value, str):
+                found.append((node, node.args[0].value))
+    return found
+
+
+def checkout_imports(package: Path) -> List[str]:
+    """``file:line: module`` for every import in ``package`` of a checkout-only folder."""
+    bad = []
+    for path in sorted(package.rglob("*.py")):
+        imports = _imported_names(ast.parse(path.read_text(encoding="utf-8")))
+        for node, name in sorted(imports, key=lambda found: found[0].lineno):
+            if name.split(".")[0] in CHECKOUT_ONLY:
+                bad.append(f"{path.relative_to(package.parent)}:{node.lineno}: {name}")
+    return bad
+
+
+def test_the_package_imports_nothing_from_the_checkout():
+    """The wheel is the plugin: no module of the package imports lab/, validation/,
+    benchmarks/ or tests/ (each is missing from a pip install)."""
+    assert checkout_imports(ROOT / PACKAGE) == []
+
+
+def test_an_import_of_the_lab_is_found(tmp_path):
+    package = tmp_path / PACKAGE
+    (package / "core").mkdir(parents=True)
+    (package / "__init__.py").write_text("import torch\n")
+    (package / "core" / "a.py").write_text(
+        "def f():\n    from lab.demo import train\n    import validation.real_stack_mcore\n")
+    (package / "core" / "b.py").write_text(
+        "import importlib\nimportlib.import_module('benchmarks.x')\nfrom support import y\n")
+    assert checkout_imports(package) == [
+        f"{PACKAGE}/core/a.py:2: lab.demo", f"{PACKAGE}/core/a.py:3: validation.real_stack_mcore",
+        f"{PACKAGE}/core/b.py:2: benchmarks.x", f"{PACKAGE}/core/b.py:3: support"]
 
 
 def test_tests_import_shared_helpers_from_support_only():
@@ -119,65 +165,55 @@ def test_tests_import_shared_helpers_from_support_only():
 
 
 #: The allow-list of the wheel: the package's directories whose modules ship (a new directory
-#: ships only once it is named here), and the test tools inside the package that do not.
-WHEEL_DIRS = ("", "backends", "cli", "config_check", "config_check/rules", "core", "demo",
+#: ships only once it is named here).
+WHEEL_DIRS = ("", "adapters", "backends", "cli", "config_check", "config_check/rules", "core",
               "integrations", "integrations/nemo", "kernels", "nemo", "planner", "sync")
-TEST_TOOLS = ("demo/faults",)
+#: Names of modules and packages that exist for tests or evidence, never for a training job:
+#: fault injection, evidence logs and judges, CPU redirects that patch torch, sleep models.
+#: They live in lab/; the wheel holds none of them, wherever in the package one would appear.
+EVIDENCE_NAMES = ("faults", "evidence", "cpu_redirects*", "*_judge", "sleep_model", "demo")
 #: Data files that ship with the modules (pyproject.toml's package-data).
 DATA_FILES = ("config_check/megatron_lm_flags.txt",)
 DIST_INFO = ("METADATA", "WHEEL", "RECORD", "entry_points.txt", "top_level.txt")
 
 
-def _allowed_wheel_files(version: str) -> Set[str]:
+def is_evidence(path: str) -> bool:
+    """Whether a file path names a module or package of :data:`EVIDENCE_NAMES` (``a/faults/x.py``,
+    ``a/cpu_redirects_x.py``, ``a/gpu_judge.py``)."""
+    parts = Path(path).with_suffix("").parts
+    return any(fnmatch.fnmatchcase(part, pattern) for part in parts for pattern in EVIDENCE_NAMES)
+
+
+def allowed_wheel_files(package: Path, version: str) -> Set[str]:
     """Every runtime module of the checkout (``*.py`` directly in a :data:`WHEEL_DIRS`
-    directory, none under :data:`TEST_TOOLS`) and the wheel's own metadata."""
+    directory, not named as evidence) and the wheel's own metadata."""
     modules = {f"{PACKAGE}/{d + '/' if d else ''}{p.name}"
-               for d in WHEEL_DIRS for p in (ROOT / PACKAGE / d).glob("*.py")}
-    return (modules | {f"{PACKAGE}/{name}" for name in DATA_FILES}
+               for d in WHEEL_DIRS for p in (package / d).glob("*.py")}
+    return ({m for m in modules if not is_evidence(m)}
+            | {f"{PACKAGE}/{name}" for name in DATA_FILES}
             | {f"{PACKAGE}-{version}.dist-info/{n}" for n in DIST_INFO})
 
 
-def _build_wheel(out: Path) -> Path:
-    """The wheel of a clean copy of the sources: an in-tree build would also pack whatever a
-    stale ``build/`` or ``*.egg-info`` left there."""
-    src = out / "src"
-    shutil.copytree(ROOT / PACKAGE, src / PACKAGE,
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(ROOT / name, src / name)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                    "-q", "-w", str(out), str(src)], check=True,
-                   env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
-    (wheel,) = out.glob("*.whl")
-    return wheel
+def test_evidence_modules_are_not_allowed(tmp_path):
+    """A module of the evidence kind is refused even in a directory that ships."""
+    for rel in ("core/evidence.py", "core/faults/__init__.py", "backends/cpu_redirects.py",
+                "backends/cpu_redirects_megatron_lm.py", "sync/megatron_lm_gpu_judge.py",
+                "planner/sleep_model.py", "aligner_ok.py"):
+        (tmp_path / PACKAGE / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / PACKAGE / rel).write_text("")
+    allowed = allowed_wheel_files(tmp_path / PACKAGE, "0")
+    assert {n for n in allowed if n.endswith(".py")} == {f"{PACKAGE}/aligner_ok.py"}
 
 
 @pytest.mark.slow
 def test_the_wheel_holds_exactly_the_runtime_package(tmp_path):
     """Allow-list: the wheel's files are the runtime modules and the metadata, nothing else (no
     tests/support scaffolding, no fault injection), and every runtime module is there."""
-    wheel = _build_wheel(tmp_path)
+    wheel = build_wheel(tmp_path)
     names = set(zipfile.ZipFile(wheel).namelist())
     version = wheel.name.split("-")[1]
-    allowed = _allowed_wheel_files(version)
+    allowed = allowed_wheel_files(ROOT / PACKAGE, version)
     assert f"{PACKAGE}/core/aligner.py" in allowed
-    assert not any(n.startswith(f"{PACKAGE}/{t}") for t in TEST_TOOLS for n in allowed)
+    assert [n for n in names if is_evidence(n)] == [], "evidence shipped"
     assert sorted(names - allowed) == [], "shipped but not allowed"
     assert sorted(allowed - names) == [], "runtime modules missing from the wheel"
-
-
-@pytest.mark.slow
-def test_demo_fault_from_the_wheel_says_it_is_a_test_tool(tmp_path):
-    """The installed package has no fault injection: ``demo --fault`` exits 2 saying it runs
-    from a source checkout (the checkout's own package is not on the path here)."""
-    site = tmp_path / "site"
-    zipfile.ZipFile(_build_wheel(tmp_path)).extractall(site)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    run = subprocess.run([sys.executable, "-m", PACKAGE, "demo", "--fault",
-                          "mismatch_on_one_rank"], cwd=site, env=env, capture_output=True,
-                         text=True, timeout=120)
-    assert run.returncode == 2, (run.stdout, run.stderr)
-    assert "fault injection is a test tool that runs from a source checkout" in run.stderr
-    where = subprocess.run([sys.executable, "-c", f"import {PACKAGE}; print({PACKAGE}.__file__)"],
-                           cwd=site, env=env, capture_output=True, text=True, check=True)
-    assert where.stdout.strip() == str(site / PACKAGE / "__init__.py")

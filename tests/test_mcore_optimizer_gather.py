@@ -1,6 +1,6 @@
 """megatron-core 0.7.0 and 0.8.0, whose DistributedOptimizer owns the parameter all-gather (one
 chain per optimizer from ``zero_grad``, no per-chunk ``start_param_sync``): the engine through
-:class:`~nemo_fp8_align.sync.mcore_optimizer_hold.McoreOptimizerHold`, on the real schedule,
+:class:`~nemo_fp8_align.adapters.mcore_optimizer.McoreOptimizerAdapter`, on the real schedule,
 DDP and DistributedOptimizer of the installed version (make test puts each first on
 PYTHONPATH). One shared multi-rank run per policy: aligned, lazy (megatron-core alone), off.
 
@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     reason="megatron-core >= 0.9: the DDP chunks own the all-gather (test_engine_mcore)")]
 
 from nemo_fp8_align.core.schedule import InterleavedSchedule  # noqa: E402
-from nemo_fp8_align.demo.launch import alignment_problems, differences  # noqa: E402
+from lab.demo.launch import alignment_problems, differences  # noqa: E402
 from support.demo_runs import demo  # noqa: E402
 
 
@@ -98,7 +98,7 @@ def test_schedule_finishing_each_chunk_itself_delay_param_gather():
     ("slot_shift", "aligned slot"),  # one forward late on every rank but the first
 ])
 def test_the_fault_battery_s_engine_faults_are_caught_here_too(fault, seen):
-    from nemo_fp8_align.demo.launch import DemoRankError
+    from lab.demo.launch import DemoRankError
 
     try:
         run = demo(*_shape(), "aligned", steps=3, fault=fault)
@@ -113,8 +113,8 @@ def test_an_error_on_one_rank_stops_every_rank_at_the_step_end(fault):
     """The step end of this hold (chunk 0's finish_grad_sync) carries the agreement: the faulty
     rank's error stops every rank there, each with its own message (test_no_hang's check)."""
     from nemo_fp8_align.config import Policy
-    from nemo_fp8_align.demo.launch import DemoRankError, run_demo
-    from nemo_fp8_align.demo.train import DemoOptions
+    from lab.demo.launch import DemoRankError, run_demo
+    from lab.demo.train import DemoOptions
     from support.rank_errors import check_every_rank_stopped
 
     pp, _, dp, m = _shape()  # VP 2: the messages support/rank_errors.py expects
@@ -127,7 +127,7 @@ def test_an_error_on_one_rank_stops_every_rank_at_the_step_end(fault):
 
 def test_without_the_optimizer_align_fp8_transposes_says_how():
     from nemo_fp8_align.errors import UnsupportedSetupError
-    from nemo_fp8_align.integrations.megatron_core import _optimizer_owned
+    from nemo_fp8_align.assemble import _optimizer_owned
 
     with pytest.raises(UnsupportedSetupError, match=r"megatron-core 0\.[78]\.0: the parameter "
                        r"all-gather belongs to the DistributedOptimizer.*optimizer=<what "
@@ -146,11 +146,11 @@ def _one_process_optimizer(monkeypatch):
     from megatron.core.transformer import TransformerConfig
 
     from nemo_fp8_align.backends.reference import ReferenceBackend
-    from nemo_fp8_align.demo.mcore_versions import ddp_groups
-    from nemo_fp8_align.demo.model import DemoModelConfig, GPTChunk
-    from nemo_fp8_align.demo.options import DemoOptions
-    from nemo_fp8_align.demo.train import _optimizer
-    from nemo_fp8_align.integrations import groups
+    from lab.demo.mcore_versions import ddp_groups
+    from lab.demo.model import DemoModelConfig, GPTChunk
+    from lab.demo.options import DemoOptions
+    from lab.demo.train import _optimizer
+    from nemo_fp8_align.adapters import groups
     from support.one_process import gloo_world
 
     real = groups.resolve_ranks
@@ -177,12 +177,10 @@ def test_the_hold_on_a_real_optimizer_chain_and_nothing_left_after_restore(monke
     the dispatches of each chunk's first all-gather; a chunk is complete only once this step's
     chain has gathered it (after an optimizer step, an older chain's record says nothing);
     restore leaves no instance attribute behind."""
-    from nemo_fp8_align.sync.mcore_optimizer import McoreOptimizerParamSync
-    from nemo_fp8_align.sync.mcore_optimizer_hold import McoreOptimizerHold
+    from nemo_fp8_align.adapters.mcore_optimizer import McoreOptimizerAdapter
 
     with _one_process_optimizer(monkeypatch) as (chunks, _, _, optimizer, _):
-        sync = McoreOptimizerParamSync(optimizer)
-        hold = McoreOptimizerHold(chunks, sync)
+        sync = hold = McoreOptimizerAdapter(chunks, optimizer)
         launched, ends = [], []
         hold.install(launched.append, lambda: ends.append(1))
         (inner,) = sync.optimizers
@@ -215,7 +213,7 @@ STAGES = {
     "build observer (telemetry)": lambda mp: mp.setattr(
         "nemo_fp8_align.core.observe.BuildObserver._started", property(_fail)),
     "optimizer hold": lambda mp: mp.setattr(
-        "nemo_fp8_align.sync.mcore_optimizer_hold.McoreOptimizerHold.install", _fail),
+        "nemo_fp8_align.adapters.mcore_optimizer.McoreOptimizerAdapter.install", _fail),
 }
 
 

@@ -6,8 +6,6 @@ optimizer; flags modelling >= 0.9's DDP paths are refused by the demo, with the 
 starts)."""
 
 import dataclasses
-import subprocess
-import sys
 
 import pytest
 
@@ -24,8 +22,9 @@ OPTIMIZER_OWNED = "overlap_param_gather" not in {
 
 
 def _demo(*flags):
-    return subprocess.run([sys.executable, "-m", "nemo_fp8_align", "demo", *flags],
-                          capture_output=True, text=True, timeout=600)
+    from support.demo_runs import demo_cli
+
+    return demo_cli(*flags)
 
 
 def test_the_gather_owner_is_read_from_this_versions_ddp_config():
@@ -35,7 +34,7 @@ def test_the_gather_owner_is_read_from_this_versions_ddp_config():
 
 
 def test_align_fp8_transposes_needs_the_optimizer_only_where_it_owns_the_gather():
-    from nemo_fp8_align.integrations.megatron_core import _optimizer_owned
+    from nemo_fp8_align.assemble import _optimizer_owned
 
     if not OPTIMIZER_OWNED:
         assert _optimizer_owned(None) is False  # the DDP chunks' all-gather: nothing needed
@@ -121,16 +120,16 @@ def test_a_chunk_without_overlap_param_gather_is_refused_with_the_nemo_20_fix(mo
     NeMo 2.0.0 built, with overlap_param_gather off."""
     from support.ddp_chunks import ddp_chunks
 
-    from nemo_fp8_align.sync.mcore import McoreParamSync
+    from nemo_fp8_align.adapters.mcore_ddp import McoreDDPAdapter
 
     with ddp_chunks(monkeypatch) as (chunks, _config, _backend):
-        McoreParamSync(chunks)
+        McoreDDPAdapter(chunks)
         chunks[1].ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True,
                                                              overlap_param_gather=False)
         with pytest.raises(UnsupportedSetupError, match="model chunk 1: DistributedDataParallel"
                            r"Config.overlap_param_gather=False.*model.optim.overlap_param_gather"
                            "=true"):
-            McoreParamSync(chunks)
+            McoreDDPAdapter(chunks)
 
 
 def test_nemos_mcore_optimizer_is_refused_where_the_optimizer_owns_the_gather():
@@ -139,16 +138,16 @@ def test_nemos_mcore_optimizer_is_refused_where_the_optimizer_owns_the_gather():
     the fixes. The model is a holder of the one flag read (NeMo does not install with them)."""
     from types import SimpleNamespace
 
-    from nemo_fp8_align.integrations.nemo.build import _param_sync
+    from nemo_fp8_align.integrations.nemo.build import refuse_owned_gather
 
     model = SimpleNamespace(use_mcore_dist_optim=True)
     if not OPTIMIZER_OWNED:
-        assert _param_sync(model, []) is not None
+        refuse_owned_gather(model)  # nothing refused
         return
     with pytest.raises(UnsupportedSetupError, match=f"megatron-core "
                        f"{mcore_version.installed_version()} with NeMo's mcore_distributed_optim"
                        r".*distributed_fused_adam.*megatron-core >= 0\.9\.0.*policy=off"):
-        _param_sync(model, [])
+        refuse_owned_gather(model)
 
 
 # --- check --megatron-core: the version table and the check's verdicts against this version's

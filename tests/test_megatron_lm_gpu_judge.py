@@ -9,9 +9,9 @@ import pytest
 from nemo_fp8_align.config import Policy
 from nemo_fp8_align.core.observe import expected_position
 from nemo_fp8_align.core.schedule import InterleavedSchedule
-from nemo_fp8_align.demo.megatron_lm_gpu import gpu_argv
-from nemo_fp8_align.demo.megatron_lm_gpu_judge import gpu_problems, observed_slots
-from nemo_fp8_align.demo.options import DemoOptions
+from lab.demo.megatron_lm_gpu import gpu_argv
+from lab.demo.megatron_lm_gpu_judge import gpu_problems, observed_slots
+from lab.demo.options import DemoOptions
 
 OPTS = DemoOptions(pp=2, vp=2, microbatches=4, steps=3, device="cuda", policy=Policy.OFF)
 SCHEDULE = InterleavedSchedule(2, 2, 4, None)
@@ -122,11 +122,11 @@ def test_gpu_argv_carries_the_recipe_and_refuses_blackwell_ones():
 def test_cli_refuses_device_cuda_where_it_cannot_run(argv, says, capsys):
     import torch
 
-    from nemo_fp8_align.cli import main
+    from lab.demo.cli import main
 
     if "--loop" in argv and torch.cuda.is_available():
         pytest.skip("a CUDA device is visible here")
-    assert main(["demo"] + argv) == 2
+    assert main(argv) == 2
     assert says in capsys.readouterr().err
 
 
@@ -142,7 +142,7 @@ def test_aligned_needs_valid_transposes_at_first_use_and_the_plugins_records():
 def test_a_cuda_rank_runs_the_gpu_entry_point(monkeypatch):
     """launch_megatron_lm's rank entry hands --device cuda ranks to megatron_lm_gpu (the GPU
     run went through it; the CPU ranks keep megatron_lm_loop.run_rank)."""
-    from nemo_fp8_align.demo import launch_megatron_lm, megatron_lm_gpu
+    from lab.demo import launch_megatron_lm, megatron_lm_gpu
 
     calls = []
     monkeypatch.setattr(megatron_lm_gpu, "run_gpu_rank", lambda *a: calls.append(a))
@@ -157,7 +157,7 @@ def test_cuda_ranks_are_spawned_not_forked(device, method, monkeypatch):
     ranks cannot use (seen on the H100: 'Cannot re-initialize CUDA in forked subprocess')."""
     import dataclasses
 
-    from nemo_fp8_align.demo import launch_megatron_lm
+    from lab.demo import launch_megatron_lm
 
     seen = []
 

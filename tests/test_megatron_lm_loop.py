@@ -4,8 +4,6 @@ plugin attached by a ``ModelConfig.post_wrap_hooks`` entry. Needs megatron-core 
 (.venv-mcore019); each run spawns 4 processes (~1-5 minutes each, depending on load)."""
 
 import functools
-import subprocess
-import sys
 
 import pytest
 
@@ -14,10 +12,10 @@ pytest.importorskip("megatron.training.models", reason="Megatron-LM's loop ships
 pytest.importorskip("omegaconf")
 
 from nemo_fp8_align.config import Policy  # noqa: E402
-from nemo_fp8_align.demo.launch import alignment_problems, differences, format_report  # noqa: E402
-from nemo_fp8_align.demo.launch_megatron_lm import run_megatron_lm_demo  # noqa: E402
-from nemo_fp8_align.demo.train import DemoOptions  # noqa: E402
-from nemo_fp8_align.errors import DemoRankError  # noqa: E402
+from lab.demo.launch import alignment_problems, differences, format_report  # noqa: E402
+from lab.demo.launch_megatron_lm import run_megatron_lm_demo  # noqa: E402
+from lab.demo.train import DemoOptions  # noqa: E402
+from lab.demo.ranks import DemoRankError  # noqa: E402
 from support.rank_errors import check_every_rank_stopped  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -77,10 +75,10 @@ def test_save_and_resume_through_megatron_lm_checkpointing_is_bit_identical():
 
 
 def test_cli_demo_loop_megatron_lm(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "nemo_fp8_align", "demo", "--loop",
-                          "megatron-lm", "--dp", "1", "--steps", "2",
-                          "--telemetry", str(tmp_path / "t.jsonl")],
-                         capture_output=True, text=True, timeout=900)
+    from support.demo_runs import demo_cli
+
+    out = demo_cli("--loop", "megatron-lm", "--dp", "1", "--steps", "2",
+                   "--telemetry", str(tmp_path / "t.jsonl"), timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "chunk 1: aligned slot 2; built at slots r0:2 r1:2" in out.stdout
     assert (tmp_path / "t.jsonl").read_text().count("\n") == 4  # step 1 x 2 ranks x 2 chunks
@@ -103,9 +101,9 @@ def test_an_error_on_one_rank_stops_every_rank_in_megatron_lm_loop(fault):
 def test_demo_loop_megatron_lm_fault_exits_1_with_every_ranks_message(capsys):
     """Issue 24's done-when: `demo --loop megatron-lm --fault mismatch_on_one_rank` exits 1 with
     StepMismatchError named by every rank (it printed OK, the fault ignored)."""
-    from nemo_fp8_align.cli import main
+    from lab.demo.cli import main
 
-    code = main(["demo", "--loop", "megatron-lm", "--dp", "2", "--fault",
+    code = main(["--loop", "megatron-lm", "--dp", "2", "--fault",
                  "mismatch_on_one_rank", "--steps", "3", "--timeout", "120"])
     err = capsys.readouterr().err
     assert code == 1, err[-3000:]

@@ -8,8 +8,8 @@ import pytest
 pytest.importorskip("megatron.core")
 
 from nemo_fp8_align.config import Policy  # noqa: E402
-from nemo_fp8_align.demo.launch import alignment_problems, differences, run_demo  # noqa: E402
-from nemo_fp8_align.demo.train import DemoOptions  # noqa: E402
+from lab.demo.launch import alignment_problems, differences, run_demo  # noqa: E402
+from lab.demo.train import DemoOptions  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

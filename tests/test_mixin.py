@@ -294,7 +294,7 @@ def test_detach_is_idempotent():
 
 BUCKET_SCRIPT = textwrap.dedent("""
     import os, sys, torch
-    from nemo_fp8_align.demo.cpu_redirects import enable_cpu_compat
+    from lab.demo.cpu_redirects import enable_cpu_compat
     enable_cpu_compat()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)

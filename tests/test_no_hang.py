@@ -15,8 +15,8 @@ import pytest
 pytest.importorskip("megatron.core")
 
 from nemo_fp8_align.config import Policy  # noqa: E402
-from nemo_fp8_align.demo.launch import DemoRankError, run_demo  # noqa: E402
-from nemo_fp8_align.demo.train import DemoOptions  # noqa: E402
+from lab.demo.launch import DemoRankError, run_demo  # noqa: E402
+from lab.demo.train import DemoOptions  # noqa: E402
 from support.rank_errors import EXPECTED, check_every_rank_stopped  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -52,14 +52,14 @@ def test_an_error_on_one_rank_stops_every_rank_at_the_step_end(shape, fault):
 def test_demo_command_exits_1_with_every_ranks_message(capsys):
     """The demo's default shape (PP 2); 0.7.0 refuses it before any rank starts
     (test_mcore_versions.py), and the pp4-dp1 rows above stop every rank there."""
-    from nemo_fp8_align.cli import main
+    from lab.demo.cli import main
     from nemo_fp8_align import mcore_versions as mcore_version
 
     rule = mcore_version.installed_rules().interleaved_pp_rule(2)
     if rule is not None:
         pytest.skip(rule)
 
-    assert main(["demo", "--fault", "mismatch_on_one_rank", "--timeout", str(TIMEOUT_S)]) == 1
+    assert main(["--fault", "mismatch_on_one_rank", "--timeout", str(TIMEOUT_S)]) == 1
     err = capsys.readouterr().err
     assert "FAILED: rank 0: StepMismatchError: nemo_fp8_align: rank 0 (pipeline rank 0" in err
     assert "FAILED: rank 1: StepMismatchError: nemo_fp8_align: forward 2 of step 1 on " \
@@ -67,10 +67,10 @@ def test_demo_command_exits_1_with_every_ranks_message(capsys):
 
 
 def test_demo_command_refuses_an_unknown_fault(capsys):
-    from nemo_fp8_align.cli import main
+    from lab.demo.cli import main
     from nemo_fp8_align import mcore_versions as mcore_version
 
     # a shape this version runs (0.7.0 refuses the default PP 2 first, as it should)
     pp = "4" if mcore_version.installed_rules().interleaved_pp_rule(2) else "2"
-    assert main(["demo", "--pp", pp, "--fault", "no_such_fault"]) == 2
+    assert main(["--pp", pp, "--fault", "no_such_fault"]) == 2
     assert "--fault no_such_fault: not a known fault; pass one of" in capsys.readouterr().err

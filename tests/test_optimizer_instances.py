@@ -6,16 +6,14 @@ each instance's all-gathers as it does the single one's. PP=2 VP=2 DP=4 in 2 ins
 ranks per run, in the demo's own loop and in Megatron-LM's ``train()`` (0.19)."""
 
 import importlib.util
-import subprocess
-import sys
 
 import pytest
 
 pytest.importorskip("megatron.core")
 
-from support.demo_runs import demo  # noqa: E402
+from support.demo_runs import demo, demo_cli  # noqa: E402
 
-from nemo_fp8_align.demo.launch import DemoRankError, alignment_problems, differences  # noqa: E402
+from lab.demo.launch import DemoRankError, alignment_problems, differences  # noqa: E402
 from nemo_fp8_align import mcore_versions as mcore_version  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -75,8 +73,8 @@ def test_megatron_lm_loop_with_two_instances():
     """Megatron-LM's own argument list with --num-distributed-optimizer-instances 2, its groups
     and train(), the plugin attached by the post-wrap hook: iterations 1 and 2 aligned."""
     from nemo_fp8_align.config import Policy
-    from nemo_fp8_align.demo.launch_megatron_lm import run_megatron_lm_demo
-    from nemo_fp8_align.demo.train import DemoOptions
+    from lab.demo.launch_megatron_lm import run_megatron_lm_demo
+    from lab.demo.train import DemoOptions
 
     result = run_megatron_lm_demo(DemoOptions(pp=2, vp=2, dp=4, microbatches=4, steps=3,
                                               policy=Policy.ALIGNED, dist_opt_instances=INSTANCES))
@@ -87,8 +85,7 @@ def test_megatron_lm_loop_with_two_instances():
 
 
 def test_instances_that_do_not_divide_dp_are_refused():
-    out = subprocess.run([sys.executable, "-m", "nemo_fp8_align", "demo", "--dp", "3",
-                          "--dist-opt-instances", "2"], capture_output=True, text=True)
+    out = demo_cli("--dp", "3", "--dist-opt-instances", "2")
     assert out.returncode == 2
     assert ("--dist-opt-instances 2: megatron-core splits the --dp 3 data-parallel ranks evenly "
             "into the instances, and 2 does not divide 3; pass --dp 4, or --dist-opt-instances 1"
@@ -98,8 +95,7 @@ def test_instances_that_do_not_divide_dp_are_refused():
 @pytest.mark.skipif(HAS, reason=f"megatron-core {VERSION} has optimizer instances")
 def test_before_0_10_the_flag_is_refused_with_the_version():
     # PP 4: 0.7.0 refuses interleaving at PP 2 before it reads this flag
-    out = subprocess.run([sys.executable, "-m", "nemo_fp8_align", "demo", "--pp", "4",
-                          "--dp", "2", "--dist-opt-instances", "2"], capture_output=True, text=True)
+    out = demo_cli("--pp", "4", "--dp", "2", "--dist-opt-instances", "2")
     assert out.returncode == 2
     assert (f"--dist-opt-instances 2: megatron-core {VERSION} (before 0.10) has one distributed-"
             "optimizer instance only") in out.stderr

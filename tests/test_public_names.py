@@ -44,8 +44,8 @@ def test_every_public_name_resolves_to_its_module_object(name):
 @pytest.mark.parametrize("name,module", [("TransposeAligner", "core.aligner"),
                                          ("ReferenceBackend", "backends.reference"),
                                          ("StaleFP8Error", "errors")])
-def test_internal_names_are_not_exported_and_the_error_says_where_they_live(name, module):
-    with pytest.raises(AttributeError, match=f"import it from nemo_fp8_align.{module}"):
+def test_internal_names_are_not_exported_but_live_in_their_module(name, module):
+    with pytest.raises(AttributeError, match=f"no attribute '{name}'$"):
         getattr(nemo_fp8_align, name)
     assert hasattr(importlib.import_module(f"nemo_fp8_align.{module}"), name)
     with pytest.raises(AttributeError, match="no attribute 'no_such_name'$"):

@@ -21,8 +21,8 @@ from support.demo_runs import demo  # noqa: E402
 import argparse  # noqa: E402
 
 from nemo_fp8_align.recipes import RECIPE_KIND  # noqa: E402
-from nemo_fp8_align.cli.demo import recipe_problem  # noqa: E402
-from nemo_fp8_align.demo.launch import alignment_problems, differences  # noqa: E402
+from lab.demo.cli import recipe_problem  # noqa: E402
+from lab.demo.launch import alignment_problems, differences  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ def test_records_keep_the_newest_and_stay_bounded(monkeypatch):
     monkeypatch.setattr(aligner_module, "RECORDS_KEPT", 5)
     aligner = TransposeAligner(
         [torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)], schedule=InterleavedSchedule(2, 2, 4, None),
-        pp_rank=0, dp_rank=0, param_sync=None, weights=[[], []], backend=ReferenceBackend(),
+        pp_rank=0, dp_rank=0, adapter=None, weights=[[], []], backend=ReferenceBackend(),
         config=AlignConfig())
     for step in range(100):
         aligner._step = step

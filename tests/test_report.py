@@ -127,7 +127,9 @@ def test_report_plot(tmp_path, capsys):
 def test_report_on_a_fresh_demo_run(tmp_path, capsys):
     pytest.importorskip("megatron.core")
     telemetry = tmp_path / "t.jsonl"
-    assert main(["demo", "--pp", "2", "--vp", "2", "--dp", "2", "--microbatches", "4",
+    from lab.demo.cli import main as demo_main
+
+    assert demo_main(["--pp", "2", "--vp", "2", "--dp", "2", "--microbatches", "4",
                  "--steps", "2", "--telemetry", str(telemetry)]) == 0
     capsys.readouterr()
     assert main(["report", str(telemetry)]) == 0

@@ -119,7 +119,7 @@ def _megatron_accepts(monkeypatch, pp, m, n):
 
     from megatron.core import parallel_state
 
-    from nemo_fp8_align.demo.cpu_redirects import enable_cpu_compat
+    from lab.demo.cpu_redirects import enable_cpu_compat
 
     monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_world_size", lambda *a, **k: pp)
     monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_rank", lambda *a, **k: 0)
@@ -185,7 +185,7 @@ def test_schedule_for_picks_the_order_of_the_installed_config():
     """The installed megatron-core's own TransformerConfig decides the order: grouped by N from
     0.10 on, the legacy order (groups of PP, M a multiple of PP) before (make test runs this on
     0.7.0, 0.8.0 and 0.9.0 too)."""
-    from nemo_fp8_align.integrations.megatron_core import schedule_for
+    from nemo_fp8_align.assemble import schedule_for
 
     if not has_group_size():
         old = schedule_for(model_config(2, 2), pp=2, vp=2, num_microbatches=6)

@@ -12,7 +12,7 @@ from support.aligner_rank import make_rank, run_training_step
 
 def with_finalize(**kw):
     r = make_rank(pp=2, vp=2, m=2, rank=1, **kw)
-    assert r.aligner.attach(r.hold)
+    assert r.aligner.attach()
     return r
 
 
@@ -67,7 +67,7 @@ def test_without_a_step_end_the_error_is_raised_at_the_next_steps_first_launch()
     pipeline communication, the same point on every rank) ends the step instead. Never raised
     inside the schedule, where the peers would block in their receives."""
     r = make_rank(pp=2, vp=2, m=2, rank=1)
-    r.aligner.attach(r.hold)
+    r.aligner.attach()
     r.config.param_sync_func[0]()
     r.config.param_sync_func[1]()
     r.chunks[1](torch.ones(1))  # held

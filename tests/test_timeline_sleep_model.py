@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nemo_fp8_align.demo.sleep_model import SleepCosts, attach_sleep_costs
+from lab.demo.sleep_model import SleepCosts, attach_sleep_costs
 from nemo_fp8_align.backends.reference import ReferenceBackend, ReferenceFP8Weight
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -2,12 +2,12 @@
 them inside ``finish_param_sync`` (>= 0.16 with TE >= 2.10: its post-all-gather processing).
 
 megatron-core's bucket groups post-process only TE Float8Tensor parameters, which do not exist
-on the CPU: the groups here are stand-ins with the attributes McoreParamSync uses, on a fake
+on the CPU: the groups here are stand-ins with the attributes McoreDDPAdapter uses, on a fake
 clock (the all-gather takes 5, the post-processing build 3)."""
 
 from nemo_fp8_align.config import AlignConfig
 from nemo_fp8_align.core.aligner import TransposeAligner
-from nemo_fp8_align.sync.mcore import McoreParamSync
+from nemo_fp8_align.adapters.mcore_ddp import McoreDDPAdapter
 
 from support.aligner_rank import make_rank, run_training_step
 
@@ -59,22 +59,18 @@ class BucketGroup:
                 w.valid, w.builds = True, w.builds + 1
 
 
-class DDPChunk:
-    def __init__(self, group):
-        self.bucket_groups = [group]
-
-
 def test_records_time_the_wait_apart_from_a_build_inside_finish():
     clock = Clock()
     r = make_rank(pp=2, vp=2, m=2, rank=1)
     groups = [BucketGroup(clock, ws) for ws in r.weights]
     for chunk, group in zip(r.chunks, groups):
         chunk._launch = group.start_param_sync
+        chunk.bucket_groups = [group]
     r.aligner = TransposeAligner(r.chunks, schedule=r.schedule, pp_rank=1, dp_rank=0,
-                                 param_sync=McoreParamSync([DDPChunk(g) for g in groups]),
+                                 adapter=McoreDDPAdapter(r.chunks, r.config),
                                  weights=r.weights, backend=r.aligner.backend,
                                  config=AlignConfig(), clock=clock)
-    r.aligner.attach(r.hold)
+    r.aligner.attach()
     run_training_step(r)
     assert len(r.aligner.records) == 2
     for rec in r.aligner.records:

@@ -1,7 +1,7 @@
 """``demo --loop megatron-lm --device cuda`` checked on one GPU (several ranks sharing it through
 CUDA MPS): Megatron-LM's own ``pretrain``/``train()`` from the megatron-core 0.19.2 wheel, the
 GPT built by Megatron-LM's ``gpt_config_from_args`` with Transformer Engine ``Float8Tensor``
-weights, the plugin attached by ``post_wrap_hook()`` (nemo_fp8_align/demo/megatron_lm_gpu.py).
+weights, the plugin attached by ``post_wrap_hook()`` (lab/demo/megatron_lm_gpu.py).
 
 For one shape (``--pp``, VP=2): off, lazy and aligned jobs with an evaluation every 2 iterations,
 each judged by demo/megatron_lm_gpu_judge.py (TE's own builds, where and how often), and their
@@ -27,8 +27,8 @@ from typing import Any, Dict, List
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
 
 from nemo_fp8_align.config import Policy  # noqa: E402
-from nemo_fp8_align.demo.model import DemoModelConfig  # noqa: E402
-from nemo_fp8_align.demo.options import DemoOptions  # noqa: E402
+from lab.demo.model import DemoModelConfig  # noqa: E402
+from lab.demo.options import DemoOptions  # noqa: E402
 
 #: The fault's error class, which every rank must raise (tests/support/rank_errors.py).
 FAULT_ERRORS = {"capture_on_one_rank": "CudaGraphCaptureError",
@@ -47,8 +47,8 @@ def _opts(a: argparse.Namespace, **extra: Any) -> DemoOptions:
 
 
 def _run(opts: DemoOptions) -> Dict[str, Any]:
-    from nemo_fp8_align.demo.launch_megatron_lm import run_megatron_lm_demo
-    from nemo_fp8_align.demo.megatron_lm_gpu_judge import gpu_problems
+    from lab.demo.launch_megatron_lm import run_megatron_lm_demo
+    from lab.demo.megatron_lm_gpu_judge import gpu_problems
 
     t0 = time.time()
     try:

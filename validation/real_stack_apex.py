@@ -1,5 +1,5 @@
 """NeMo's MegatronDistributedFusedAdam (Apex DistributedFusedAdam) + TE FP8 parameters + the
-plugin's ApexParamSync, several ranks on one GPU.
+plugin's ApexAdapter, several ranks on one GPU.
 
 The same GPT chunks as validation/real_stack_mcore.py (megatron-core TE layer spec, ``fp8_param=True``,
 bf16), but no megatron-core DDP: the optimizer is NeMo 2.3.3's
@@ -10,7 +10,7 @@ the transpose caches) with ``overlap_grad_sync`` and ``overlap_param_sync``, set
 ``no_sync_func`` / ``grad_sync_func`` / ``param_sync_func`` bound to the optimizer as NeMo's
 ``fwd_bwd_step`` binds them). If NeMo's optimizer does not import, Apex's
 ``DistributedFusedAdam`` is used directly and the summary says so. The plugin is a
-``TransposeAligner`` over ``ApexParamSync`` (what the NeMo mixin builds).
+``TransposeAligner`` over ``ApexAdapter`` (what the NeMo mixin builds).
 
 Usage: python3 validation/real_stack_apex.py --dp 2 --recipe delayed --out DIR
 """
@@ -65,7 +65,7 @@ def _optimizer(chunks: List[torch.nn.Module], bucket_cap_mb: float):
 
 class CopyWatch:
     """Apex's parameter copies inside the schedule (its pre-forward hook, or the plugin's
-    ApexParamSync): how many found a needed bucket never launched (SHARDED: a blocking
+    ApexAdapter): how many found a needed bucket never launched (SHARDED: a blocking
     all-gather right there)."""
 
     def __init__(self, opt: Any) -> None:
@@ -92,11 +92,10 @@ def run_policy(o: mcore.Opts, policy: str, out_dir: str, rank: int, run_index: i
 
     from nemo_fp8_align.config import AlignConfig, Policy
     from nemo_fp8_align.core.aligner import TransposeAligner
-    from nemo_fp8_align.integrations.megatron_core import schedule_for, telemetry_writer
+    from nemo_fp8_align.assemble import schedule_for, telemetry_writer
     from nemo_fp8_align.core.telemetry import record_problems
     from nemo_fp8_align.backends.te import TEBackend
-    from nemo_fp8_align.sync.apex import ApexParamSync
-    from nemo_fp8_align.sync.apex_hold import ApexHold
+    from nemo_fp8_align.adapters.apex import ApexAdapter
 
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     dp_rank = parallel_state.get_data_parallel_rank()
@@ -114,16 +113,16 @@ def run_policy(o: mcore.Opts, policy: str, out_dir: str, rank: int, run_index: i
     config.no_sync_func = partial(opt.no_sync, greedy_grad_copy=True)
     config.grad_sync_func = opt.try_grad_sync
     config.finalize_model_grads_func = None
-    sync = ApexParamSync(opt, chunk_params)
+    sync = ApexAdapter(opt, chunks)
     align = AlignConfig(policy=Policy(policy),
                         telemetry_path=os.path.join(out_dir, f"telemetry.run{run_index}.rank{rank}.jsonl"))
     aligner = TransposeAligner(
         chunks, schedule=schedule_for(config, pp=o.pp, vp=o.vp, num_microbatches=o.microbatches),
-        pp_rank=pp_rank, dp_rank=dp_rank, param_sync=sync, weights=weights, backend=backend,
+        pp_rank=pp_rank, dp_rank=dp_rank, adapter=sync, weights=weights, backend=backend,
         config=align, telemetry=telemetry_writer(align.telemetry_path))
-    hold = ApexHold(chunks)  # NeMo's path: launches reported by its sync_overlap_parameters
-    aligner.attach(hold)
-    config.param_sync_func = hold.wrap(opt._try_start_bucket_param_sync)  # NeMo binds this
+    aligner.attach()
+    # NeMo's path: its sync_overlap_parameters starts the sync, then reports the launch.
+    config.param_sync_func = _reporting_launches(opt._try_start_bucket_param_sync, sync)
     watch = common.TransposeWatch()
     for c, ws in enumerate(weights):
         watch.watch(c, ws, prefix="")
@@ -198,3 +197,14 @@ def run_policy(o: mcore.Opts, policy: str, out_dir: str, rank: int, run_index: i
 
 if __name__ == "__main__":
     sys.exit(mcore.main(runner=run_policy, description=__doc__))
+
+
+def _reporting_launches(sync: Any, adapter: Any) -> Any:
+    """``sync`` (a ``param_sync_func`` taking a chunk's parameters) reporting each launch to
+    ``adapter``, as NeMo's session does around its ``sync_overlap_parameters``."""
+    def param_sync(params: Any = None, **kwargs: Any) -> Any:
+        params = list(params) if params is not None else []  # the schedule passes a generator
+        out = sync(params, **kwargs)
+        adapter.launched(params, **kwargs)
+        return out
+    return param_sync

@@ -358,7 +358,7 @@ def _rank_main(rank: int, world_size: int, port: int, o: Opts, out_dir: str,
     common.init_rank(rank, world_size, port, "cpu" if o.cpu_dry_run else "cuda")
     compat = None
     if o.cpu_dry_run:
-        from nemo_fp8_align.demo.cpu_redirects import enable_cpu_compat
+        from lab.demo.cpu_redirects import enable_cpu_compat
         compat = enable_cpu_compat()
     runs = []
     try:

@@ -74,7 +74,7 @@ second)  # call 2: >= 50 timed steps per policy, PP=4 on both versions first
   bench mcore0192_pp4_r5 /tmp/m19 230 --pp 4 $COMMON --rounds 5
   bench mcore0161_pp4_r5 /tmp/m16 230 --pp 4 $COMMON --rounds 5
   bench mcore0192_pp2_r6 /tmp/m19 125 --pp 2 $COMMON --rounds 6;;
-round2a)  # issue 27, round 2 (pre-registered in benchmarks/planner_calibration_round2.md), call 1
+round2a)  # issue 27, round 2 (pre-registered in records/planner-calibration-round2.md), call 1
   R2="--heads 32 --seq 1024 --micro-batch-size 2 --transposes te,torch --rounds 5"
   bench round2_pp4_vp4 /tmp/m19 290 --pp 4 --vp 4 --microbatches 8 --hidden 4096 $R2 --time-budget 230
   bench round2_pp2_m16 /tmp/m19 200 --pp 2 --vp 2 --microbatches 16 --hidden 4096 $R2 --time-budget 150;;
@@ -82,16 +82,16 @@ round2b)  # issue 27, round 2, call 2
   bench round2_pp4_h6144 /tmp/m19 300 --pp 4 --vp 2 --microbatches 8 --hidden 6144 --heads 48 \
     --seq 1024 --micro-batch-size 2 --transposes te,torch --rounds 5 --time-budget 240;;
 round2c)  # issue 27, round 2 retried on an H200 (2026-12-07; the amendment in
-  # benchmarks/planner_calibration_round2.md): round2_pp4_vp4 as registered, then the PP=2 shape
+  # records/planner-calibration-round2.md): round2_pp4_vp4 as registered, then the PP=2 shape
   # again under its own name (the H100's 3-round run stays judged beside it)
   R2="--heads 32 --seq 1024 --micro-batch-size 2 --transposes te,torch --rounds 5"
   bench round2_pp4_vp4 /tmp/m19 290 --pp 4 --vp 4 --microbatches 8 --hidden 4096 $R2 --time-budget 230
   bench round2_pp2_m16_h200 /tmp/m19 200 --pp 2 --vp 2 --microbatches 16 --hidden 4096 $R2 --time-budget 150;;
-round3a)  # issue 27, round 3 (pre-registered in benchmarks/planner_calibration_round3.md), call 1
+round3a)  # issue 27, round 3 (pre-registered in records/planner-calibration-round3.md), call 1
   R3="--seq 1024 --micro-batch-size 2 --transposes te,torch --rounds 5"
   bench round3_pp4_vp4_h3072 /tmp/m19 250 --pp 4 --vp 4 --microbatches 8 --hidden 3072 --heads 24 $R3 --time-budget 200
   bench round3_pp4_h5120 /tmp/m19 280 --pp 4 --vp 2 --microbatches 8 --hidden 5120 --heads 40 $R3 --time-budget 225;;
-round4a)  # issue 27, round 4 (pre-registered in benchmarks/planner_calibration_round4.md), call 1:
+round4a)  # issue 27, round 4 (pre-registered in records/planner-calibration-round4.md), call 1:
   # round 3's two unmeasured shapes, 3 rounds each (the time budgets), with the gpu-only segment
   R4="--seq 1024 --micro-batch-size 2 --transposes te,torch --rounds 5 --gpu-only-steps 3"
   bench round3_pp4_h5120 /tmp/m19 250 --pp 4 --vp 2 --microbatches 8 --hidden 5120 --heads 40 $R4 --time-budget 180
@@ -99,7 +99,7 @@ round4a)  # issue 27, round 4 (pre-registered in benchmarks/planner_calibration_
 round4b)  # issue 27, round 4, call 2
   bench round4_pp4_vp4_h2048 /tmp/m19 300 --pp 4 --vp 4 --microbatches 8 --hidden 2048 --heads 16 \
     --seq 1024 --micro-batch-size 2 --transposes te,torch --rounds 5 --gpu-only-steps 3 --time-budget 240;;
-round5a)  # issue 27, round 5 (pre-registered in benchmarks/planner_calibration_round5.md): a GPU
+round5a)  # issue 27, round 5 (pre-registered in records/planner-calibration-round5.md): a GPU
   # per pipeline rank (4 GPUs), NCCL; rounds 3 and 4's shapes, call 1
   R5="--seq 1024 --micro-batch-size 2 --transposes te,torch --rounds 5 --p2p nccl"
   bench round5_pp4_vp4_h3072 /tmp/m19 280 --pp 4 --vp 4 --microbatches 8 --hidden 3072 --heads 24 $R5 --time-budget 220

@@ -1,4 +1,8 @@
-"""``nemo-fp8-align demo``: its flags, their validation, and the run.
+"""``python -m lab.demo``: the CPU demo's flags, their validation, and the run.
+
+The demo is the lab's, not the plugin's: it trains on CPU through redirects that patch torch,
+injects faults and judges the run with its own evidence, so it runs from a checkout (the
+repository root on ``sys.path``) and the wheel does not ship it.
 
 Every flag is checked before any process starts: a bad value ends in one line naming the flag,
 the value and the fix (exit status 2), never a traceback and never a run whose result is
@@ -10,21 +14,37 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 from nemo_fp8_align.config import Policy
-from nemo_fp8_align.cli.deps import DEMO_NEEDS, missing_dependency
+from nemo_fp8_align.cli.deps import missing_dependency
 
-__all__ = ["EXIT_BAD_INPUT", "add_demo_parser", "demo_input_problem", "telemetry_path_problem"]
+__all__ = ["EXIT_BAD_INPUT", "PROG", "build_parser", "demo_input_problem", "main",
+           "telemetry_path_problem"]
 
 EXIT_BAD_INPUT = 2
+#: The command as a user types it, for usage and error lines.
+PROG = "python -m lab.demo"
+#: (import name, distribution name, extra) the demo needs beyond the package itself.
+DEMO_NEEDS = (("torch", "torch", "mcore"), ("megatron.core", "megatron-core", "mcore"))
 LOOPS = ("schedule", "megatron-lm")
 RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8", "nvfp4")
 
 
-def add_demo_parser(sub: "argparse._SubParsersAction") -> None:
-    p = sub.add_parser("demo", help="train a small GPT on CPU/gloo with megatron-core's "
-                       "interleaved schedule and report where FP8 transposes ran")
+def main(argv: Optional[List[str]] = None) -> int:
+    """Parse the demo's flags, run it, and return its exit status (0 OK, 1 a check failed,
+    2 a bad flag)."""
+    args = build_parser().parse_args(argv)
+    from nemo_fp8_align.cli.pipes import closed_pipes_discarded
+
+    with closed_pipes_discarded():  # `... | head -1`: the demo's own status, no traceback
+        return args.func(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description="train a small GPT on CPU/gloo with "
+                                "megatron-core's interleaved schedule and report where FP8 "
+                                "transposes ran")
     p.add_argument("--pp", type=int, default=2, help="pipeline-parallel size (>= 2, default 2)")
     p.add_argument("--vp", type=int, default=2,
                    help="model chunks per pipeline rank (>= 2, default 2)")
@@ -42,8 +62,7 @@ def add_demo_parser(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--telemetry", metavar="PATH", default=None,
                    help="write one JSON line per (step, pp_rank, dp_rank, chunk) here")
     p.add_argument("--fault", metavar="NAME", default=None,
-                   help="a test tool, from a source checkout only (lab/demo/faults/ "
-                   "is not in the wheel): inject a named fault in every rank, e.g. "
+                   help="inject a named fault (lab/demo/faults/) in every rank, e.g. "
                    "mismatch_on_one_rank: the last rank runs an extra chunk forward in step "
                    "1; the demo then exits 1 with every rank's message")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
@@ -71,10 +90,11 @@ def add_demo_parser(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="with --loop megatron-lm: 'cuda' runs it on the GPU with Transformer "
                    "Engine FP8 weights, every rank sharing GPU 0 (start CUDA MPS to run them "
-                   "side by side; docs/megatron-lm.md), from a source checkout")
+                   "side by side; docs/megatron-lm.md)")
     p.add_argument("--resume-at", type=int, default=None, metavar="K",
                    help="save a checkpoint after K steps and resume from it in a new run")
     p.set_defaults(func=run_demo_command)
+    return p
 
 
 def demo_input_problem(args: argparse.Namespace) -> Optional[str]:
@@ -115,11 +135,8 @@ def demo_input_problem(args: argparse.Namespace) -> Optional[str]:
                 f"--pp = {pp}, which megatron-core rejects; pass --microbatches {fixed}")
     fault = getattr(args, "fault", None)
     if fault is not None:
-        faults = _faults()
-        if faults is None:
-            return (f"--fault {fault}: fault injection is a test tool that runs from a source "
-                    "checkout (lab/demo/faults/ is not in the installed wheel); run "
-                    "the demo from a checkout (pip install -e .), or leave --fault out")
+        from lab.demo import faults  # imports torch: only once a fault is asked for
+
         names = sorted({**faults.FAULTS, **faults.HARMLESS, **faults.RANK_ERRORS})
         if fault not in names:
             return f"--fault {fault}: not a known fault; pass one of " + ", ".join(names)
@@ -205,18 +222,6 @@ def _mcore_post_processes() -> bool:
     except ImportError:
         return True  # the missing dependency is reported on its own
     return hasattr(param_and_grad_buffer, "post_all_gather_processing")
-
-
-def _faults() -> Any:
-    """The fault-injection module, or None where it is absent (an installed wheel leaves it out)."""
-    import importlib
-
-    try:
-        return importlib.import_module("lab.demo.faults")  # torch only
-    except ModuleNotFoundError as err:
-        if err.name != "lab.demo.faults":
-            raise
-        return None
 
 
 def version_problem(args: argparse.Namespace) -> Optional[str]:
@@ -310,11 +315,11 @@ def run_demo_command(args: argparse.Namespace) -> int:
     problem = (demo_input_problem(args) or missing_dependency("demo", DEMO_NEEDS)
                or loop_problem(getattr(args, "loop", LOOPS[0])) or version_problem(args))
     if problem is not None:
-        print(f"nemo-fp8-align demo: error: {problem}", file=sys.stderr)
+        print(f"{PROG}: error: {problem}", file=sys.stderr)
         return EXIT_BAD_INPUT
     from lab.demo.launch import alignment_problems, format_report, run_demo
     from lab.demo.train import DemoOptions
-    from nemo_fp8_align.errors import DemoRankError
+    from lab.demo.ranks import DemoRankError
 
     opts = DemoOptions(pp=args.pp, vp=args.vp, dp=args.dp, microbatches=args.microbatches,
                        group_size=args.group_size, steps=args.steps, policy=Policy(args.policy),

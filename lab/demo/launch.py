@@ -10,11 +10,10 @@ from typing import Any, Dict, List, Optional
 
 from nemo_fp8_align.config import Policy
 from lab.demo.evidence import evidence_problems
-from lab.demo.ranks import read_results, spawn_and_wait
+from lab.demo.ranks import DemoRankError, read_results, spawn_and_wait
 from lab.demo.train import DemoOptions, run_rank
 from nemo_fp8_align.core.schedule import InterleavedSchedule
 from nemo_fp8_align.core.telemetry import record_problems
-from nemo_fp8_align.errors import DemoRankError
 
 __all__ = ["DemoRankError", "DemoResult", "run_demo", "alignment_problems", "differences", "format_report"]
 

@@ -44,8 +44,8 @@ _CPU_ONLY = {"--transformer-impl": 1, "--use-cpu-initialization": 0, "--no-save-
 
 
 def checkout_root() -> str:
-    import nemo_fp8_align
-    return os.path.dirname(os.path.dirname(os.path.abspath(nemo_fp8_align.__file__)))
+    """The checkout this lab sits in (its validation/ and benchmarks/ are beside lab/)."""
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def gpu_argv(cpu_argv: List[str], *, eval_interval: int, log_interval: int,
@@ -91,8 +91,8 @@ def init_gpu_groups(rank: int, world_size: int, groups: str) -> Dict[str, Any]:
     except ImportError as err:
         raise RuntimeError(
             f"demo --device cuda: the process groups for ranks sharing one GPU ({module_name}) "
-            "come from a source checkout of nemo_fp8_align (validation/, benchmarks/); run it "
-            "from a checkout (pip install -e .)") from err
+            f"come from the checkout's validation/ and benchmarks/, not found under {root}; run "
+            "python -m lab.demo from a full checkout") from err
     os.environ["LOCAL_RANK"] = "0"  # every rank's device is the one GPU
     torch.cuda.set_device(0)
     torch.distributed.init_process_group(getattr(module, setup)(), rank=rank,

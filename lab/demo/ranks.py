@@ -23,10 +23,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch.multiprocessing as mp
 
-from nemo_fp8_align.errors import DemoRankError
-
-__all__ = ["WAIT_BEYOND_TIMEOUT_S", "free_port", "read_results", "spawn_and_wait",
-           "write_error", "write_result"]
+__all__ = ["DemoRankError", "WAIT_BEYOND_TIMEOUT_S", "free_port", "read_results",
+           "spawn_and_wait", "write_error", "write_result"]
 
 #: Seconds the launcher waits for the ranks beyond their process groups' timeout.
 WAIT_BEYOND_TIMEOUT_S = 120.0
@@ -37,6 +35,16 @@ DEFAULT_PG_TIMEOUT_S = 1800.0
 PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.distributed",
            "megatron.core.optimizer", "megatron.core.pipeline_parallel",
            "lab.demo.train"]
+
+
+class DemoRankError(RuntimeError):
+    """One or more demo ranks failed; the message holds each failed rank's own error (its first
+    line), one per line; ``reports`` maps each failed rank to its whole text, ``times`` to when
+    it raised (``time.time()``), ``tracebacks`` to its traceback."""
+
+    reports: Dict[int, str] = {}
+    times: Dict[int, float] = {}
+    tracebacks: Dict[int, str] = {}
 
 
 def free_port() -> int:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Sequence
 
-from nemo_fp8_align.sync.forced_sync import param_of
+from nemo_fp8_align.adapters.mcore_ddp import param_of
 
 __all__ = ["route_post_processing"]
 

@@ -10,7 +10,7 @@ the installed megatron-core post-processes, and only there:
 
 * 0.16 / 0.17: in ``finish_param_sync``, when it waited for an all-gather (in flight, or
   dispatched by itself), not after a forced synchronous all-gather: the hazard
-  :mod:`nemo_fp8_align.sync.forced_sync` closes;
+  :mod:`nemo_fp8_align.adapters.mcore_ddp` closes;
 * >= 0.18: in the bucket group's ``_post_param_sync`` (also run after forced all-gathers).
 
 So the CPU runs meet the stale transposes a real TE job meets, on each megatron-core version.
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Sequence
 
-from nemo_fp8_align.sync.forced_sync import param_of, post_processes_forced_sync
+from nemo_fp8_align.adapters.mcore_ddp import param_of, post_processes_forced_sync
 
 __all__ = ["emulate_post_processing"]
 

@@ -240,7 +240,7 @@ class TEBackend:
         """Build the transposes that are missing or invalid; return how many were built.
 
         Expects the chunk's bytes in place (all-gather finished; with Apex's distributed Adam the
-        pre-forward copy done and its hook disarmed, which ``ApexParamSync`` does): validity is
+        pre-forward copy done and its hook disarmed, which ``ApexAdapter`` does): validity is
         read without firing attribute hooks, while the build itself calls TE's methods (or, on the
         kernel path, reads ``_data`` / ``_transpose``) through ordinary attribute access.
         """

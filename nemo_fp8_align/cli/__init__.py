@@ -1,6 +1,6 @@
 """``nemo-fp8-align`` (also ``python -m nemo_fp8_align``): one command line, one sub-command per
-module here: ``demo`` (the CPU demo), ``check`` (the startup config check), ``plan`` (the timeline
-model) and ``report`` (the telemetry judge).
+module here: ``check`` (the startup config check), ``plan`` (the timeline model) and ``report``
+(the telemetry judge). The CPU demo is the lab's, run from a checkout: ``python -m lab.demo``.
 
 Results go to stdout (the verdict, the violation list, the fix line, the table, JSON);
 diagnostics that are not the result (an unreadable input, a failed plot) go to stderr. A reader
@@ -19,9 +19,6 @@ __all__ = ["main"]
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="nemo-fp8-align", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    from nemo_fp8_align.cli.demo import add_demo_parser  # validates flags before any import
-
-    add_demo_parser(sub)
     from nemo_fp8_align.cli.check import add_check_parser  # imports no NeMo
 
     add_check_parser(sub)

@@ -10,17 +10,12 @@ from __future__ import annotations
 import importlib.util
 from typing import Optional, Sequence, Tuple
 
-__all__ = ["CHECK_NEEDS", "DEMO_NEEDS", "missing_dependency"]
+__all__ = ["CHECK_NEEDS", "missing_dependency"]
 
 #: (import name, distribution name, extra) that ``nemo-fp8-align check`` needs.
 CHECK_NEEDS: Tuple[Tuple[str, str, str], ...] = (
     ("omegaconf", "omegaconf", "hydra"),
     ("hydra", "hydra-core", "hydra"),
-)
-#: ...and ``nemo-fp8-align demo``.
-DEMO_NEEDS: Tuple[Tuple[str, str, str], ...] = (
-    ("torch", "torch", "mcore"),
-    ("megatron.core", "megatron-core", "mcore"),
 )
 
 

@@ -1,6 +1,7 @@
 """``nemo-fp8-align report TELEMETRY...``: a real run's telemetry (every rank's files, ``{rank}``
 templates expanded), judged by the project's judge
-(:func:`~nemo_fp8_align.core.telemetry.record_problems`, each record) and by
+(:func:`~nemo_fp8_align.core.telemetry.record_problems`, each record), by the cross-check of each
+record's fields against one another (:func:`field_problems`) and by
 :func:`~nemo_fp8_align.core.completeness.completeness_problems` (what should exist and does not,
 ranks that disagree), printed per chunk, with ``--plot`` drawn and with ``--baseline`` set
 against another run (A/B). Exit status: 1 when an invariant is broken (whatever else went
@@ -14,20 +15,23 @@ builds existed are read as well (the judges skip what they lack; the columns say
 from __future__ import annotations
 
 import argparse
+import glob
+import json
+import math
+import os
+import re
 import statistics
 import sys
 from collections import defaultdict
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from nemo_fp8_align.cli.report_fields import SIZE_FLAGS, completeness_judged, field_problems
-from nemo_fp8_align.cli.report_input import REQUIRED, load_telemetry, plot_path_problem
 from nemo_fp8_align.core.completeness import completeness_problems
 from nemo_fp8_align.core.telemetry import record_problems
 from nemo_fp8_align.errors import TelemetryError
+from nemo_fp8_align.planner import gantt
 
 __all__ = ["add_report_parser", "load_telemetry", "format_report", "judge", "run_report",
            "TelemetryError", "REQUIRED"]
-
 
 def add_report_parser(sub: "argparse._SubParsersAction") -> None:
     p = sub.add_parser(
@@ -182,8 +186,6 @@ def format_report(records: List[dict]) -> Tuple[str, List[str]]:
 
 
 def _plot(records: List[dict], path: str) -> Optional[str]:
-    from nemo_fp8_align.cli.report_plot import plot_slots
-
     try:
         plot_slots(records, path)
     except (ImportError, OSError, ValueError) as err:
@@ -212,9 +214,7 @@ def run_report(args: argparse.Namespace) -> int:
     text, problems = format_report(records)
     print(text, end="")
     if baseline is not None:
-        from nemo_fp8_align.cli.report_ab import ab_summary
-
-        summary, base_problems = ab_summary(records, baseline, judge)
+        summary, base_problems = ab_summary(records, baseline)
         print("\n" + summary, end="")
         problems = problems + [f"baseline: {p}" for p in base_problems]
     plot_error = _plot(records, args.plot) if args.plot else None
@@ -229,3 +229,380 @@ def run_report(args: argparse.Namespace) -> int:
     if problems:
         return 1
     return 2 if plot_error is not None else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs: the telemetry paths ({rank} templates expanded), every record checked field by
+# field, and the --plot path; each problem is one TelemetryError line
+
+
+REQUIRED = ("step", "pp_rank", "dp_rank", "chunk", "policy", "vmid", "slot", "aligned_slot",
+            "transposed", "weights", "after_all_gather", "seconds")
+_INTS = {"step": 0, "pp_rank": 0, "dp_rank": 0, "chunk": 0, "vmid": -1, "slot": 0,
+         "aligned_slot": 0, "transposed": 0, "weights": 0}
+_OPTIONAL_INTS = {"valid": -1, "rank": -1, "pp_size": 1, "vp_size": 1, "microbatches": 1,
+                  "group_size": 1, "dp_size": 1, "world_size": 1, "obs_built": 0, "obs_slot": 0}
+_TIMES = ("seconds", "t_launch", "t_slot", "t_gathered", "t_done", "t_first_use")
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+
+
+def expand_paths(paths: Sequence[str]) -> List[str]:
+    """``{rank}`` in a path stands for every rank's file: each existing file with a number in
+    its place, in rank order."""
+    out: List[str] = []
+    for path in paths:
+        if "{rank}" not in path:
+            out.append(path)
+            continue
+        pattern = re.compile(re.escape(path).replace(re.escape("{rank}"), r"(\d+)") + "$")
+        found = []
+        for candidate in glob.glob(glob.escape(path).replace(glob.escape("{rank}"), "*")):
+            match = pattern.match(candidate)
+            if match:
+                found.append((int(match.group(1)), candidate))
+        if not found:
+            raise TelemetryError(f"{path}: no file matches (with {{rank}} a number); pass the "
+                                 "directory's telemetry files, e.g. telemetry.rank{rank}.jsonl")
+        out.extend(c for _, c in sorted(found))
+    return out
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _int_problem(key: str, value: Any, least: int, optional: bool) -> Optional[str]:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        return f"field {key!r} is {json.dumps(value)} ({_kind(value)}), expected an integer"
+    if value < least:
+        return f"field {key!r} is {value}, expected an integer >= {least}"
+    return None
+
+
+def record_problem(record: Any) -> Optional[str]:
+    """Why ``record`` is not a transpose record (None when it is one)."""
+    if not isinstance(record, dict):
+        return f"a JSON {_kind(record)}, not an object"
+    missing = [k for k in REQUIRED if k not in record]
+    if missing:
+        return f"missing {', '.join(missing)}"
+    for key, least in _INTS.items():
+        why = _int_problem(key, record[key], least, optional=False)
+        if why:
+            return why
+    for key, least in _OPTIONAL_INTS.items():
+        why = _int_problem(key, record.get(key), least, optional=True)
+        if why:
+            return why
+    if record["policy"] not in ("aligned", "lazy"):
+        return f"field 'policy' is {json.dumps(record['policy'])}, expected \"aligned\" or \"lazy\""
+    for key in ("after_all_gather", "legacy_order"):
+        if key in record and not isinstance(record[key], bool):
+            return f"field {key!r} is {json.dumps(record[key])} ({_kind(record[key])}), expected true or false"
+    for key in _TIMES:
+        value = record.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value)):
+            return f"field {key!r} is {json.dumps(value)} ({_kind(value)}), expected a number or null"
+    at = record.get("obs_at")
+    if at is not None and not (isinstance(at, list) and all(
+            isinstance(p, list) and len(p) == 2 and _int_problem("", p[0], 0, False) is None
+            and isinstance(p[1], bool) for p in at)):
+        return f"field 'obs_at' is {json.dumps(at)}, expected a list of [forwards, inside] pairs"
+    return None
+
+
+def _read_lines(path: str) -> List[str]:
+    if os.path.isdir(path):
+        raise TelemetryError(f"{path}: is a directory; pass its telemetry files, e.g. "
+                             f"{os.path.join(path, 'telemetry.rank{rank}.jsonl')}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.readlines()
+    except UnicodeDecodeError as err:
+        raise TelemetryError(f"{path}: not UTF-8 text (byte {err.start}): not a telemetry file "
+                             "(JSON lines)") from None
+    except OSError as err:
+        raise TelemetryError(f"{path}: cannot read ({err.strerror})") from None
+
+
+def _refuse_repeats(files: Sequence[str]) -> None:
+    """One file given twice (a path and a ``{rank}`` template or glob that also matches it)
+    would read every record twice, which the report's checks call broken invariants."""
+    seen: Dict[str, str] = {}
+    for path in files:
+        key = os.path.realpath(path)
+        if key in seen:
+            raise TelemetryError(f"{path}: given twice (also as {seen[key]}); pass each "
+                                 "telemetry file once")
+        seen[key] = path
+
+
+def load_telemetry(paths: Sequence[str]) -> List[dict]:
+    """Every record of ``paths`` (``{rank}`` expanded); raises TelemetryError naming the file,
+    the line and the field at fault."""
+    records: List[dict] = []
+    files = expand_paths(paths)
+    _refuse_repeats(files)
+    for path in files:
+        for number, line in enumerate(_read_lines(path), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise TelemetryError(f"{path}:{number}: not JSON ({err.msg})") from None
+            why = record_problem(record)
+            if why:
+                raise TelemetryError(f"{path}:{number}: not a transpose record, {why} (is this "
+                                     "nemo_fp8_align telemetry?)")
+            records.append(record)
+    if not records:
+        raise TelemetryError(f"no records in {', '.join(files)}")
+    records.sort(key=lambda r: (r["step"], r["chunk"], r["pp_rank"], r["dp_rank"]))
+    return records
+
+
+def plot_path_problem(path: Optional[str], flag: str = "--plot") -> Optional[str]:
+    """Why a picture cannot be written to ``path`` (None when it can), before any work."""
+    if path is None:
+        return None
+    if os.path.isdir(path) or path.endswith(os.sep) or not os.path.basename(path):
+        return f"{flag} {path}: is a directory; pass a file name, e.g. {os.path.join(path, 'plot.png')}"
+    if not path.lower().endswith(PLOT_SUFFIXES):
+        return (f"{flag} {path}: not a picture file name; end it with "
+                f"{' / '.join(PLOT_SUFFIXES)}, e.g. {os.path.splitext(path)[0]}.png")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return f"{flag} {path}: the directory {parent} does not exist; create it (mkdir -p) first"
+    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        return f"{flag} {path}: not writable; pass a path you can write"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Each record's fields against one another: what a record says in two places must agree, or the
+# table would show one field while the judges read the other (an ``obs_slot`` that disagrees with
+# ``obs_at`` was shown in the table, and passed).
+#
+# The relations are the ones docs/telemetry.md defines: ``slot`` is ``vmid + pp_rank`` (0 for
+# ``vmid`` -1); ``obs_at`` holds the distinct positions ``[k, inside]`` of the ``obs_built``
+# builds (none without builds, at most one per build); ``obs_slot`` is the slot of the first
+# position (``k + pp_rank``; a build before the rank's first forward gets the aligned slot when it
+# lies in ``[0, pp_rank]``, else ``pp_rank``), null without builds; with the schedule shape, a
+# position lies within the rank's ``M x VP`` forwards of the step.
+
+
+_OBSERVED = ("obs_built", "obs_at", "obs_slot")
+#: record field -> what it counts; given on the command line for records that lack it.
+SIZE_FLAGS = {"pp_size": "pipeline-parallel size", "vp_size": "model chunks per pipeline rank",
+              "dp_size": "data-parallel size"}
+
+
+def observed_slot(position: Sequence[Any], pp_rank: int, aligned_slot: int) -> int:
+    """The schedule slot of an observed build position ``[k, inside]``."""
+    k, inside = position
+    return k + pp_rank if (k or inside) else min(aligned_slot, pp_rank)
+
+
+def _where(r: Mapping[str, Any]) -> str:
+    return f"step {r['step']} chunk {r['chunk']} pp rank {r['pp_rank']} dp rank {r['dp_rank']}"
+
+
+def _slot_problem(r: Mapping[str, Any]) -> Optional[str]:
+    want = 0 if r["vmid"] == -1 else r["vmid"] + r["pp_rank"]
+    if r["slot"] != want:
+        return (f"slot {r['slot']} disagrees with vmid {r['vmid']} (slot is vmid + pp_rank = "
+                f"{want}, 0 for vmid -1)")
+    return None
+
+
+def _observed_problems(r: Mapping[str, Any]) -> List[str]:
+    if all(r.get(k) is None for k in _OBSERVED):
+        return []  # not observed (telemetry off, or an older version)
+    built, at, slot = r.get("obs_built"), r.get("obs_at"), r.get("obs_slot")
+    if built is None or at is None:
+        given = ", ".join(k for k in _OBSERVED if r.get(k) is not None)
+        return [f"{given} without {' and '.join(k for k in ('obs_built', 'obs_at') if r.get(k) is None)}"
+                " (the observed fields are written together)"]
+    positions = [tuple(p) for p in at]
+    out = []
+    if len(set(positions)) != len(positions):
+        out.append(f"obs_at {json.dumps(at)} repeats a position (it holds distinct positions)")
+    if len(set(positions)) > built:
+        out.append(f"obs_at has {len(set(positions))} positions but obs_built is {built} "
+                   "(each position is at least one build)")
+    if built and not positions:
+        out.append(f"obs_built {built} with no position in obs_at")
+    if positions:
+        want = observed_slot(min(positions), r["pp_rank"], r["aligned_slot"])
+        if slot != want:
+            out.append(f"obs_slot {slot} disagrees with obs_at {json.dumps(at)}: its first "
+                       f"position {json.dumps(list(min(positions)))} is slot {want}")
+    elif slot is not None:
+        out.append(f"obs_slot {slot} with no observed build (obs_at is empty)")
+    forwards = (r.get("microbatches") or 0) * (r.get("vp_size") or 0)
+    if forwards:
+        beyond = [list(p) for p in positions if p[0] > forwards or (p[1] and p[0] >= forwards)]
+        if beyond:
+            out.append(f"obs_at {json.dumps(beyond)} beyond the rank's {forwards} forwards of the step "
+                       f"(M={r['microbatches']} x VP={r['vp_size']})")
+    return out
+
+
+def field_problems(records: Sequence[Mapping[str, Any]]) -> List[str]:
+    """Every record whose fields contradict one another, one sentence each."""
+    out = []
+    for r in records:
+        found = [p for p in (_slot_problem(r),) if p] + _observed_problems(r)
+        out += [f"{_where(r)}: {p}" for p in found]
+    return out
+
+
+def completeness_judged(records: List[dict]) -> Optional[str]:
+    """None when every record carries the sizes that say which records should exist; else why
+    completeness cannot be judged and what to pass."""
+    lacking = [k for k in SIZE_FLAGS if any(r.get(k) is None for r in records)]
+    if not lacking:
+        return None
+    flags = " ".join(f"--{k.replace('_', '-')} N" for k in lacking)
+    return (f"completeness not judged: records without {'/'.join(lacking)} (older telemetry) "
+            "cannot tell a rank whose file is missing from one that does not exist; pass every "
+            f"rank's file and the run's sizes ({flags}) to judge it")
+
+
+# ---------------------------------------------------------------------------------------------
+# --baseline: two runs of one configuration side by side, e.g. ``aligned`` (A) against ``lazy``
+# (B): per chunk, how far apart the pipeline ranks had its transposes (slot skew, observed where
+# recorded), the all-gather wait at the slot and the slot-to-valid time (medians), and the
+# transposes built per step; then each run's verdict.
+
+
+def _median_ms(values: List[float]) -> Optional[float]:
+    return 1e3 * statistics.median(values) if values else None
+
+
+def chunk_figures(records: List[dict]) -> Dict[int, Dict[str, Optional[float]]]:
+    """Per chunk: ``skew`` (largest slot spread over the pipeline ranks in any step and
+    data-parallel rank), ``wait_ms``, ``valid_ms`` (medians) and ``built`` (per step)."""
+    by_chunk: Dict[int, List[dict]] = defaultdict(list)
+    for r in records:
+        by_chunk[r["chunk"]].append(r)
+    out: Dict[int, Dict[str, Optional[float]]] = {}
+    for chunk, recs in sorted(by_chunk.items()):
+        spread: Dict[Tuple[int, int], List[int]] = defaultdict(list)
+        for r in recs:
+            spread[(r["step"], r["dp_rank"])].append(shown_slot(r))
+        steps = len({r["step"] for r in recs})
+        out[chunk] = {
+            "skew": float(max(max(v) - min(v) for v in spread.values())),
+            "wait_ms": _median_ms([r["t_gathered"] - r["t_slot"] for r in recs
+                                   if r.get("t_gathered") is not None and r.get("t_slot") is not None]),
+            "valid_ms": _median_ms([r["t_done"] - r["t_slot"] for r in recs
+                                    if r.get("t_done") is not None and r.get("t_slot") is not None]),
+            "built": sum(r["transposed"] if r.get("obs_built") is None else r["obs_built"]
+                         for r in recs) / max(steps, 1),
+        }
+    return out
+
+
+def _cell(value: Optional[float], digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _verdict_b(b: List[dict], problems: List[str]) -> str:
+    if problems:
+        return f"{len(problems)} problems"
+    return "OK" if completeness_judged(b) is None else "OK, completeness not judged (no sizes)"
+
+
+def _source(a: List[dict], b: List[dict]) -> str:
+    """Which slot the skew column is from, per run."""
+    seen = ["observed" if any(r.get("obs_slot") is not None for r in run) else "reported"
+            for run in (a, b)]
+    return (f"{seen[0]} slots" if seen[0] == seen[1]
+            else f"A's {seen[0]}, B's {seen[1]} slots")
+
+
+def _skew_note(name: str, policy: str, figures: Dict[int, Dict[str, Optional[float]]]) -> str:
+    """What the run's skews say: the same slot on every rank, or how far apart, on which chunks."""
+    skewed = {c: int(f["skew"] or 0) for c, f in figures.items() if f["skew"]}
+    if not skewed:
+        return f"{name} ({policy}): 0 on every chunk, every pipeline rank at the same slot"
+    chunks = ", ".join(map(str, sorted(skewed)))
+    most = max(skewed.values())
+    return (f"{name} ({policy}): pipeline ranks up to {most} slot{'s' if most != 1 else ''} "
+            f"apart on chunk{'s' if len(skewed) > 1 else ''} {chunks}")
+
+
+def ab_summary(a: List[dict], b: List[dict]) -> Tuple[str, List[str]]:
+    """The A/B table and B's problems (A's are judged by the caller)."""
+    fa, fb = chunk_figures(a), chunk_figures(b)
+    pa, pb = a[0]["policy"], b[0]["policy"]
+    rows = [f"A/B: A = this run (policy {pa}, {len(a)} records), B = baseline (policy {pb}, "
+            f"{len(b)} records)",
+            f"{'chunk':<6}{'slot skew A/B':>16}{'all-gather wait ms A/B':>26}"
+            f"{'slot->valid ms A/B':>24}{'built per step A/B':>22}"]
+    for chunk in sorted(set(fa) | set(fb)):
+        x, y = fa.get(chunk, {}), fb.get(chunk, {})
+        pair = lambda k, d: f"{_cell(x.get(k), d)} / {_cell(y.get(k), d)}"  # noqa: E731
+        rows.append(f"{chunk:<6}{pair('skew', 0):>16}{pair('wait_ms', 3):>26}"
+                    f"{pair('valid_ms', 3):>24}{pair('built', 0):>22}")
+    problems_b = judge(b)
+    rows.append(f"(slot skew: largest minus smallest slot over the pipeline ranks, "
+                f"{_source(a, b)}; {_skew_note('A', pa, fa)}; {_skew_note('B', pb, fb)}; "
+                f"B's verdict: {_verdict_b(b, problems_b)})")
+    if pa == pb:
+        rows.append(f"(both runs are {pa}: an A/B of placement compares aligned with lazy)")
+    return "\n".join(rows) + "\n", problems_b
+
+
+# ---------------------------------------------------------------------------------------------
+# --plot: where each rank built each chunk's transposes, per step (matplotlib)
+
+
+def shown_slot(r: dict) -> int:
+    """The observed slot where the record has one, else the slot the aligner reports."""
+    return r["obs_slot"] if r.get("obs_slot") is not None else r["slot"]
+
+
+def plot_slots(records: List[dict], path: str) -> None:
+    """One panel per chunk: the slot at which each pipeline rank built it, per step."""
+    # matplotlib is optional: imported only to draw (through the module, so that a test can
+    # stand for a machine without it by replacing gantt.require_matplotlib)
+    plt = gantt.require_matplotlib()
+    from matplotlib.ticker import MaxNLocator
+
+    chunks = sorted({r["chunk"] for r in records})
+    ranks = sorted({r["pp_rank"] for r in records})
+    fig, axes = plt.subplots(1, len(chunks), figsize=(4.5 * len(chunks), 3.6), squeeze=False,
+                             sharey=True)
+    colours = plt.get_cmap("tab10")
+    for ax, chunk in zip(axes[0], chunks):
+        recs = [r for r in records if r["chunk"] == chunk]
+        for aligned in sorted({r["aligned_slot"] for r in recs}):
+            ax.axhline(aligned, color="black", linestyle="--", linewidth=1)
+        for i, rank in enumerate(ranks):
+            mine = [r for r in recs if r["pp_rank"] == rank and r["dp_rank"] == min(
+                x["dp_rank"] for x in recs)]
+            offset = (i - (len(ranks) - 1) / 2) * 0.08  # side by side where slots coincide
+            ax.scatter([r["step"] + offset for r in mine], [shown_slot(r) for r in mine],
+                       color=colours(i), label=f"pp rank {rank}", s=36,
+                       marker="o" if all(r["after_all_gather"] for r in mine) else "x")
+        ax.set_title(f"chunk {chunk} (dashed: aligned slot)", fontsize=10)
+        ax.set_xlabel("training step")
+        ax.set_xticks(sorted({r["step"] for r in recs}))
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    top = max(shown_slot(r) for r in records)
+    axes[0, 0].set_ylim(-0.6, top + 0.6)
+    axes[0, 0].set_ylabel("schedule slot of the transposes")
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(ranks), fontsize=8, frameon=False)
+    seen = "observed" if any(r.get("obs_slot") is not None for r in records) else "reported"
+    fig.suptitle(f"where each rank built each chunk's FP8 transposes ({seen}; policy "
+                 f"{records[0]['policy']}; x: before the all-gather finished)", fontsize=11)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

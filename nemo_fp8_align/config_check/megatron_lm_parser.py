@@ -248,12 +248,13 @@ def _unknown(rest: Sequence[str], argv: Sequence[str] = ()) -> List[Violation]:
             name, list(flag_spec()), n=1, cutoff=0.8)), None)
         hint = f"; did you mean {meant}?" if meant else ""
         shown = " ".join([token, *values])
+        # the guess is text only: pasted as a flag with the unknown flag's value, it replaced
+        # a setting the user gave (a multimodal script's --dataloader-save PATH became
+        # --dataloader-type PATH over its --dataloader-type external) or turned one off
         out.append(Violation(name, f"{shown} (not a Megatron-LM {MEGATRON_LM_VERSION} flag)",
                              f"a flag of Megatron-LM {MEGATRON_LM_VERSION}'s parser, which stops "
                              f"on any other ('unrecognized arguments'){hint}",
-                             f"drop {name}" + (f"; {meant}" + (" " + values[0] if values
-                                                              and " " not in meant else "")
-                                              if meant else "")))
+                             f"drop {name}"))
     return out
 
 

@@ -1,7 +1,7 @@
 """The aligned FP8-transpose engine: hooks that build each chunk's transposes at its slot.
 
 One :class:`TransposeAligner` per rank. A step starts at the pre-loop launches (chunks 0, 1;
-the hold's ``launched_before_loop``); forward pre-hooks count this rank's forward virtual
+the adapter's ``launched_before_loop``); forward pre-hooks count this rank's forward virtual
 microbatches, and at chunk c's trigger it finishes c's all-gather and builds its transposes:
 
 * chunk 0 right after the last pre-loop launch (slot 0 on every rank, before the first
@@ -9,7 +9,7 @@ microbatches, and at chunk c's trigger it finishes c's all-gather and builds its
 * chunk c >= 1 before forward ``v = T_c - r`` on rank r (slot T_c on every rank), which on
   ranks r > 0 falls inside chunk c-1's forwards.
 
-It hears launches and step ends through one :class:`~nemo_fp8_align.core.hold.ScheduleHold`; a
+It hears launches and step ends through its :class:`~nemo_fp8_align.core.adapter.Adapter`; a
 step end never heard is taken at the next step's first launch (the same point on every rank). An
 error inside a step, or a rank-local failure (telemetry I/O, a listener), is kept, the rest of
 the step runs without the plugin, and every rank of the model raises at the step end
@@ -35,16 +35,15 @@ from nemo_fp8_align import errors
 from nemo_fp8_align.config import AlignConfig, Policy
 from nemo_fp8_align.core import claims
 from nemo_fp8_align.core.gpu_spans import GpuSpans
-from nemo_fp8_align.core.hold import Listener, ScheduleHold, run_listeners
+from nemo_fp8_align.core.adapter import Adapter, Listener, run_listeners
 from nemo_fp8_align.core.observe import RecordExtras
-from nemo_fp8_align.core.param_sync import ChunkParamSync
 from nemo_fp8_align.core.schedule import AT_START, InterleavedSchedule
 from nemo_fp8_align.core.step_end import agree
 from nemo_fp8_align.core.telemetry import TelemetryWriter, TransposeRecord
 from nemo_fp8_align.backends.protocol import FP8TransposeBackend
 from nemo_fp8_align.errors import StepMismatchError, TransposeVerifyError
 
-__all__ = ["ChunkParamSync", "StepMismatchError", "TransposeAligner", "TransposeVerifyError"]
+__all__ = ["StepMismatchError", "TransposeAligner", "TransposeVerifyError"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,17 +64,18 @@ class TransposeAligner:
             schedule calls: hooks there run before DDP's own pre-hooks on inner modules).
         schedule: the step's interleaved schedule (the same on every rank).
         pp_rank, dp_rank, dp_size: this rank's pipeline and data-parallel ranks; the DP size.
-        param_sync: finishes a chunk's all-gather (:class:`ChunkParamSync`).
+        adapter: the distributed optimizer's :class:`~nemo_fp8_align.core.adapter.Adapter`:
+            hears the schedule's launches and step end, finishes a chunk's all-gather.
         weights, backend: per chunk, the FP8 weights; the backend that builds their transposes.
         config, telemetry: policy and telemetry settings; an optional writer.
         clock: timestamps; ``time.monotonic`` is one clock for every process of a host.
         num_microbatches: optional function giving the coming step's M, asked at each start.
         error_group: the ranks that stop together on an error (None: the job's default group;
-            :func:`~nemo_fp8_align.integrations.groups.model_group`).
+            :func:`~nemo_fp8_align.adapters.groups.model_group`).
     """
 
     def __init__(self, model_chunks: Sequence[torch.nn.Module], *, schedule: InterleavedSchedule,
-                 pp_rank: int, dp_rank: int, param_sync: ChunkParamSync,
+                 pp_rank: int, dp_rank: int, adapter: Adapter,
                  weights: Sequence[Sequence[Any]], backend: FP8TransposeBackend,
                  config: AlignConfig, telemetry: Optional[TelemetryWriter] = None,
                  clock: Callable[[], float] = time.monotonic,
@@ -91,7 +91,7 @@ class TransposeAligner:
         self.chunks = list(model_chunks)
         self.pp_rank = pp_rank
         self.dp_rank = dp_rank
-        self.param_sync = param_sync
+        self.adapter = adapter
         self.weights = [list(w) for w in weights]
         self.backend = backend
         self.config = config
@@ -109,7 +109,7 @@ class TransposeAligner:
         self._extras = RecordExtras(dp_size)  # shape, sizes and (telemetry on) observed builds
         self._plan(schedule)
         self._handles: List[Any] = []
-        self._hold: Optional[ScheduleHold] = None  # set by attach(hold)
+        self._hold: Optional[Adapter] = None  # the adapter while installed (attach)
         #: Run after each step end's agreement, on every rank (e.g. a logger gathering the
         #: step's records); a listener's error reaches the next agreement.
         self.step_end_listeners: List[Listener] = []
@@ -133,13 +133,13 @@ class TransposeAligner:
 
     @property
     def forced_syncs(self) -> Any:
-        """The hold's forced-all-gather watch (megatron-core < 0.18), or None."""
-        return getattr(self._hold, "forced_syncs", None)
+        """The adapter's forced-all-gather watch (megatron-core < 0.18), or None."""
+        return getattr(self.adapter, "forced_syncs", None)
 
-    def attach(self, hold: Optional[ScheduleHold] = None) -> bool:
-        """Register the hooks and install ``hold`` (idempotent); whether the engine is active.
-        All or nothing: if a stage raises, the earlier ones are undone. Without a hold (or one
-        not owning the step end) the caller reports launches and/or step ends itself."""
+    def attach(self) -> bool:
+        """Register the hooks and install the adapter (idempotent); whether the engine is
+        active. All or nothing: if a stage raises, the earlier ones are undone. With an adapter
+        not owning the step end, the caller reports step ends itself (``on_step_end``)."""
         if self.attached or not self.config.active:
             return self.attached
         needed, reason = self.backend.transpose_needed()
@@ -148,9 +148,8 @@ class TransposeAligner:
             return False
         claims.claim(self.chunks, self)  # refuses before anything is installed
         try:
-            self._hold = hold
-            if hold is not None:
-                hold.install(self.on_param_sync_launched, self.on_step_end)
+            self._hold = self.adapter
+            self.adapter.install(self.on_param_sync_launched, self.on_step_end)
             for chunk, module in enumerate(self.chunks):
                 self._handles.append(module.register_forward_pre_hook(
                     partial(self._pre_forward, chunk), prepend=True))
@@ -308,7 +307,7 @@ class TransposeAligner:
         if self._vmid is not None or self._hold is None or not torch.is_grad_enabled():
             return
         if self._hold.training():  # launching, yet no step opened:
-            self._hold.check()  # the schedule may be calling functions the hold does not see
+            self._hold.check()  # the schedule may be calling functions the adapter does not see
             return
         self._unlaunched.add(chunk)
         if self.unlaunched_forwards == 0:
@@ -336,7 +335,7 @@ class TransposeAligner:
         vmid, before, t_slot = self._observing.pop(chunk)
         after = [self.backend.has_valid_transpose(w) for w in self.weights[chunk]]
         self._emit(chunk, vmid=vmid, transposed=sum(a and not b for b, a in zip(before, after)),
-                   after_all_gather=self.param_sync.finished(chunk), seconds=None,
+                   after_all_gather=self.adapter.finished(chunk), seconds=None,
                    valid=sum(after), t_slot=t_slot, t_done=self._clock(), t_first_use=t_slot)
         self._verify(chunk)
 
@@ -359,12 +358,12 @@ class TransposeAligner:
         self._done.add(chunk)
         t_slot = self._clock()
         self._spans.mark(chunk)
-        wait = getattr(self.param_sync, "wait", None)
+        wait = getattr(self.adapter, "wait", None)
         if wait is not None:  # the all-gather alone: a build inside finish (megatron-core >= 0.16
             wait(chunk)  # with TE >= 2.10 post-processes there) is then not timed as waiting
         t_waited = self._clock()
         self._spans.mark(chunk)
-        after_all_gather = self.param_sync.finish(chunk)
+        after_all_gather = self.adapter.finish(chunk)
         t_gathered = (t_waited if wait else self._clock()) if after_all_gather else None
         built = 0
         if after_all_gather:

@@ -25,6 +25,8 @@ from __future__ import annotations
 from functools import partial
 from typing import Any, Callable, List, Optional, Sequence
 
+from nemo_fp8_align.adapters.groups import pipeline_group
+from nemo_fp8_align.assemble import DERIVED, assemble
 from nemo_fp8_align.config import AlignConfig
 
 __all__ = ["MegatronLMArgsError", "attach", "check_args", "post_wrap_hook"]
@@ -76,25 +78,21 @@ def attach(model: Sequence[Any], *, backend: Any = None,
 
     from megatron.core.utils import get_model_config
 
-    from nemo_fp8_align.integrations.megatron_core import align_fp8_transposes
-
     args = _megatron_args() if args is None else args
     if args is not None and align_config.active:
         check_args(args, torch.distributed.get_world_size()
                    if torch.distributed.is_initialized() else None)
-    extra = {} if error_group is None else {"error_group": error_group}
-    aligner = align_fp8_transposes(
+    aligner = assemble(
         list(model), num_microbatches=_num_microbatches_getter(), backend=backend,
         weights_of=weights_of, config=get_model_config(model[0]), align_config=align_config,
-        pg_collection=pg_collection, optimizer=optimizer, **extra)
+        pg_collection=pg_collection, optimizer=optimizer,
+        error_group=DERIVED if error_group is None else error_group)
     try:
         if step_number is not None:
             aligner.step_number = step_number
         elif _megatron_args() is not None:  # numbered by Megatron-LM's iteration (resumes go on)
             aligner.step_number = _current_iteration
         if log_metrics and aligner.attached:  # after each step end's agreement, on every rank
-            from nemo_fp8_align.integrations.groups import pipeline_group
-
             writer = WriterMetrics(args, group=pipeline_group(model, pg_collection))
             aligner.step_end_listeners.append(partial(writer, aligner))
     except BaseException:

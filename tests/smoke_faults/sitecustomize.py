@@ -21,13 +21,13 @@ import os
 
 
 def _deferred_all_gather():
-    from nemo_fp8_align.demo.faults import inject
+    from lab.demo.faults import inject
 
     inject("deferred_all_gather")  # the demo's slow network (a harmless variation there)
 
 
 def _no_wait():
-    from nemo_fp8_align.demo.faults import inject
+    from lab.demo.faults import inject
 
     inject("no_wait")  # the same fault the demo's mutation tests use
 
@@ -39,7 +39,7 @@ def _unchecked():
 
 
 def _verify_fails_on_one_rank():
-    from nemo_fp8_align.demo.faults import inject
+    from lab.demo.faults import inject
 
     inject("verify_fails_on_one_rank")  # the one-rank error of the demo's no-hang tests
 

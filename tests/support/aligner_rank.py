@@ -11,7 +11,7 @@ from support.configs import model_config
 from nemo_fp8_align.config import AlignConfig, Policy
 from nemo_fp8_align.core.aligner import TransposeAligner
 from nemo_fp8_align.core.schedule import InterleavedSchedule
-from nemo_fp8_align.sync.mcore_hold import McoreChunkHold
+from nemo_fp8_align.adapters.mcore_ddp import McoreDDPAdapter
 
 
 class FakeWeight:
@@ -67,6 +67,22 @@ class FakeSync:
         self.done.clear()
 
 
+class FakeAdapter(McoreDDPAdapter):
+    """megatron-core's adapter over the stand-in chunks: its launch wrappers, list rebinding,
+    step end and checks are the real code; finishing a chunk is :class:`FakeSync`'s (the
+    stand-ins have no bucket groups)."""
+
+    def __init__(self, chunks, config, sync):
+        super().__init__(chunks, config)
+        self.sync = sync
+
+    def finish(self, chunk):
+        return self.sync.finish(chunk)
+
+    def finished(self, chunk):
+        return self.sync.finished(chunk)
+
+
 class Chunk(torch.nn.Module):
     """Builds its weights' transposes lazily at first use, as TE and the reference linear do;
     launches its all-gather and ends the step the way a megatron-core DDP chunk's
@@ -77,6 +93,7 @@ class Chunk(torch.nn.Module):
         super().__init__()
         self.weights, self.backend, self._launch = weights, backend, launch
         self.grad_syncs = 0
+        self.bucket_groups = []  # what FakeAdapter's real checks and wait() read
 
     def start_param_sync(self, *unused, force_sync=False, force_dispatch=False):
         self._launch()
@@ -96,12 +113,15 @@ def make_rank(pp=4, vp=3, m=8, rank=1, policy=Policy.ALIGNED, n_weights=2, neede
     weights = [[FakeWeight() for _ in range(n_weights)] for _ in range(vp)]
     chunks = [Chunk(w, backend, sync.launcher(c)) for c, w in enumerate(weights)]
     config = model_config(pp, vp, param_sync_func=[c.start_param_sync for c in chunks])
-    aligner = TransposeAligner(chunks, schedule=schedule, pp_rank=rank, dp_rank=0, param_sync=sync,
-                               weights=weights, backend=backend, config=AlignConfig(policy=policy))
+    def new_adapter():
+        return FakeAdapter(chunks, config, sync)
+
+    aligner = TransposeAligner(chunks, schedule=schedule, pp_rank=rank, dp_rank=0,
+                               adapter=new_adapter(), weights=weights, backend=backend,
+                               config=AlignConfig(policy=policy))
     # The test's own bundle of one rank's objects, not a megatron-core one.
     return SimpleNamespace(schedule=schedule, sync=sync, weights=weights, chunks=chunks,
-                           config=config, aligner=aligner, rank=rank,
-                           hold=McoreChunkHold(chunks, config))
+                           config=config, aligner=aligner, rank=rank, new_adapter=new_adapter)
 
 
 def end_step(r):

@@ -3,7 +3,7 @@
 NeMo's 1.x GPT path assumes NVIDIA's GPU stack (apex, Transformer Engine, CUDA) in places that
 have nothing to do with what this project checks (which schedule slot builds which transposes).
 :func:`enable_nemo_cpu_compat` patches exactly those places, each with the reason next to it,
-on top of megatron-core's own CPU redirections (:mod:`nemo_fp8_align.demo.cpu_redirects`). It refuses
+on top of megatron-core's own CPU redirections (:mod:`lab.demo.cpu_redirects`). It refuses
 to run where CUDA is available: on a GPU nothing here may change behaviour. Nothing in the
 plugin imports this module; the example calls it only for ``trainer.accelerator=cpu``.
 
@@ -78,7 +78,7 @@ class NemoCpuCompat:
         # "cuda" literals, Tensor.type() strings): the shared CPU redirections. They also turn
         # NeMo's own hard-coded ``.cuda()`` calls (loss tensors in fwd_bwd_step, batches in
         # get_batch) into no-ops.
-        from nemo_fp8_align.demo.cpu_redirects import enable_cpu_compat
+        from lab.demo.cpu_redirects import enable_cpu_compat
 
         self._mcore_compat = enable_cpu_compat()
 

@@ -27,8 +27,8 @@ def ddp_chunks(monkeypatch):
     from megatron.core.transformer import TransformerConfig
 
     from nemo_fp8_align.backends.reference import ReferenceBackend
-    from nemo_fp8_align.demo.model import DemoModelConfig, GPTChunk
-    from nemo_fp8_align.integrations import groups
+    from lab.demo.model import DemoModelConfig, GPTChunk
+    from nemo_fp8_align.adapters import groups
 
     real = groups.resolve_ranks
     monkeypatch.setattr(groups, "resolve_ranks", lambda *a, **k: groups.ParallelRanks(

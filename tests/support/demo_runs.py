@@ -1,10 +1,23 @@
-"""Demo runs shared by the engine and fault tests: each shape/policy/fault runs once per session."""
+"""Demo runs shared by the engine and fault tests: each shape/policy/fault runs once per session;
+and the demo's command line as a shell runs it."""
 
 import functools
+import subprocess
+import sys
+from pathlib import Path
 
 from nemo_fp8_align.config import Policy
-from nemo_fp8_align.demo.launch import run_demo
-from nemo_fp8_align.demo.train import DemoOptions
+from lab.demo.launch import run_demo
+from lab.demo.train import DemoOptions
+
+#: The repository root: ``python -m lab.demo`` reads lab/ from the checkout, as ``make demo`` does.
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def demo_cli(*flags, timeout=600):
+    """``python -m lab.demo FLAGS`` in a new process at the repository root (text output)."""
+    return subprocess.run([sys.executable, "-m", "lab.demo", *flags], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 @functools.lru_cache(maxsize=None)

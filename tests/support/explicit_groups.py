@@ -18,8 +18,8 @@ from typing import Any, Dict, List
 import torch
 import torch.distributed as dist
 
-from nemo_fp8_align.demo.ranks import read_results, spawn_and_wait, write_error, write_result
-from nemo_fp8_align.errors import DemoRankError
+from lab.demo.ranks import read_results, spawn_and_wait, write_error, write_result
+from lab.demo.ranks import DemoRankError
 
 WORLD = 4
 MODEL_PP, VP, M, STEPS = 4, 2, 4, 2
@@ -64,8 +64,8 @@ def _train(out_dir: str) -> Dict[str, Any]:
 
     from nemo_fp8_align.backends.reference import ReferenceBackend
     from nemo_fp8_align.config import AlignConfig
-    from nemo_fp8_align.demo.model import DemoModelConfig, GPTChunk
-    from nemo_fp8_align.demo.train import DemoOptions, _batches, _forward_step
+    from lab.demo.model import DemoModelConfig, GPTChunk
+    from lab.demo.train import DemoOptions, _batches, _forward_step
     from nemo_fp8_align.integrations.megatron_core import align_fp8_transposes
 
     parallel_state.initialize_model_parallel(1, GLOBAL_PP, VP,
@@ -147,7 +147,7 @@ def _train(out_dir: str) -> Dict[str, Any]:
 
 
 def _refusal(chunks: List[Any], pg_collection: Any) -> str:
-    from nemo_fp8_align.integrations.groups import resolve_ranks
+    from nemo_fp8_align.adapters.groups import resolve_ranks
 
     try:
         resolve_ranks(chunks, pg_collection)
@@ -158,7 +158,7 @@ def _refusal(chunks: List[Any], pg_collection: Any) -> str:
 
 def run_rank(rank: int, world_size: int, port: int, out_dir: str) -> None:
     """One spawned rank: gloo, the CPU compat shims, the run; its result or error to out_dir."""
-    from nemo_fp8_align.demo.cpu_redirects import enable_cpu_compat
+    from lab.demo.cpu_redirects import enable_cpu_compat
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

@@ -12,8 +12,8 @@ def gloo_world():
     destroyed on the way out if the caller initialised it)."""
     from megatron.core import parallel_state
 
-    from nemo_fp8_align.demo.cpu_redirects import enable_cpu_compat
-    from nemo_fp8_align.demo.ranks import free_port
+    from lab.demo.cpu_redirects import enable_cpu_compat
+    from lab.demo.ranks import free_port
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)

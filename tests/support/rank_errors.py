@@ -1,5 +1,5 @@
 """What every rank must report when the plugin finds an error on one rank only (the faults of
-``nemo_fp8_align.demo.faults.RANK_ERRORS``), on either loop: shared by tests/test_no_hang.py
+``lab.demo.faults.RANK_ERRORS``), on either loop: shared by tests/test_no_hang.py
 (the demo's loop) and tests/test_megatron_lm_loop.py (Megatron-LM's ``train()``)."""
 
 #: fault -> (error class every rank raises, what the faulty rank's own message says)

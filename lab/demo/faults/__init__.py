@@ -1,7 +1,7 @@
 """Named faults for proving that the checks can fail (mutation testing of the engine).
 
-A test tool, not part of the installed package: ``pyproject.toml`` leaves this sub-package out
-of the wheel, so ``demo --fault`` runs from a source checkout (or an editable install of one).
+A test tool of the lab (``python -m lab.demo --fault NAME``), run from a checkout: the installed
+package holds no fault injection.
 
 Each fault patches one thing the alignment claims rest on, in the process that calls
 :func:`inject` (the demo's spawned ranks do it when ``DemoOptions.fault`` is set), and returns an
@@ -22,8 +22,8 @@ from typing import Any, Callable, Dict
 import torch
 
 from nemo_fp8_align.core.aligner import TransposeAligner
-from nemo_fp8_align.sync.mcore import McoreParamSync
-from nemo_fp8_align.sync.mcore_optimizer import McoreOptimizerParamSync
+from nemo_fp8_align.adapters.mcore_ddp import McoreDDPAdapter
+from nemo_fp8_align.adapters.mcore_optimizer import McoreOptimizerAdapter
 from nemo_fp8_align.core.schedule import AT_START, InterleavedSchedule
 from nemo_fp8_align.backends.reference import ReferenceBackend
 from lab.demo import train
@@ -82,9 +82,9 @@ def no_wait() -> Undo:
     """Finishing a chunk's all-gather returns at once and claims it is complete (the DDP
     chunks' on >= 0.9, the DistributedOptimizer's chain on 0.7/0.8)."""
     def patch() -> Undo:
-        undo_wait = _patch(McoreParamSync, "wait", lambda self, chunk: None)
-        undo_finish = _patch(McoreParamSync, "finish", lambda self, chunk: True)
-        undo_chain = _patch(McoreOptimizerParamSync, "finish", lambda self, chunk: True)
+        undo_wait = _patch(McoreDDPAdapter, "wait", lambda self, chunk: None)
+        undo_finish = _patch(McoreDDPAdapter, "finish", lambda self, chunk: True)
+        undo_chain = _patch(McoreOptimizerAdapter, "finish", lambda self, chunk: True)
         return lambda: (undo_chain(), undo_finish(), undo_wait())
     return _with_deferred_all_gather(patch)
 
@@ -168,11 +168,11 @@ def reversed_bucket_order() -> Undo:
     """Not a fault: a chunk's bucket groups are finished in the opposite order. megatron-core
     orders buckets by the backward pass, unlike the forward order (Megatron-LM #950 ran a chunk
     on last step's weights that way); finishing every group at the slot must not depend on it."""
-    original = McoreParamSync.bucket_groups
+    original = McoreDDPAdapter.bucket_groups
 
-    def bucket_groups(self: McoreParamSync, chunk: int) -> Any:
+    def bucket_groups(self: McoreDDPAdapter, chunk: int) -> Any:
         return list(reversed(original(self, chunk)))
-    return _patch(McoreParamSync, "bucket_groups", bucket_groups)
+    return _patch(McoreDDPAdapter, "bucket_groups", bucket_groups)
 
 
 FAULTY_STEP = 1  #: the step in which a RANK_ERRORS fault strikes

@@ -10,8 +10,9 @@ smoke run), :attr:`FP8Weights.REFERENCE` builds on the
 :class:`~nemo_fp8_align.backends.reference.ReferenceFP8Weight` copies the chunks' layers compute
 with (``module.fp8_weight``); the TE-only config keys are then not required by the startup check.
 Optimizer: ``optim.name=distributed_fused_adam`` gives
-:class:`~nemo_fp8_align.sync.apex.ApexParamSync`, ``mcore_distributed_optim``
-:class:`~nemo_fp8_align.sync.mcore.McoreParamSync`.
+:class:`~nemo_fp8_align.adapters.apex.ApexAdapter`, ``mcore_distributed_optim``
+:class:`~nemo_fp8_align.adapters.mcore_ddp.McoreDDPAdapter` (picked by
+:func:`~nemo_fp8_align.assemble.assemble`).
 """
 
 from __future__ import annotations
@@ -87,11 +88,11 @@ def startup_check(cfg: Any, trainer: Any = None, *,
 
 
 def check_telemetry_path(path: Optional[str]) -> None:
-    """:func:`nemo_fp8_align.integrations.megatron_core.check_telemetry_path`, naming the NeMo
+    """:func:`nemo_fp8_align.assemble.check_telemetry_path`, naming the NeMo
     setting; every rank calls it (Lightning's setup), and a path that fails on one rank raises
     on every rank (:func:`~nemo_fp8_align.core.step_end.agreed`)."""
+    from nemo_fp8_align.assemble import check_telemetry_path as check
     from nemo_fp8_align.core.step_end import agreed
-    from nemo_fp8_align.integrations.megatron_core import check_telemetry_path as check
 
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     with agreed(label=f"rank {rank} (checking model.fp8_transpose_align.telemetry_path)"):
@@ -122,76 +123,54 @@ def first_param_index(chunks: Sequence[torch.nn.Module]) -> Dict[int, int]:
     return {id(next(iter(chunk.parameters()))): c for c, chunk in enumerate(chunks)}
 
 
-def build_aligner(model: Any, config: AlignConfig, *,
-                  weights: FP8Weights = FP8Weights.TE) -> Any:
-    """The rank's :class:`TransposeAligner` for a set-up NeMo GPT model (not attached yet).
+def build_aligner(model: Any, config: AlignConfig, *, weights: FP8Weights = FP8Weights.TE,
+                  entry: str = "mixin") -> Any:
+    """The rank's :class:`TransposeAligner` for a set-up NeMo GPT model, attached (inactive:
+    ``attached`` False); every rank calls it at the same point (one agreement).
 
     Call after the optimizer exists and before the first optimizer step (Apex's pre-forward
-    hooks are still disarmed then, so collecting parameters touches none).
+    hooks are still disarmed then, so collecting parameters touches none). NeMo closes each
+    step itself (the session calls ``on_step_end``).
     """
     from megatron.core.num_microbatches_calculator import get_num_microbatches
     from megatron.core.utils import get_model_config
 
-    from nemo_fp8_align.core.aligner import TransposeAligner
-    from nemo_fp8_align.integrations.groups import resolve_ranks
-    from nemo_fp8_align.integrations.megatron_core import schedule_for, telemetry_writer
+    from nemo_fp8_align.assemble import assemble
 
     chunks = model_chunks(model)
+    mcore_optimizer = getattr(model, "use_mcore_dist_optim", False)
+    refuse_owned_gather(model)
+    backend, weights_of = _backend_and_weights_of(config, weights)
     # The chunks' own DDP groups where megatron-core keeps them (>= 0.14), else parallel_state.
-    ranks = resolve_ranks(chunks, with_context_parallel=True)
-    schedule = schedule_for(get_model_config(chunks[0]), pp=ranks.pp_size,
-                            vp=len(chunks), num_microbatches=get_num_microbatches())
-    fp8_weights, backend = _weights_and_backend(chunks, config, weights)
-    _refuse_recipes(model, fp8_weights, backend)
-    aligner = TransposeAligner(
-        chunks, schedule=schedule, pp_rank=ranks.pp_rank, dp_rank=ranks.dp_rank,
-        dp_size=ranks.dp_size,
-        param_sync=_param_sync(model, chunks), weights=fp8_weights, backend=backend,
-        config=config, telemetry=telemetry_writer(config.telemetry_path))
-    return aligner
+    return assemble(chunks, num_microbatches=get_num_microbatches(),
+                    config=get_model_config(chunks[0]), backend=backend, weights_of=weights_of,
+                    align_config=config,
+                    apex_optimizer=None if mcore_optimizer else model._optimizer,
+                    owns_step_end=False, with_context_parallel=True, error_group=None,
+                    label=f"attaching nemo_fp8_align, {entry}",
+                    telemetry_key="model.fp8_transpose_align.telemetry_path")
 
 
-def _refuse_recipes(model: Any, weights: List[List[Any]], backend: Any) -> None:
-    """Block-scaled weights: on megatron-core's optimizer as on every megatron-core path; on
-    Apex's, where megatron-core post-processes nothing, refused
-    (:mod:`~nemo_fp8_align.recipes`)."""
-    from nemo_fp8_align.recipes import (kinds_of, mcore_features,
-                                                            refuse_recipes)
+def refuse_owned_gather(model: Any) -> None:
+    """NeMo's ``mcore_distributed_optim`` holds the DDP chunks' launches; on megatron-core
+    0.7/0.8, whose DistributedOptimizer owns the all-gather, it is refused with the version and
+    the fixes."""
+    from nemo_fp8_align.mcore_versions import nemo_optimizer_owned_problem, optimizer_owns_gather
 
-    kinds = list(kinds_of(weights, backend))
-    if getattr(model, "use_mcore_dist_optim", False):
-        refuse_recipes(kinds, mcore_features())
-    else:
-        refuse_recipes(kinds, None, path="NeMo's Apex distributed_fused_adam")
+    if getattr(model, "use_mcore_dist_optim", False) and optimizer_owns_gather():
+        from nemo_fp8_align.errors import UnsupportedSetupError
+
+        raise UnsupportedSetupError(nemo_optimizer_owned_problem())
 
 
-def _param_sync(model: Any, chunks: Sequence[torch.nn.Module]) -> Any:
-    if getattr(model, "use_mcore_dist_optim", False):
-        from nemo_fp8_align.mcore_versions import (nemo_optimizer_owned_problem,
-                                                               optimizer_owns_gather)
-        from nemo_fp8_align.sync.mcore import McoreParamSync
-
-        if optimizer_owns_gather():
-            from nemo_fp8_align.errors import UnsupportedSetupError
-
-            raise UnsupportedSetupError(nemo_optimizer_owned_problem())
-
-        return McoreParamSync(chunks)
-    from nemo_fp8_align.sync.apex import ApexParamSync
-
-    return ApexParamSync(model._optimizer, [list(c.parameters()) for c in chunks])
-
-
-def _weights_and_backend(chunks: Sequence[torch.nn.Module], config: AlignConfig,
-                         weights: FP8Weights) -> Tuple[List[List[Any]], Any]:
+def _backend_and_weights_of(config: AlignConfig, weights: FP8Weights) -> Tuple[Any, Any]:
     if weights is FP8Weights.REFERENCE:
         from nemo_fp8_align.backends.reference import ReferenceBackend
 
-        return [reference_weights_of(chunk) for chunk in chunks], ReferenceBackend(
-            use_triton_kernel=config.use_triton_kernel)
+        return ReferenceBackend(use_triton_kernel=config.use_triton_kernel), reference_weights_of
     backend = _te_backend(config)
     # By type() only: isinstance() on a parameter could fire an armed Apex hook.
-    return [backend.weights_of(chunk) for chunk in chunks], backend
+    return backend, backend.weights_of
 
 
 def _te_backend(config: AlignConfig) -> Any:

@@ -136,7 +136,7 @@ def log_step_metrics(module: Any, trainer: Any, records: Sequence[Any], *,
     every = every_n_steps or getattr(trainer, "log_every_n_steps", 1) or 1
     if trainer.global_step % every:  # global_step counts this step already: the same on all ranks
         return {}
-    from nemo_fp8_align.integrations.groups import pipeline_group
+    from nemo_fp8_align.adapters.groups import pipeline_group
     from nemo_fp8_align.integrations.nemo.build import model_chunks
 
     chunks = model_chunks(module) if hasattr(module, "model") else []

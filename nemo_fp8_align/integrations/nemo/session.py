@@ -10,11 +10,11 @@ everything that touches NeMo at run time is here, once:
   registered, one log line (global rank 0);
 * the launches: NeMo re-binds ``config.param_sync_func`` inside every ``fwd_bwd_step``, from the
   chunks' ``start_param_sync`` (megatron-core DDP: the aligner's
-  :class:`~nemo_fp8_align.sync.mcore_hold.McoreChunkHold` wraps them on the instances, as for
-  every megatron-core loop) or from its own ``sync_overlap_parameters`` (Apex:
-  :meth:`~NeMoSession.sync_overlap_parameters` reports to an
-  :class:`~nemo_fp8_align.sync.apex_hold.ApexHold`). Validation runs without gradients and
-  launches nothing (:func:`~nemo_fp8_align.core.hold.is_launch`);
+  :class:`~nemo_fp8_align.adapters.mcore_ddp.McoreDDPAdapter` wraps them on the instances, as
+  for every megatron-core loop) or from its own ``sync_overlap_parameters`` (Apex:
+  :meth:`~NeMoSession.sync_overlap_parameters` reports to the
+  :class:`~nemo_fp8_align.adapters.apex.ApexAdapter`). Validation runs without gradients and
+  launches nothing (:func:`~nemo_fp8_align.core.adapter.is_launch`);
 * the training step (:meth:`~NeMoSession.fwd_bwd_step`): closed when it returns;
 * :meth:`~NeMoSession.log_metrics` after each training batch (each step once, :mod:`.metrics`);
 * :meth:`~NeMoSession.close`: hooks, chunk claim and every shadow removed; idempotent, and run
@@ -45,6 +45,7 @@ from typing import Any, Callable, List, Optional
 from nemo_fp8_align.config import AlignConfig
 from nemo_fp8_align.integrations.nemo.bucket_workaround import (check_buckets,
                                                                shared_embedding_bucket_workaround)
+from nemo_fp8_align.adapters.groups import data_parallel
 from nemo_fp8_align.integrations.nemo.build import FP8Weights, build_aligner, model_chunks
 from nemo_fp8_align.integrations.nemo.metrics import last_step_records, log_step_metrics
 
@@ -133,8 +134,6 @@ class NeMoSession:
     def setup_ddp(self, run: Callable[[], Any]) -> None:
         """``run`` (NeMo's ``setup_mcore_distributed_parallel``) with megatron-core 0.12.3's
         shared-embedding bucket workaround, then the bucket check (mcore optimizer only)."""
-        from nemo_fp8_align.integrations.groups import data_parallel
-
         _, dp, _ = data_parallel(model_chunks(self.module), with_context_parallel=True)
         with shared_embedding_bucket_workaround(model_chunks(self.module), data_parallel_size=dp):
             run()
@@ -145,21 +144,16 @@ class NeMoSession:
         """Build and attach the rank's aligner (idempotent); returns whether it is active."""
         if self.aligner is not None:
             return self.aligner.attached
-        from nemo_fp8_align.core.step_end import agreed
-
-        aligner = None
         try:
-            # Every rank attaches here; a failure on one (its telemetry path, say) stops all.
-            with agreed(label=f"rank {_global_rank()} (attaching nemo_fp8_align, {self.entry})"):
-                aligner = build_aligner(self.module, self.config, weights=self.weights)
-                hold = _hold_for(self.module, aligner)
-                if not aligner.attach(hold):
-                    return False
-            self.aligner, self._hold = aligner, hold
+            # Every rank attaches here; a failure on one (its telemetry path, say) stops all,
+            # and leaves nothing attached on any.
+            aligner = build_aligner(self.module, self.config, weights=self.weights,
+                                    entry=self.entry)
+            if not aligner.attached:
+                return False
+            self.aligner, self._hold = aligner, aligner.adapter
             self._announce(aligner)
         except BaseException:
-            if aligner is not None:
-                aligner.detach()  # a half-attached aligner leaves nothing behind
             self.close()
             raise
         return True
@@ -257,23 +251,3 @@ class NeMoSession:
         finally:
             if aligner is not None:
                 aligner.detach()
-
-
-def _global_rank() -> int:
-    import torch
-
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-
-
-def _hold_for(module: Any, aligner: Any) -> Any:
-    """The aligner's hold on NeMo's schedule: the DDP chunks (megatron-core's optimizer) or
-    Apex's parameter syncs; NeMo closes each step itself (:meth:`NeMoSession.fwd_bwd_step`)."""
-    chunks = model_chunks(module)
-    if getattr(module, "use_mcore_dist_optim", False):
-        from nemo_fp8_align.sync.mcore_hold import McoreChunkHold
-
-        return McoreChunkHold(chunks, None, owns_step_end=False,
-                              forced_sync=(aligner.param_sync, aligner.weights, aligner.backend))
-    from nemo_fp8_align.sync.apex_hold import ApexHold
-
-    return ApexHold(chunks)

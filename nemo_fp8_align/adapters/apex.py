@@ -1,4 +1,4 @@
-"""Finishing a model chunk's parameter all-gather in Apex's ``DistributedFusedAdam``.
+"""The adapter for Apex's ``DistributedFusedAdam`` (NeMo's ``distributed_fused_adam``).
 
 NeMo's ``distributed_fused_adam`` (``MegatronDistributedFusedAdam``, a subclass of Apex's
 ``DistributedFusedAdam``) keeps parameters sharded in *buckets*, each with a
@@ -12,7 +12,7 @@ SYNCING buckets become READY). The gathered values reach a parameter only throug
 ``_param_copy_fragments`` writes the bytes into ``Float8Tensor._data`` and then resets the
 transpose cache.
 
-What this means at a chunk's aligned slot, and what :meth:`finish` does:
+What this means at a chunk's aligned slot, and what :meth:`ApexAdapter.finish` does:
 
 * chunk c < C-1: the schedule has just launched chunk c+1, which finished chunk c's all-gather:
   c's buckets are READY. Copy them now (no collective, no wait) and clear the hook flags, so no
@@ -23,7 +23,7 @@ What this means at a chunk's aligned slot, and what :meth:`finish` does:
 * a bucket still SHARDED was never launched: ``_param_copy`` would start and finish a blocking
   all-gather for it. That keeps the parameters correct (a transpose of stale bytes would be a
   wrong gradient) and issues the same collective every data-parallel rank issues at the same
-  point, but it is exposed: it is counted in :attr:`ApexParamSync.blocking_all_gathers` and
+  point, but it is exposed: it is counted in :attr:`ApexAdapter.blocking_all_gathers` and
   logged once.
 
 Only Apex's public bucket state machine is used (``ParameterStatus``, ``_params_buckets``,
@@ -31,15 +31,24 @@ Only Apex's public bucket state machine is used (``ParameterStatus``, ``_params_
 ``_try_start_bucket_param_sync``, ``_pre_forward_hook_is_enabled``). Apex is not importable in
 the CPU environment: the tests run this module against a stand-in of that state machine
 (``tests/support/standins/apex_dfa.py``).
+
+Launches: the schedule's call of NeMo's ``sync_overlap_parameters(params)`` (bound as
+``config.param_sync_func`` inside NeMo's own step), reported to :meth:`ApexAdapter.launched` by
+whoever routes it (NeMo's session) and mapped back to its chunk by the first parameter passed.
+NeMo closes the step itself.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Dict, List, Sequence, Set
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set
 
-__all__ = ["ApexParamSync"]
+import torch
+
+from nemo_fp8_align.core.adapter import is_launch
+
+__all__ = ["ApexAdapter"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,28 +61,36 @@ def _hook_enabled(param: Any) -> bool:
     return bool(getattr(param, HOOK_FLAG, False))
 
 
-class ApexParamSync:
-    """:class:`~nemo_fp8_align.core.aligner.ChunkParamSync` over Apex ``DistributedFusedAdam``.
+class ApexAdapter:
+    """:class:`~nemo_fp8_align.core.adapter.Adapter` over Apex ``DistributedFusedAdam``.
 
     Args:
         optimizer: the ``DistributedFusedAdam`` (NeMo: ``MegatronDistributedFusedAdam``) that
             owns the parameters.
-        chunk_params: per model chunk, in schedule order, the parameters of that chunk (NeMo:
-            ``list(model[c].parameters())``). Collect them while the pre-forward hooks are off
-            (before the first optimizer step), or by identity only, as this class does.
+        chunks: this rank's model chunks, in schedule order. Their parameters are collected
+            here, by identity only: build the adapter while the pre-forward hooks are off
+            (before the first optimizer step).
     """
 
-    def __init__(self, optimizer: Any, chunk_params: Sequence[Sequence[Any]]) -> None:
+    owns_step_end = False  #: NeMo closes the step (its session calls ``on_step_end``)
+    launched_before_loop = 2  #: the schedule's pre-loop calls (chunks 0 and 1)
+
+    def __init__(self, optimizer: Any, chunks: Sequence[torch.nn.Module]) -> None:
         for name in ("_params_buckets", "_param_copy", "_finish_bucket_param_sync", "state",
                      "ParameterStatus"):
             if not hasattr(optimizer, name):
                 raise TypeError(
-                    f"{type(optimizer).__name__} has no '{name}': ApexParamSync needs Apex's "
+                    f"{type(optimizer).__name__} has no '{name}': ApexAdapter needs Apex's "
                     "DistributedFusedAdam (NeMo optim.name=distributed_fused_adam). For "
-                    "optim.name=mcore_distributed_optim use nemo_fp8_align.sync.mcore."
-                    "McoreParamSync.")
+                    "optim.name=mcore_distributed_optim use nemo_fp8_align.adapters.mcore_ddp."
+                    "McoreDDPAdapter.")
         self.optimizer = optimizer
-        self.chunk_params: List[List[Any]] = [list(p) for p in chunk_params]
+        self.chunk_params: List[List[Any]] = [list(c.parameters()) for c in chunks]
+        # ``id`` of each chunk's first parameter -> chunk: the schedule passes
+        # ``model[c].parameters()``, read once by the caller.
+        self._chunk_of: Dict[int, int] = {id(p[0]): c for c, p in enumerate(self.chunk_params)
+                                          if p}
+        self._on_launch: Optional[Callable[[int], None]] = None
         #: Per chunk, how many times :meth:`finish` had to run a blocking all-gather because a
         #: bucket had never been launched (0 when the schedule launched everything in time).
         self.blocking_all_gathers: List[int] = [0] * len(self.chunk_params)
@@ -97,7 +114,7 @@ class ApexParamSync:
         lock = getattr(self.optimizer, "_lock", None)
         return lock if lock is not None else contextlib.nullcontext()
 
-    # ------------------------------------------------------------------ ChunkParamSync
+    # ------------------------------------------------------------------ finishing a chunk
     def finish(self, chunk: int) -> bool:
         """Make ``chunk``'s parameters hold this step's values now; return True when they do."""
         status = self.optimizer.ParameterStatus
@@ -150,3 +167,22 @@ class ApexParamSync:
             return False
         status = self.optimizer.ParameterStatus
         return all(s == status.READY for s in self._statuses(self._bucket_ids(params)).values())
+
+    # ------------------------------------------------------------------ the schedule hold
+    def install(self, on_launch: Callable[[int], None], on_end: Callable[[], None]) -> None:
+        self._on_launch = on_launch
+
+    def launched(self, params: Sequence[Any], **kwargs: Any) -> None:
+        """The schedule's parameter sync for ``params`` has just been started."""
+        chunk = self._chunk_of.get(id(params[0])) if params else None
+        if self._on_launch is not None and chunk is not None and is_launch(kwargs):
+            self._on_launch(chunk)
+
+    def training(self) -> bool:
+        return torch.is_grad_enabled()
+
+    def check(self) -> None:
+        """Nothing to check: NeMo binds its own ``sync_overlap_parameters`` every step."""
+
+    def restore(self) -> None:
+        self._on_launch = None

@@ -1,5 +1,5 @@
-"""Finishing a model chunk's parameter all-gather where megatron-core's DistributedOptimizer
-owns it (megatron-core 0.7 and 0.8: ``OptimizerConfig.overlap_param_gather``).
+"""The adapter where megatron-core's DistributedOptimizer owns the parameter all-gather
+(megatron-core 0.7 and 0.8: ``OptimizerConfig.overlap_param_gather``).
 
 There the all-gathers are one chain per optimizer instance, bucket after bucket in forward
 order across all chunks (``model_index_to_all_gather_handle_index_map`` names each chunk's
@@ -10,20 +10,36 @@ chunk's in-flight handles in index order, dispatching each next one as the pre-h
 same collectives in the same order, only earlier; a handle not yet dispatched is left alone
 (no new collective).
 
-A handle of None means either "not dispatched yet" or "waited": :meth:`record` (called by
-:class:`~nemo_fp8_align.sync.mcore_optimizer_hold.McoreOptimizerHold` for every dispatch)
+A handle of None means either "not dispatched yet" or "waited": :meth:`McoreOptimizerAdapter.record` (called for every dispatch)
 tells them apart, for the chain under way: each optimizer step starts a new list of handles
 (``_reset_metadata_and_sync_gather_all_model_params``), so dispatches recorded into an older
 list say nothing about the new bytes. A step whose optimizer update did not succeed (before the
 first step, or skipped for inf/nan) dispatches nothing: the parameters are unchanged, hence
 complete.
+
+Launches. There the schedule launches nothing per chunk (Megatron-LM binds no ``param_sync_func`` unless
+``--delay-param-gather``, and then the optimizer's ``finish_param_sync``): the step's
+all-gathers start in ``optimizer.zero_grad()``, which every loop of that era calls before the
+schedule (Megatron-LM's ``train_step``, NeMo's ``training_step``), and chain on from there. So
+the hold wraps each DistributedOptimizer's ``_dispatch_gather_model_params`` (an instance
+attribute, found by every caller: ``zero_grad``, the pre-hook chain, ``finish_param_sync``,
+forced gathers): a launch of chunk c is the dispatch of c's first all-gather (the same
+:func:`~nemo_fp8_align.core.adapter.is_launch` rule: not forced, gradients on). Only chunk 0 is
+launched before the loop, so the aligner handles the slot-0 chunks right after it. The step's
+end is chunk 0's ``finish_grad_sync``, as for :class:`~nemo_fp8_align.adapters.mcore_ddp.McoreDDPAdapter`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-__all__ = ["McoreOptimizerParamSync", "distributed_optimizers"]
+import torch
+
+from nemo_fp8_align.adapters.mcore_ddp import GradSyncStepEnd
+from nemo_fp8_align.core.adapter import is_launch
+from nemo_fp8_align.errors import UnsupportedSetupError
+
+__all__ = ["McoreOptimizerAdapter", "distributed_optimizers"]
 
 
 def distributed_optimizers(optimizer: Any) -> List[Any]:
@@ -34,18 +50,22 @@ def distributed_optimizers(optimizer: Any) -> List[Any]:
     return [o for o in found if hasattr(o, "model_index_to_all_gather_handle_index_map")]
 
 
-class McoreOptimizerParamSync:
-    """:class:`~nemo_fp8_align.core.param_sync.ChunkParamSync` over megatron-core 0.7/0.8's
+class McoreOptimizerAdapter:
+    """:class:`~nemo_fp8_align.core.adapter.Adapter` over megatron-core 0.7/0.8's
     DistributedOptimizer all-gather chain.
 
     Args:
+        chunks: this rank's DDP-wrapped model chunks, in schedule order.
         optimizer: what ``get_megatron_optimizer`` returned (DistributedOptimizer or
             ChainedOptimizer of them).
+        owns_step_end: report the step end at chunk 0's ``finish_grad_sync``.
     """
 
-    def __init__(self, optimizer: Any) -> None:
-        from nemo_fp8_align.errors import UnsupportedSetupError
+    #: Launched before the schedule's loop: chunk 0 only (``zero_grad``).
+    launched_before_loop = 1
 
+    def __init__(self, chunks: Sequence[Any], optimizer: Any, *,
+                 owns_step_end: bool = True) -> None:
         self.optimizers = distributed_optimizers(optimizer)
         if not self.optimizers:
             raise UnsupportedSetupError(
@@ -66,7 +86,12 @@ class McoreOptimizerParamSync:
             {ids[0]: chunk for chunk, ids in
              opt.model_index_to_all_gather_handle_index_map.items() if ids}
             for opt in self.optimizers]
+        self._end = GradSyncStepEnd(chunks[0]) if owns_step_end else None
+        self.chunks = list(chunks)
+        self.owns_step_end = owns_step_end
+        self._wrapped: List[Tuple[Any, Any]] = []  # (optimizer, its wrapper)
 
+    # ------------------------------------------------------------------ finishing a chunk
     def record(self, k: int, index: int) -> Optional[int]:
         """Optimizer ``k`` has just dispatched all-gather ``index``: remember it; return the
         chunk whose chain it starts (None if it is not a chunk's first)."""
@@ -91,3 +116,44 @@ class McoreOptimizerParamSync:
             return False
         ids = opt.model_index_to_all_gather_handle_index_map.get(chunk, [])
         return all(i in self._dispatched[k] and opt.all_gather_handles[i] is None for i in ids)
+
+    # ------------------------------------------------------------------ the schedule hold
+    def install(self, on_launch: Callable[[int], None], on_end: Callable[[], None]) -> None:
+        try:
+            for k, opt in enumerate(self.optimizers):
+                wrapper = _dispatch_then(k, opt._dispatch_gather_model_params, self,
+                                         on_launch if k == 0 else None)  # dense chain: launches
+                opt._dispatch_gather_model_params = wrapper
+                self._wrapped.append((opt, wrapper))
+            if self._end is not None:
+                self._end.install(on_end)
+        except BaseException:
+            self.restore()
+            raise
+
+    def training(self) -> bool:
+        return torch.is_grad_enabled()
+
+    def check(self) -> None:
+        """Nothing to check: every dispatch, whoever calls it, goes through the wrapper."""
+
+    def restore(self) -> None:
+        for opt, wrapper in self._wrapped:
+            if opt.__dict__.get("_dispatch_gather_model_params") is wrapper:
+                del opt.__dict__["_dispatch_gather_model_params"]
+        self._wrapped = []
+        if self._end is not None:
+            self._end.restore()
+
+
+def _dispatch_then(k: int, dispatch: Callable[..., Any], adapter: McoreOptimizerAdapter,
+                   on_launch: Any) -> Callable[..., Any]:
+    # megatron-core calls it as (index), (all_gather_handle_index=0) or (index, force_sync=...).
+    def _dispatch_gather_model_params(*args: Any, **kwargs: Any) -> Any:
+        out = dispatch(*args, **kwargs)
+        index = args[0] if args else kwargs["all_gather_handle_index"]
+        chunk = adapter.record(k, index)
+        if on_launch is not None and chunk is not None and is_launch(kwargs):
+            on_launch(chunk)
+        return out
+    return _dispatch_gather_model_params
