@@ -5,8 +5,8 @@ benchmark's size, it times with CUDA events (min/median/max over repetitions)
 - one microbatch's forward + backward through the chunk (real FP8 GEMMs via torch._scaled_mm),
 - building the chunk's FP8 weights' transposes: the multi-tensor Triton kernel and torch's
   generic copy (the baseline measured in the same run),
-and prints delta (one chunk's transposes) against the compute, with the bound DESIGN.md gives
-for what aligning saves per step: lazy up to about PP x VP x delta of idle, aligned about
+and prints delta (one chunk's transposes) against the compute, with the bound docs/design.md
+(section 1) gives for what aligning saves per step: lazy up to about PP x VP x delta of idle, aligned about
 VP x delta, so at most (PP - 1) x VP x delta. That bound is a model, not a measurement: the
 pipeline itself needs several GPUs (benchmarks/pipeline_step_time.py).
 

@@ -81,7 +81,7 @@ def assemble(chunks: Sequence[torch.nn.Module], *,
     try:
         with agreed(label=f"rank {rank} ({label})", group=group):
             config = config if config is not None else chunks[0].config
-            refuse_unsupported(Setup(config=config, chunks=chunks))
+            refuse_unsupported(Setup(config=config))
             check_telemetry_path(align_config.telemetry_path, key=telemetry_key)
             if backend is None:  # an inactive plugin imports nothing
                 backend = default_backend(align_config) if align_config.active \
@@ -92,7 +92,8 @@ def assemble(chunks: Sequence[torch.nn.Module], *,
             m_now = num_microbatches() if callable(num_microbatches) else num_microbatches
             schedule = schedule_for(config, pp=ranks.pp_size, vp=len(chunks),
                                     num_microbatches=m_now)
-            weights = [recipes.weights_with_work(chunk, list(weights_of(chunk)), backend)
+            weights = [recipes.weights_with_work(list(weights_of(chunk)), backend,
+                                                 requantized=_requantizes_mxfp8(chunk))
                        for chunk in chunks]
             adapter = pick_adapter(chunks, config, optimizer=optimizer,
                                    apex_optimizer=apex_optimizer, owns_step_end=owns_step_end, weights=weights,
@@ -132,6 +133,12 @@ def pick_adapter(chunks: Sequence[torch.nn.Module], config: Any, *, optimizer: A
         return McoreOptimizerAdapter(chunks, optimizer, owns_step_end=owns_step_end)
     return McoreDDPAdapter(chunks, config, owns_step_end=owns_step_end,
                            forced_sync=(weights, backend))
+
+
+def _requantizes_mxfp8(chunk: Any) -> bool:
+    """Whether megatron-core re-quantizes the chunk's MXFP8 parameters after the all-gather."""
+    ddp_config = getattr(chunk, "ddp_config", None)
+    return bool(getattr(ddp_config, "reuse_grad_buf_for_mxfp8_param_ag", False))
 
 
 def _optimizer_owned(optimizer: Any) -> bool:

@@ -177,13 +177,11 @@ def refuse_recipes(kinds: Sequence[str], features: Optional[McoreFeatures],
                                     + "\n".join(f"  - {m}" for m in messages))
 
 
-def weights_with_work(chunk: Any, weights: List[Any], backend: Any) -> List[Any]:
+def weights_with_work(weights: List[Any], backend: Any, *, requantized: bool) -> List[Any]:
     """``weights`` less the MXFP8 ones where megatron-core does not re-quantize them after the
-    all-gather (``ddp_config.reuse_grad_buf_for_mxfp8_param_ag`` off): they carry no
-    post-all-gather work, so there is nothing to align for them."""
-    reuse = bool(getattr(getattr(chunk, "ddp_config", None), "reuse_grad_buf_for_mxfp8_param_ag",
-                         False))
-    return [w for w in weights if reuse or kind_of(backend, w) != REQUANTIZE]
+    all-gather (``requantized``: the chunk's ``ddp_config.reuse_grad_buf_for_mxfp8_param_ag``):
+    they carry no post-all-gather work, so there is nothing to align for them."""
+    return [w for w in weights if requantized or kind_of(backend, w) != REQUANTIZE]
 
 
 def kinds_of(weights: Sequence[Sequence[Any]], backend: Any) -> Dict[str, int]:

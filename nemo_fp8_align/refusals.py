@@ -16,7 +16,7 @@ a refusal is written.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional
 
 from nemo_fp8_align.errors import UnsupportedSetupError
 
@@ -25,11 +25,9 @@ __all__ = ["REFUSALS", "Refusal", "Setup", "fired", "refuse_unsupported"]
 
 @dataclass(frozen=True)
 class Setup:
-    """What the rows read: the ``TransformerConfig`` the schedule reads and this rank's DDP
-    model chunks (which carry ``ddp_config`` and the flags ``get_megatron_optimizer`` sets)."""
+    """What the rows read: the ``TransformerConfig`` the schedule reads."""
 
     config: Any
-    chunks: Sequence[Any] = ()
 
 
 @dataclass(frozen=True)

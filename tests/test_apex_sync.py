@@ -136,7 +136,7 @@ def shared_bucket_setup():
 
 
 def test_a_second_param_copy_resets_the_transpose_cache():
-    # The hazard itself (DESIGN.md 3a): the stand-in, like NeMo's _param_copy_fragments,
+    # The hazard itself (docs/design.md, section 3a): the stand-in, like NeMo's _param_copy_fragments,
     # resets the cache of every parameter it copies; the bucket is still live.
     chunks, opt, _ = shared_bucket_setup()
     backend = FakeFP8Backend()

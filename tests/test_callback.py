@@ -20,6 +20,9 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers import Logger
 from omegaconf import OmegaConf
 
+from nemo_fp8_align.adapters.apex import ApexAdapter  # noqa: E402
+from nemo_fp8_align.adapters.mcore_ddp import McoreDDPAdapter  # noqa: E402
+from support.standins.apex_dfa import StandInDistributedFusedAdam  # noqa: E402
 from nemo_fp8_align.config import AlignConfig, Policy
 from nemo_fp8_align.core.telemetry import TransposeRecord
 from nemo_fp8_align.integrations.nemo import session as session_module
@@ -115,22 +118,26 @@ class FakeAligner:
     weights = [[None] * 4, [None] * 4]
     backend = type("Backend", (), {"name": "fake"})
 
-    param_sync = None  # no all-gather to finish: the hold gets no forced-sync watch
+    def __init__(self, module=None):
+        self.records, self.launched, self.attached_ = [], [], False
+        # The adapter NeMo's path picks (assemble.pick_adapter): the real launch reporting.
+        self.adapter = None if module is None else fake_adapter(module)
 
-    def __init__(self):
-        self.records, self.launched, self.attached_, self.hold = [], [], False, None
+    @property
+    def attached(self):
+        return self.attached_
 
-    def attach(self, hold=None):
-        # As TransposeAligner.attach: the session's hold reports the launches from here on.
-        self.attached_, self.hold = True, hold
-        if hold is not None:
-            hold.install(self.on_param_sync_launched, self.on_step_end)
+    def attach(self):
+        # As TransposeAligner.attach: the adapter reports the launches from here on.
+        self.attached_ = True
+        if self.adapter is not None:
+            self.adapter.install(self.on_param_sync_launched, self.on_step_end)
         return True
 
     def detach(self):
         self.attached_ = False
-        if self.hold is not None:
-            self.hold.restore()
+        if self.adapter is not None:
+            self.adapter.restore()
 
     def set_next_step(self, step):
         self.next_steps = getattr(self, "next_steps", []) + [step]
@@ -147,6 +154,33 @@ class FakeAligner:
                     step=step, pp_rank=0, dp_rank=0, chunk=c, policy="aligned",
                     backend="fake", vmid=-1 if c == 0 else 2, slot=2 * c, aligned_slot=2 * c,
                     transposed=4, weights=4, after_all_gather=True, seconds=0.001))
+
+
+class _Complete:
+    """Every chunk's all-gather is complete when asked (the fake chunks have no buckets)."""
+
+    def finish(self, chunk):
+        return True
+
+    def finished(self, chunk):
+        return True
+
+
+class FinishedMcore(_Complete, McoreDDPAdapter):
+    pass
+
+
+class FinishedApex(_Complete, ApexAdapter):
+    pass
+
+
+def fake_adapter(module):
+    if module.use_mcore_dist_optim:
+        for chunk in module.model:
+            chunk.bucket_groups = []  # what megatron-core's adapter checks for
+        return FinishedMcore(module.model, None, owns_step_end=False)
+    optimizer = StandInDistributedFusedAdam([list(c.parameters()) for c in module.model])
+    return FinishedApex(optimizer, module.model)
 
 
 class MemoryLogger(Logger):
@@ -172,9 +206,10 @@ class MemoryLogger(Logger):
 def run_fit(monkeypatch, cb, module, logger=None):
     aligners = []
 
-    def fake_build(model, config, *, weights):
-        aligners.append(FakeAligner())
+    def fake_build(model, config, *, weights, entry):
+        aligners.append(FakeAligner(model))
         aligners[-1].config, aligners[-1].weights_kind = config, weights
+        aligners[-1].attach()  # build_aligner returns it attached (assemble attaches)
         return aligners[-1]
 
     monkeypatch.setattr(session_module, "build_aligner", fake_build)
@@ -441,8 +476,8 @@ def test_steps_follow_global_step_across_a_resume(monkeypatch, tmp_path):
     trainer.save_checkpoint(ckpt)
     aligners = []
     monkeypatch.setattr(session_module, "build_aligner",
-                        lambda model, config, *, weights: aligners.append(FakeAligner())
-                        or aligners[-1])
+                        lambda model, config, **kw: aligners.append(FakeAligner(model))
+                        or aligners[-1].attach() and aligners[-1])
     resumed = Trainer(accelerator="cpu", devices=1, max_steps=5, logger=False,
                       callbacks=[FP8TransposeAlignment()], enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False)
@@ -551,20 +586,3 @@ def test_the_step_closes_when_the_training_fwd_bwd_step_returns_before_the_optim
     _, aligners = run_fit(monkeypatch, cb, OrderedModule(smoke_cfg().model, events))
     assert len(aligners) == 1
     assert events == ["step end", "optimizer step", "batch end"] * 3
-
-
-def test_a_config_naming_the_old_class_path_still_instantiates():
-    # 0.1.0 configs (NeMo's trainer.callbacks / exp_manager YAML) name the old module path.
-    from hydra.utils import instantiate
-
-    from nemo_fp8_align.integrations.nemo.mixin import FP8TransposeAlignMixin
-
-    cfg = OmegaConf.create({"callbacks": [{
-        "_target_": "nemo_fp8_align.nemo.callback.FP8TransposeAlignment", "policy": "lazy",
-        "log_every_n_steps": 5}]})
-    (cb,) = [instantiate(c) for c in cfg.callbacks]
-    assert type(cb) is FP8TransposeAlignment
-    assert cb.config.policy is Policy.LAZY and cb.log_every_n_steps == 5
-    old_mixin = instantiate({"_target_": "hydra.utils.get_class",
-                             "path": "nemo_fp8_align.nemo.mixin.FP8TransposeAlignMixin"})
-    assert old_mixin is FP8TransposeAlignMixin

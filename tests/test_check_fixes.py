@@ -437,3 +437,14 @@ def test_where_the_global_batch_must_change_the_nearest_over_smaller_micro_batch
     nearer than 3200 with micro batch 4, where the fix went."""
     line = fix_line_of(str(L / "gpt3_126m.yaml"), *ENABLE, "trainer.num_nodes=100")
     assert "model.micro_batch_size=1" in line and "model.global_batch_size=800" in line, line
+
+
+def test_a_node_count_fix_keeps_the_layers_where_a_layout_fits_at_the_new_world_size():
+    """6 layers at PP 4 on 5 GPUs: no layout fits 5 GPUs, so the node count changes (to 4: 20
+    GPUs). The split rule, judging the 5 GPUs as given, also changed the model
+    (model.num_layers=8), though on 20 GPUs PP 2 with VP 3 keeps all 6 layers."""
+    line = fix_line_of(str(ROOT / "conf" / "megatron_gpt_fp8_align.yaml"), "trainer.devices=5",
+                       "model.num_layers=6", "model.pipeline_model_parallel_size=4",
+                       "model.global_batch_size=360")
+    assert "trainer.num_nodes=4" in line, line
+    assert not any("num_layers=" in o for o in line), line

@@ -286,3 +286,25 @@ def test_no_guess_becomes_a_flag_of_the_fix_line(unknown):
     assert "did you mean" in v["expected"], v
     assert v["fix"] == f"drop {unknown[0]}", v["fix"]
     assert payload["fix_overrides"] == [] and payload["fix_passes"], payload
+
+
+# --- a world-size fix keeps the layers where a layout fits at the new world size --------------
+
+
+def test_a_world_size_fix_keeps_the_layers_where_a_layout_fits_at_the_new_world_size():
+    """9 layers at PP 2 on 5 processes: no layout fits 5 (it is prime), so the world changes
+    (to 4). The split rule, judging the world as given, also changed the model (--num-layers
+    8), though at 4 processes PP 2 with a first stage of 3 layers and VP 3 keeps all 9."""
+    argv = ("--pipeline-model-parallel-size 2 --num-layers 9 "
+            "--num-virtual-stages-per-pipeline-rank 2 --fp8-format hybrid --fp8-param-gather "
+            "--use-distributed-optimizer --overlap-param-gather --overlap-grad-reduce "
+            "--micro-batch-size 1 --global-batch-size 16 --bf16 --seq-length 128 --lr 1e-4").split()
+    status, payload = as_json(5, argv)
+    assert status == 2
+    assert payload["fix_passes"], payload
+    assert payload["fix_world_size"] == 4, payload
+    assert "--num-layers" not in payload["fix_overrides"], payload["fix_text"]
+    at = payload["fixed_argv"].index("--num-layers")
+    assert payload["fixed_argv"][at + 1] == "9", payload["fixed_argv"]
+    # what the line asks for passes when pasted
+    assert check(4, payload["fixed_argv"])[0] == 0

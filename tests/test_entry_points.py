@@ -23,8 +23,8 @@ if mcore_version.optimizer_owns_gather():
                 "tests/test_mcore_optimizer_gather.py's", allow_module_level=True)
 
 from nemo_fp8_align.config import AlignConfig  # noqa: E402
-from nemo_fp8_align.core import claims  # noqa: E402
-from nemo_fp8_align.core.class_patch import observe_method, patched_methods  # noqa: E402
+from nemo_fp8_align.core import aligner as claims  # noqa: E402
+from nemo_fp8_align.class_patch import observe_method, patched_methods  # noqa: E402
 from nemo_fp8_align.integrations import megatron_lm  # noqa: E402
 from nemo_fp8_align.integrations.megatron_core import align_fp8_transposes  # noqa: E402
 from nemo_fp8_align.adapters.mcore_ddp import McoreDDPAdapter  # noqa: E402

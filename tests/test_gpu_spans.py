@@ -11,7 +11,7 @@ import pytest
 import nemo_fp8_align.core.gpu_spans as gpu_spans
 from nemo_fp8_align.core.gpu_spans import GpuSpans
 from nemo_fp8_align.core.telemetry import TelemetryWriter
-from nemo_fp8_align.integrations.nemo.metrics import _compact, step_metrics
+from nemo_fp8_align.core.metrics import _compact, step_metrics
 
 from support.aligner_rank import make_rank, run_training_step
 

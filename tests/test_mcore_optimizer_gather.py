@@ -208,7 +208,7 @@ def _fail(*_a, **_k):
 #: Attach stages on this path, in order, each made to fail (tests/test_entry_points.py's for
 #: the DDP chunks' path, which 0.7/0.8 do not have).
 STAGES = {
-    "claim": lambda mp: mp.setattr("nemo_fp8_align.core.claims.claim", _fail),
+    "claim": lambda mp: mp.setattr("nemo_fp8_align.core.aligner.claim", _fail),
     "forward hooks": lambda mp: mp.setattr("torch.nn.Module.register_forward_hook", _fail),
     "build observer (telemetry)": lambda mp: mp.setattr(
         "nemo_fp8_align.core.observe.BuildObserver._started", property(_fail)),
@@ -229,8 +229,8 @@ def test_a_failing_attach_through_the_optimizer_leaves_nothing_and_a_retry_attac
     patches, the optimizer's dispatch wrapper, chunk 0's step end), and a second try
     attaches."""
     from nemo_fp8_align.config import AlignConfig
-    from nemo_fp8_align.core import claims
-    from nemo_fp8_align.core.class_patch import patched_methods
+    from nemo_fp8_align.core import aligner as claims
+    from nemo_fp8_align.class_patch import patched_methods
     from nemo_fp8_align.integrations.megatron_core import align_fp8_transposes
     from support.attach_leftovers import module_hooks
 

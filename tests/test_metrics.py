@@ -1,7 +1,7 @@
-"""nemo_fp8_align.integrations.nemo.metrics: what lands in the experiment logger per step (pure functions)."""
+"""nemo_fp8_align.core.metrics: what lands in the experiment logger per step (pure functions)."""
 
 from nemo_fp8_align.core.telemetry import TransposeRecord
-from nemo_fp8_align.integrations.nemo.metrics import gather_step_metrics, last_step_records, step_metrics
+from nemo_fp8_align.core.metrics import gather_step_metrics, last_step_records, step_metrics
 
 
 def row(pp_rank, chunk, slot, *, launch, t_slot, gathered=None, done, transposed=4):

@@ -30,6 +30,9 @@ from nemo_fp8_align.integrations.nemo.build import startup_check  # noqa: E402
 from nemo_fp8_align.integrations.nemo.mixin import FP8TransposeAlignMixin, FP8Weights  # noqa: E402
 from nemo_fp8_align.integrations.nemo import session as session_module  # noqa: E402
 from nemo_fp8_align.integrations.nemo.session import NeMoSession  # noqa: E402
+from nemo_fp8_align.adapters.apex import ApexAdapter  # noqa: E402
+from nemo_fp8_align.adapters.mcore_ddp import McoreDDPAdapter  # noqa: E402
+from support.standins.apex_dfa import StandInDistributedFusedAdam  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE = os.path.join(ROOT, "conf", "megatron_gpt_cpu_smoke.yaml")
@@ -213,9 +216,41 @@ class FakeDDPChunk(torch.nn.Module):
         super().__init__()
         self.lin = torch.nn.Linear(2, 2)
         self.started = 0
+        self.bucket_groups = []  # what megatron-core's adapter checks for (no buckets here)
 
     def start_param_sync(self, *unused, force_sync=False):
         self.started += 1
+
+
+class FinishedMcore(McoreDDPAdapter):
+    """megatron-core's adapter (its launch wrappers: the real code) whose chunks' all-gathers
+    are complete when asked."""
+
+    def finish(self, chunk):
+        return True
+
+    def finished(self, chunk):
+        return True
+
+
+class FinishedApex(ApexAdapter):
+    """Apex's adapter (its launch reports: the real code) whose chunks' all-gathers are
+    complete when asked."""
+
+    def finish(self, chunk):
+        return True
+
+    def finished(self, chunk):
+        return True
+
+
+def fake_adapter(model):
+    """The adapter NeMo's path picks (assemble.pick_adapter) over the fake chunks: megatron-core's
+    (NeMo closes the step), or Apex's over the stand-in of its optimizer."""
+    if model.use_mcore_dist_optim:
+        return FinishedMcore(model.model, None, owns_step_end=False)
+    optimizer = StandInDistributedFusedAdam([list(c.parameters()) for c in model.model])
+    return FinishedApex(optimizer, model.model)
 
 
 def bare_model(use_mcore):
@@ -226,7 +261,7 @@ def bare_model(use_mcore):
     # The session attach() would give it: the aligner, each chunk's first parameter.
     model._fp8_align_session = NeMoSession(model, AlignConfig(), weights=FP8Weights.REFERENCE)
     aligner = model.fp8_align_session.aligner = FakeAligner()
-    hold = model.fp8_align_session._hold = session_module._hold_for(model, aligner)
+    hold = model.fp8_align_session._hold = fake_adapter(model)
     hold.install(aligner.on_param_sync_launched, aligner.on_step_end)  # as aligner.attach does
     aligner.detach = hold.restore
     model._fabric, model._jit_is_scripting = None, False
@@ -382,9 +417,9 @@ def test_te_weights_are_the_float8_parameters_of_each_chunk(monkeypatch):
     monkeypatch.setattr(te_backend, "load_te_api", lambda: fake_te_api(Float8Tensor))
     chunks = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
     chunks[1].weight = Float8Tensor(torch.zeros(2, 2))
-    weights, backend = build._weights_and_backend(chunks, AlignConfig(), FP8Weights.TE)
+    backend, weights_of = build._backend_and_weights_of(AlignConfig(), FP8Weights.TE)
     assert backend.name == "te-2.20"
-    assert weights == [[], [chunks[1].weight]]
+    assert [weights_of(c) for c in chunks] == [[], [chunks[1].weight]]
 
 
 def test_te_weights_without_te_say_how_to_fix(monkeypatch):
@@ -397,7 +432,7 @@ def test_te_weights_without_te_say_how_to_fix(monkeypatch):
 
     monkeypatch.setattr(te_backend, "load_te_api", no_te)
     with pytest.raises(RuntimeError, match="fp8_transpose_align.enabled=False"):
-        build._weights_and_backend([torch.nn.Linear(2, 2)], AlignConfig(), FP8Weights.TE)
+        build._backend_and_weights_of(AlignConfig(), FP8Weights.TE)
 
 
 def test_mixin_logs_each_step_once_with_the_gathered_metrics(monkeypatch):
@@ -445,46 +480,39 @@ def test_exception_inside_a_training_step_detaches(monkeypatch):
 # one wiring with the callback (integrations/nemo/session.py): error paths, log_every_n_steps
 
 
-class FinishedSync:
-    """Every chunk's all-gather is complete when asked (the ChunkParamSync protocol)."""
-
-    def finish(self, chunk):
-        return True
-
-    def finished(self, chunk):
-        return True
-
-
-def real_aligner(chunks):
+def real_aligner(model):
     from nemo_fp8_align.backends.reference import ReferenceBackend, ReferenceFP8Weight
     from nemo_fp8_align.core.aligner import TransposeAligner
     from nemo_fp8_align.core.schedule import InterleavedSchedule
 
+    chunks = model.model
     weights = [[ReferenceFP8Weight(chunk.lin.weight, name=f"chunk{c}")]
                for c, chunk in enumerate(chunks)]
     return TransposeAligner(chunks, schedule=InterleavedSchedule(2, 2, 4), pp_rank=0, dp_rank=0,
-                            param_sync=FinishedSync(), weights=weights,
+                            adapter=fake_adapter(model), weights=weights,
                             backend=ReferenceBackend(use_triton_kernel=False),
                             config=AlignConfig())
 
 
 def attached_model(monkeypatch, use_mcore):
     """bare_model with a real aligner attached through the mixin's own attach."""
-    from nemo_fp8_align.core import claims
+    from nemo_fp8_align.core import aligner as claims
     from nemo_fp8_align.integrations.nemo import session as session_module
 
     model = bare_model(use_mcore)
     model.fp8_align_session._hold.restore()  # bare_model's, for the fake aligner
     model.fp8_align_session.aligner = model.fp8_align_session._hold = None
-    aligner = real_aligner(model.model)
-    monkeypatch.setattr(session_module, "build_aligner", lambda m, config, *, weights: aligner)
+    aligner = real_aligner(model)
+    # What build_aligner returns: the aligner attached (assemble attaches it).
+    monkeypatch.setattr(session_module, "build_aligner",
+                        lambda m, config, **kw: (aligner.attach(), aligner)[1])
     assert model.fp8_align_attach()
     assert all(claims.holder_of(c) is aligner and c._forward_pre_hooks for c in model.model)
     return model
 
 
 def assert_nothing_left(model):
-    from nemo_fp8_align.core import claims
+    from nemo_fp8_align.core import aligner as claims
 
     assert model.fp8_aligner is None
     for chunk in model.model:

@@ -12,7 +12,7 @@ from support.standins.te_float8 import GENERATIONS, te_setup
 
 from nemo_fp8_align.backends.reference import ReferenceBackend, ReferenceFP8Weight
 from nemo_fp8_align.core.observe import BuildObserver
-from nemo_fp8_align.integrations.nemo.metrics import step_metrics
+from nemo_fp8_align.core.metrics import step_metrics
 
 DATA = Path(__file__).parent / "data"
 

@@ -39,7 +39,7 @@ def test_bytes_each_recipe_moves(recipe, gpu, kind, per_weight, gathered):
 
 def test_rates_say_measured_or_assumed(capsys):
     h200 = _json(capsys, "--recipe", "blockwise")
-    # DESIGN.md 5c: 303 MB of blockwise weights' columnwise copies in 0.190 ms on the H200
+    # docs/design.md, section 5c: 303 MB of blockwise weights' columnwise copies in 0.190 ms on the H200
     assert h200["post_processing"]["tbps"] == pytest.approx(2 * 303e6 / 0.190e-3 / 1e12, rel=1e-3)
     assert h200["post_processing"]["rate_source"].startswith("measured on one H200")
     b200 = _json(capsys, "--recipe", "blockwise", "--gpu", "b200")

@@ -50,12 +50,9 @@ def test_mxfp8_without_grad_buffer_reuse_has_no_work_to_align():
         def kind_of(self, w):
             return w
 
-    class Chunk:
-        def __init__(self, reuse):
-            self.ddp_config = type("C", (), {"reuse_grad_buf_for_mxfp8_param_ag": reuse})()
     weights = [TRANSPOSE, REQUANTIZE, COLUMNWISE]
-    assert weights_with_work(Chunk(False), weights, Backend()) == [TRANSPOSE, COLUMNWISE]
-    assert weights_with_work(Chunk(True), weights, Backend()) == weights
+    assert weights_with_work(weights, Backend(), requantized=False) == [TRANSPOSE, COLUMNWISE]
+    assert weights_with_work(weights, Backend(), requantized=True) == weights
 
 
 def test_chunk_kind_reads_old_records_as_transpose():

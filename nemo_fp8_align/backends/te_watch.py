@@ -20,8 +20,8 @@ def watch_te_builds(backend: Any, on_built: Callable[[Any], None]) -> Callable[[
     """Call ``on_built(tensor)`` after every TE build of a Float8Tensor transpose; returns the
     undo (removes this observer from the class's method, restores the backend's kernel builder).
     The class method is patched through the process-wide dispatcher
-    (:mod:`~nemo_fp8_align.core.class_patch`): observers of several aligners detach in any order."""
-    from nemo_fp8_align.core.class_patch import observe_method
+    (:mod:`~nemo_fp8_align.class_patch`): observers of several aligners detach in any order."""
+    from nemo_fp8_align.class_patch import observe_method
 
     cls = backend.float8_cls
     from nemo_fp8_align.backends.te_api import BUILD_METHOD
@@ -52,7 +52,7 @@ def watch_te_builds(backend: Any, on_built: Callable[[Any], None]) -> Callable[[
 def _watch_columnwise(backend: Any, on_built: Callable[[Any], None]) -> List[Callable[[], None]]:
     """Observe TE's column-wise builds of block-scaled weights; returns the undos."""
     from nemo_fp8_align.backends.te_blocks import block_classes
-    from nemo_fp8_align.core.class_patch import observe_method
+    from nemo_fp8_align.class_patch import observe_method
 
     def built(tensor: Any, args: tuple, kwargs: dict, before: Any, out: Any) -> None:
         if backend.has_valid_transpose(tensor):

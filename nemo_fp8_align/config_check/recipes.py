@@ -3,7 +3,7 @@ select, whether the plugin aligns its post-all-gather work on the megatron-core 
 and the combinations megatron-core itself rejects. One table, two spellings (NeMo's model keys,
 Megatron-LM's flags: :data:`SETTINGS`).
 
-What the plugin aligns per recipe is docs/guarantees.md's and DESIGN's 5c: the per-tensor
+What the plugin aligns per recipe is docs/guarantees.md's and docs/design.md's section 5c: the per-tensor
 recipes' transposes on every version; blockwise FP8 (columnwise copy), NVFP4 (its transpose) and
 MXFP8 (the requantize of grad-buffer reuse; nothing without it) from the megatron-core whose
 post-processing places them: the runtime's own table, ``SINCE`` of

@@ -26,6 +26,7 @@ import dataclasses
 import logging
 import time
 import uuid
+import weakref
 from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -33,7 +34,6 @@ import torch
 
 from nemo_fp8_align import errors
 from nemo_fp8_align.config import AlignConfig, Policy
-from nemo_fp8_align.core import claims
 from nemo_fp8_align.core.gpu_spans import GpuSpans
 from nemo_fp8_align.core.adapter import Adapter, Listener, run_listeners
 from nemo_fp8_align.core.observe import RecordExtras
@@ -43,11 +43,55 @@ from nemo_fp8_align.core.telemetry import TelemetryWriter, TransposeRecord
 from nemo_fp8_align.backends.protocol import FP8TransposeBackend
 from nemo_fp8_align.errors import StepMismatchError, TransposeVerifyError
 
-__all__ = ["StepMismatchError", "TransposeAligner", "TransposeVerifyError"]
+__all__ = ["StepMismatchError", "TransposeAligner", "TransposeVerifyError", "claim", "holder_of",
+           "release"]
 
 logger = logging.getLogger(__name__)
 
 RECORDS_KEPT = 4096  #: records kept in memory (4096-8191, the newest; the file keeps all)
+
+
+# --- Which aligner holds each model chunk, so that a second attachment is refused.
+#
+# Two aligners on one chunk (the NeMo mixin and the callback, two callbacks, a script that attaches
+# twice) would each count the chunk's forwards and each build its transposes: double work and, with
+# two counters, two different slots. The registry is process-wide on purpose: the hooks it guards
+# are process-wide too (they live on the modules).
+#
+# Weak references both ways: the chunk is a weak key and the owner a weak value. The owner (an
+# aligner) holds its chunks strongly, so a strong value would keep every claimed chunk alive through
+# this module-global dict until ``release``; with weak references an attached model that its
+# training script drops (detached or not) is freed by the garbage collector, and its entry goes
+# with it.
+_OWNERS: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
+
+
+def holder_of(chunk: torch.nn.Module) -> Any:
+    """The live owner that claimed ``chunk``, or None."""
+    ref = _OWNERS.get(chunk)
+    return ref() if ref is not None else None
+
+
+def claim(chunks: Sequence[torch.nn.Module], owner: Any) -> None:
+    """Record ``owner`` as the aligner of every chunk; refuse (claiming none) if another holds
+    one."""
+    for i, chunk in enumerate(chunks):
+        holder = holder_of(chunk)
+        if holder is not None and holder is not owner:
+            raise RuntimeError(
+                f"nemo_fp8_align: model chunk {i} ({type(chunk).__name__}) already has an "
+                f"aligned FP8-transpose engine attached ({holder!r}). Attach the plugin once: "
+                "use either FP8TransposeAlignMixin or the FP8TransposeAlignment callback (one "
+                "instance), or detach the first engine before attaching another.")
+    for chunk in chunks:
+        _OWNERS[chunk] = weakref.ref(owner)
+
+
+def release(chunks: Sequence[torch.nn.Module], owner: Any) -> None:
+    """Forget ``owner``'s chunks (others' entries stay)."""
+    for chunk in chunks:
+        if holder_of(chunk) is owner:
+            del _OWNERS[chunk]
 
 
 def _capturing_cuda_graph() -> bool:
@@ -146,7 +190,7 @@ class TransposeAligner:
         if not needed:
             logger.info("nemo_fp8_align: inactive, no FP8 transpose to align: %s", reason)
             return False
-        claims.claim(self.chunks, self)  # refuses before anything is installed
+        claim(self.chunks, self)  # refuses before anything is installed
         try:
             self._hold = self.adapter
             self.adapter.install(self.on_param_sync_launched, self.on_step_end)
@@ -168,7 +212,7 @@ class TransposeAligner:
         try:
             self._extras.detach()
         finally:
-            claims.release(self.chunks, self)
+            release(self.chunks, self)
             hold, self._hold = self._hold, None
             if hold is not None:
                 hold.restore()

@@ -65,8 +65,8 @@ class BuildObserver:
     def _wrap_build(self) -> Callable[[], None]:
         """Observe ``build_transposes`` on the backend's class: layers may hold their own backend
         instance (a NeMo model's FP8 layers do); builds of other chunks' weights are ignored.
-        Through the process-wide dispatcher (:mod:`~nemo_fp8_align.core.class_patch`)."""
-        from nemo_fp8_align.core.class_patch import observe_method
+        Through the process-wide dispatcher (:mod:`~nemo_fp8_align.class_patch`)."""
+        from nemo_fp8_align.class_patch import observe_method
 
         def stale(backend: Any, args: tuple, kwargs: dict) -> List[Any]:
             weights = args[0] if args else kwargs.get("weights", ())

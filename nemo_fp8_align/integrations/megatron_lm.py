@@ -16,7 +16,7 @@ the DDP chunks themselves: ``train()`` binds ``config.param_sync_func = [chunk.s
 for chunk in model]`` after the hook ran, sets it to None for its first iteration (which then
 runs lazily, counted in ``aligner.unlaunched_forwards``) and puts it back, and every binding
 finds the plugin's wrappers. With ``log_metrics`` the per-step metrics
-(:mod:`~nemo_fp8_align.integrations.nemo.metrics`) go to Megatron-LM's TensorBoard and W&B
+(:mod:`~nemo_fp8_align.core.metrics`) go to Megatron-LM's TensorBoard and W&B
 writers every ``--log-interval`` iterations.
 """
 
@@ -82,6 +82,9 @@ def attach(model: Sequence[Any], *, backend: Any = None,
     if args is not None and align_config.active:
         check_args(args, torch.distributed.get_world_size()
                    if torch.distributed.is_initialized() else None)
+    # Built before the aligner: nothing is attached yet if it fails.
+    writer = WriterMetrics(args, group=pipeline_group(model, pg_collection)) \
+        if log_metrics else None
     aligner = assemble(
         list(model), num_microbatches=_num_microbatches_getter(), backend=backend,
         weights_of=weights_of, config=get_model_config(model[0]), align_config=align_config,
@@ -92,8 +95,7 @@ def attach(model: Sequence[Any], *, backend: Any = None,
             aligner.step_number = step_number
         elif _megatron_args() is not None:  # numbered by Megatron-LM's iteration (resumes go on)
             aligner.step_number = _current_iteration
-        if log_metrics and aligner.attached:  # after each step end's agreement, on every rank
-            writer = WriterMetrics(args, group=pipeline_group(model, pg_collection))
+        if writer is not None and aligner.attached:  # after each step end's agreement
             aligner.step_end_listeners.append(partial(writer, aligner))
     except BaseException:
         aligner.detach()  # all or nothing
@@ -148,7 +150,7 @@ class WriterMetrics:
         self._last: Optional[int] = None
 
     def __call__(self, aligner: Any) -> None:
-        from nemo_fp8_align.integrations.nemo.metrics import gather_step_metrics, last_step_records
+        from nemo_fp8_align.core.metrics import gather_step_metrics, last_step_records
 
         iteration = _iteration(aligner)
         if iteration % self.every or aligner._step == self._last:

@@ -1,8 +1,8 @@
 """What an attach may install on megatron-core DDP chunks, found still there after it failed or
 was undone (tests/test_entry_points.py, tests/test_doc_snippets.py)."""
 
-from nemo_fp8_align.core import claims
-from nemo_fp8_align.core.class_patch import patched_methods
+from nemo_fp8_align.core import aligner as claims
+from nemo_fp8_align.class_patch import patched_methods
 
 
 def module_hooks(chunks):

@@ -176,7 +176,7 @@ def rule_apex_current_scaling(ctx: CheckContext) -> None:
 def rule_gather_with_optimizer(ctx: CheckContext) -> None:
     """``optim.overlap_param_gather_with_optimizer_step`` (NeMo 2.3.3 passes it to megatron-core's
     ``OptimizerConfig``) is accepted: chunk 0's all-gather is then dispatched by the optimizer
-    step and the plugin still builds its transposes at slot 0 (``nemo_fp8_align/sync/mcore.py``). NeMo's own
+    step and the plugin still builds its transposes at slot 0 (``nemo_fp8_align/adapters/mcore_ddp.py``). NeMo's own
     constraints with it (``overlap_param_sync``, VP > 1) are the plugin's too, reported by their
     rules; only a value that is not a boolean is reported here."""
     ctx.model.bool_or_default("optim.overlap_param_gather_with_optimizer_step", False,

@@ -2,7 +2,8 @@
 in 0.12.3 and 0.16.1) under every split option (even, ``num_layers_in_first/last_pipeline_stage``,
 ``account_for_embedding/loss_in_pipeline_split``) and NeMo 2.3.3's own chunk assertion. A fix
 changes the layout (PP, VP, the first/last split: :mod:`nemo_fp8_align.config_check.layout`),
-never ``num_layers`` unless no layout fits (then the message says so).
+never ``num_layers`` unless no layout fits (then the message says so), and not while the world
+size changes: the layout is then found at the new world size.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ __all__ = ["divisors", "layer_split_error", "rule_layer_split", "rule_num_layers
            "rule_split_option_values", "rule_split_options_exclusive"]
 
 _EMB, _LOSS = "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"
+#: The split's fix where the world size changes too: a sentence (no edit), so the fix line
+#: sets the world first and its re-check finds the layout at the new world.
+WORLD_FIRST = ("the layout that fits at the world size the world-size fix gives, which keeps "
+               "the layers where one fits (the fix line is re-checked there)")
 # ---------------------------------------------------------------------------------------------
 # Layer splits
 
@@ -131,6 +136,15 @@ def _no_layout_fits(ctx: CheckContext, key: str, why: str, split: Tuple[Any, ...
                       f"micro_batch_size to {mbs} with the layout that then fits, which keeps "
                       "the model and the global batch (in more, smaller microbatches)",
                       fix=fix)
+        return
+    world, mp = ctx.world(), ctx.model_parallel()
+    if world is not None and mp is not None and world % mp:
+        # The world size rule changes the world (no layout fits this one); at the new world a
+        # layout may fit with every layer kept (9 layers on 5 processes: none; on 4, PP 2 with
+        # a first stage of 3 and VP 3). The line re-checks at the new world, where this rule
+        # then finds that layout, or changes the layers only if none fits there either.
+        ctx.model.add("num_layers", layers, f"{why}; no layout fits the world size as given, "
+                      "which the world-size fix changes", fix=WORLD_FIRST)
         return
     fix = _num_layers_fix(*split, ctx.nemo)
     if fix is None and vp and emb != loss and ctx.nemo:

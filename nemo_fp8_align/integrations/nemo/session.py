@@ -16,7 +16,8 @@ everything that touches NeMo at run time is here, once:
   :class:`~nemo_fp8_align.adapters.apex.ApexAdapter`). Validation runs without gradients and
   launches nothing (:func:`~nemo_fp8_align.core.adapter.is_launch`);
 * the training step (:meth:`~NeMoSession.fwd_bwd_step`): closed when it returns;
-* :meth:`~NeMoSession.log_metrics` after each training batch (each step once, :mod:`.metrics`);
+* :meth:`~NeMoSession.log_metrics` after each training batch (each step once,
+  :mod:`nemo_fp8_align.core.metrics`);
 * :meth:`~NeMoSession.close`: hooks, chunk claim and every shadow removed; idempotent, and run
   on every error raised through the session, because Lightning runs no LightningModule
   ``teardown`` after an exception (the mixin would otherwise leave its hooks and claim behind).
@@ -40,14 +41,14 @@ from __future__ import annotations
 
 import logging
 from functools import partial
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from nemo_fp8_align.config import AlignConfig
 from nemo_fp8_align.integrations.nemo.bucket_workaround import (check_buckets,
                                                                shared_embedding_bucket_workaround)
-from nemo_fp8_align.adapters.groups import data_parallel
+from nemo_fp8_align.adapters.groups import data_parallel, pipeline_group
 from nemo_fp8_align.integrations.nemo.build import FP8Weights, build_aligner, model_chunks
-from nemo_fp8_align.integrations.nemo.metrics import last_step_records, log_step_metrics
+from nemo_fp8_align.core.metrics import gather_step_metrics, last_step_records
 
 __all__ = ["NeMoSession", "check_log_every_n_steps"]
 
@@ -251,3 +252,18 @@ class NeMoSession:
         finally:
             if aligner is not None:
                 aligner.detach()
+
+
+def log_step_metrics(module: Any, trainer: Any, records: Sequence[Any], *,
+                     every_n_steps: Optional[int] = None) -> Dict[str, float]:
+    """Gather the finished step's records over the pipeline ranks and log them once (global
+    rank 0) through ``module.log_dict``, on the logger step of NeMo's own metrics. Every rank
+    calls it after every training batch (the gather is a collective); returns the metrics."""
+    every = every_n_steps or getattr(trainer, "log_every_n_steps", 1) or 1
+    if trainer.global_step % every:  # global_step counts this step already: the same on all ranks
+        return {}
+    chunks = model_chunks(module) if hasattr(module, "model") else []
+    metrics = gather_step_metrics(records, group=pipeline_group(chunks))
+    if trainer.is_global_zero and metrics:
+        module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1, rank_zero_only=True)
+    return metrics

@@ -1,6 +1,6 @@
 """The plugin's per-step effect, gathered over the pipeline ranks, for the experiment logger.
 
-Used by the callback and the mixin alike. Every rank calls :func:`gather_step_metrics` with the
+Used by the NeMo session (callback and mixin) and Megatron-LM's metrics listener. Every rank calls :func:`gather_step_metrics` with the
 records its aligner emitted for the step just finished (the same steps on every rank: it is a
 collective over the rank's pipeline group); the result, on every rank, is one flat dict of floats
 that the caller logs from global rank 0 only, with ``LightningModule.log`` so the values land on
@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
 
-__all__ = ["gather_step_metrics", "step_metrics"]
+__all__ = ["gather_step_metrics", "last_step_records", "step_metrics"]
 
 _MS = 1000.0
 
@@ -126,21 +126,3 @@ def last_step_records(records: Sequence[Any]) -> List[Any]:
             break
         out.append(record)
     return out[::-1]
-
-
-def log_step_metrics(module: Any, trainer: Any, records: Sequence[Any], *,
-                     every_n_steps: Optional[int] = None) -> Dict[str, float]:
-    """Gather the finished step's records over the pipeline ranks and log them once (global
-    rank 0) through ``module.log_dict``, on the logger step of NeMo's own metrics. Every rank
-    calls it after every training batch (the gather is a collective); returns the metrics."""
-    every = every_n_steps or getattr(trainer, "log_every_n_steps", 1) or 1
-    if trainer.global_step % every:  # global_step counts this step already: the same on all ranks
-        return {}
-    from nemo_fp8_align.adapters.groups import pipeline_group
-    from nemo_fp8_align.integrations.nemo.build import model_chunks
-
-    chunks = model_chunks(module) if hasattr(module, "model") else []
-    metrics = gather_step_metrics(records, group=pipeline_group(chunks))
-    if trainer.is_global_zero and metrics:
-        module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1, rank_zero_only=True)
-    return metrics
