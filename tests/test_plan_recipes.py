@@ -8,7 +8,7 @@ import pytest
 
 from nemo_fp8_align.cli import main
 from nemo_fp8_align.planner.costs import GPUS, MODELS, Layout, chunk_costs
-from nemo_fp8_align.planner.recipes import post_processing
+from nemo_fp8_align.planner.post_processing import post_processing
 
 LAYOUT = Layout(tp=8, pp=8, vp=2, dp=4, micro_batch=1, global_batch=64)
 FP8_ALIGN = str(__import__("pathlib").Path(__file__).parent.parent / "conf"

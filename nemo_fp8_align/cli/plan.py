@@ -30,7 +30,7 @@ from nemo_fp8_align.planner.costs import (GPUS, MODELS, OVERLAP_PENALTY_H200, La
 from nemo_fp8_align.planner.gantt import plot_plan
 from nemo_fp8_align.planner.measured import PER_CHUNK, SHARED_GPU_SLOWDOWN, measured_costs
 from nemo_fp8_align.planner.program import Placement
-from nemo_fp8_align.planner.recipes import RECIPES, PostProcessing, post_processing
+from nemo_fp8_align.planner.post_processing import RECIPES, PostProcessing, post_processing
 from nemo_fp8_align.planner.simulate import Costs, Timeline, simulate
 from nemo_fp8_align.planner.two_clocks import TWO_CLOCK_PLACEMENTS
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 from nemo_fp8_align.errors import PlanInputError
-from nemo_fp8_align.planner.recipes import PostProcessing, post_processing
+from nemo_fp8_align.planner.post_processing import PostProcessing, post_processing
 from nemo_fp8_align.planner.timeline import Costs
 
 __all__ = ["ModelShape", "GpuProfile", "Layout", "MODELS", "GPUS", "chunk_costs", "PlanInputError",
@@ -170,7 +170,7 @@ def chunk_costs(model: ModelShape, layout: Layout, gpu: GpuProfile, *,
                 overlap_penalty: float = OVERLAP_PENALTY_H200,
                 work: PostProcessing = PER_TENSOR_TRANSPOSE) -> Tuple[Costs, Dict[str, float]]:
     """Per-chunk durations on one GPU, and the figures they came from; ``work``: the recipe's
-    post-all-gather processing (:mod:`nemo_fp8_align.planner.recipes`), a transpose by default."""
+    post-all-gather processing (:mod:`nemo_fp8_align.planner.post_processing`), a transpose by default."""
     for name, value in (("--tp", layout.tp), ("--pp", layout.pp), ("--vp", layout.vp),
                         ("--dp", layout.dp), ("--cp", layout.cp), ("--ep", layout.ep),
                         ("--micro-batch", layout.micro_batch)):
