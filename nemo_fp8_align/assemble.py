@@ -6,7 +6,7 @@ they know (the chunks, the schedule's config, M, the backend, the optimizer, who
 step) and :func:`assemble` does the rest, in one order, inside one agreement of the model's
 ranks (a check failing on one rank raises on every rank, and no rank is left attached):
 
-1. refusals that need no weights (whole-step CUDA graphs, the combined 1F1B schedule) and the
+1. the entry point's own startup check, refusals that need no weights (whole-step CUDA graphs, the combined 1F1B schedule) and the
    telemetry path;
 2. the ranks and the schedule megatron-core runs for this config;
 3. the FP8 weights (less those with no post-all-gather work) and the recipes' refusals;
@@ -53,7 +53,8 @@ def assemble(chunks: Sequence[torch.nn.Module], *,
              with_context_parallel: bool = False, pp_rank: Optional[int] = None,
              dp_rank: Optional[int] = None, error_group: Any = DERIVED,
              label: str = "attaching nemo_fp8_align",
-             telemetry_key: str = "AlignConfig.telemetry_path") -> TransposeAligner:
+             telemetry_key: str = "AlignConfig.telemetry_path",
+             startup_check: Optional[Callable[[], None]] = None) -> TransposeAligner:
     """Build this rank's aligner and attach it; every rank of the model calls it at the same
     point. Returns the aligner (``aligner.attached`` False: the plugin is inactive here).
 
@@ -74,12 +75,16 @@ def assemble(chunks: Sequence[torch.nn.Module], *,
             (:func:`~nemo_fp8_align.adapters.groups.resolve_ranks`).
         error_group: the ranks that stop together on an error.
         label, telemetry_key: how this rank and the telemetry setting are named in errors.
+        startup_check: the entry point's own check of its host's settings (Megatron-LM's
+            arguments), run first inside the agreement.
     """
     group = groups.model_group(chunks, pg_collection) if error_group is DERIVED else error_group
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     aligner: Optional[TransposeAligner] = None
     try:
         with agreed(label=f"rank {rank} ({label})", group=group):
+            if startup_check is not None:
+                startup_check()
             config = config if config is not None else chunks[0].config
             refuse_unsupported(Setup(config=config))
             check_telemetry_path(align_config.telemetry_path, key=telemetry_key)

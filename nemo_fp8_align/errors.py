@@ -59,6 +59,10 @@ class CudaGraphCaptureError(RuntimeError):
     """Aligned transposes fell due inside a CUDA-graph capture (they would replay on old bytes)."""
 
 
+class MegatronLMArgsError(ValueError):
+    """Megatron-LM's arguments have settings that stop the plugin from working."""
+
+
 class ScheduleRebindError(RuntimeError):
     """The config functions the aligner wrapped were replaced after it attached."""
 

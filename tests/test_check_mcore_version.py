@@ -236,3 +236,51 @@ def test_the_version_table_by_number(version, expected):
     (not a make-test line) was read from its wheel by hand (pipeline_model_parallel_layout)."""
     rules = rules_for(version)
     assert {k: getattr(rules, k) for k in expected} == expected
+
+
+# --- the recipe verdict is the version's the note names (issue 38 item 4) --------------------
+
+
+def _recipe_violation(payload, key):
+    return [v for v in payload["violations"] if v["key"] == key]
+
+
+def test_nemo_mode_judges_the_recipe_by_the_version_given():
+    """``--megatron-core 0.19`` and the note said 0.19 while the recipe was judged by 0.12.3's
+    rules ("not supported ... on NeMo 2.3.3's megatron-core 0.12.3"): blockwise is aligned from
+    0.16 on, so 0.19 accepts it and 0.13 refuses it, naming 0.13."""
+    status, payload = as_json(CONF, "model.fp8_recipe=blockwise", "--megatron-core", "0.19")
+    assert "checked against megatron-core 0.19 (--megatron-core)" in payload["notes"]
+    assert _recipe_violation(payload, "model.fp8_recipe") == [], payload["violations"]
+    _, payload = as_json(CONF, "model.fp8_recipe=blockwise", "--megatron-core", "0.13")
+    [v] = _recipe_violation(payload, "model.fp8_recipe")
+    assert "not supported by this plugin on megatron-core 0.13" in v["expected"], v
+    assert "0.12" not in v["expected"], v
+
+
+def test_megatron_lm_mode_judges_the_recipe_by_the_version_given():
+    """The reverse: ``--megatron-core 0.12`` said 0.12 and passed blockwise by 0.19's rules."""
+    argv = GOOD_LM + ["--fp8-recipe", "blockwise"]
+    status, payload = as_json("--megatron-lm", "--world-size", "4", "--megatron-core", "0.12",
+                              "--", *argv)
+    assert "checked against megatron-core 0.12 (--megatron-core)" in payload["notes"]
+    [v] = _recipe_violation(payload, "--fp8-recipe")
+    assert "not supported by this plugin on megatron-core 0.12" in v["expected"], v
+    status, payload = as_json("--megatron-lm", "--world-size", "4", "--megatron-core", "0.19",
+                              "--", *argv)
+    assert status == 0, payload
+
+
+def test_without_a_version_given_the_recipe_is_judged_by_the_installed_one():
+    """The note names the installed megatron-core; its rules judge the recipe too."""
+    from nemo_fp8_align.mcore_versions import importable_version, parse_version
+
+    installed = importable_version()
+    if installed is None or parse_version(installed) is None:
+        pytest.skip("no megatron-core the check knows is installed")
+    since_blockwise = parse_version(installed)[:2] >= (0, 16)
+    status, payload = as_json("--megatron-lm", "--world-size", "4", "--",
+                              *GOOD_LM, "--fp8-recipe", "blockwise")
+    assert any(n.startswith(f"checked against megatron-core {installed}")
+               for n in payload["notes"]), payload["notes"]
+    assert bool(_recipe_violation(payload, "--fp8-recipe")) != since_blockwise, payload

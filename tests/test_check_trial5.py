@@ -108,6 +108,30 @@ def test_a_nemo_bert_config_is_named_not_given_mcore_gpt():
     status, payload = run([launcher("bert_110m"), *ON])
     _named_alone(status, payload, "model.bert_binary_head", "not supported by this plugin")
 
+RETRO = str(UP / "nemo_v2.3.2" / "megatron_retro_config.yaml")
+GRIFFIN = str(UP / "nemo_v2.3.2" / "megatron_griffin_config.yaml")
+
+
+def test_a_nemo_retro_config_is_named_not_given_a_pipeline():
+    """NeMo v2.3.2's RETRO config (MegatronRetroModel, megatron-core's RETRO decoder: the
+    model.retro block): the line was PP 2 VP 2 and 'passed', but megatron-core's
+    get_retro_decoder_block_spec asserts 'retro does not currently support pipeline
+    parallelism' (and virtual pipeline parallelism), and the plugin needs both. Named alone."""
+    status, payload = run([RETRO, *ON])
+    _named_alone(status, payload, "model.retro", "pipeline parallelism")
+    assert run([RETRO, "+model.fp8_transpose_align.enabled=False"])[0] == 0
+
+
+def test_a_nemo_griffin_config_is_named_not_given_a_pipeline():
+    """NeMo v2.3.2's Griffin config (MegatronGriffinModel: model.logits_soft_cap): the line was
+    PP 2 VP 13 and 'passed', but NeMo builds its GriffinModel without pre_process /
+    post_process, so every pipeline stage would hold the embedding and the output layer and run
+    the whole model's ends: no pipeline can run, and the plugin needs one. Named alone."""
+    status, payload = run([GRIFFIN, *ON])
+    _named_alone(status, payload, "model.logits_soft_cap", "pre_process")
+    assert run([GRIFFIN, "+model.fp8_transpose_align.enabled=False"])[0] == 0
+
+
 # --- every Megatron-LM case of the trial: the verdict's line, pasted and checked again ------
 
 BRIDGE_QWEN3_32B = (

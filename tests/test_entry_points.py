@@ -27,7 +27,7 @@ from nemo_fp8_align.core import aligner as claims  # noqa: E402
 from nemo_fp8_align.class_patch import observe_method, patched_methods  # noqa: E402
 from nemo_fp8_align.integrations import megatron_lm  # noqa: E402
 from nemo_fp8_align.integrations.megatron_core import align_fp8_transposes  # noqa: E402
-from nemo_fp8_align.adapters.mcore_ddp import McoreDDPAdapter  # noqa: E402
+from nemo_fp8_align.adapters.mcore_ddp import ForcedSyncWatch, McoreDDPAdapter  # noqa: E402
 from support.attach_leftovers import leftovers, module_hooks  # noqa: E402
 from support.ddp_chunks import ddp_chunks  # noqa: E402
 
@@ -69,12 +69,27 @@ def _fail(*_a, **_k):
     raise OSError("injected failure")
 
 
+def _fail_after_one(method):
+    """``method`` running once, then failing."""
+    calls = []
+
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 1:
+            _fail()
+        return method(*args, **kwargs)
+    return wrapped
+
+
 #: Attach stages, in order, each made to fail: (what, object, attribute).
 STAGES = {
     "claim": lambda mp: mp.setattr(claims, "claim", _fail),
     "hold rebinding the bound list": lambda mp: mp.setattr(McoreDDPAdapter, "_rebind_bound_list",
                                                            _fail),
     "forced-sync watch": lambda mp: mp.setattr(McoreDDPAdapter, "_watch_forced_syncs", _fail),
+    # Part-way: the watch wraps the first bucket group, then fails on the second (issue 40).
+    "forced-sync watch, second bucket group": lambda mp: mp.setattr(
+        ForcedSyncWatch, "_wrap", _fail_after_one(ForcedSyncWatch._wrap)),
     "forward hooks": lambda mp: mp.setattr(torch.nn.Module, "register_forward_hook", _fail),
     "build observer (telemetry)": lambda mp: mp.setattr(
         "nemo_fp8_align.core.observe.BuildObserver._started", property(_fail)),
@@ -96,7 +111,8 @@ def test_a_failing_attach_leaves_nothing_and_a_retry_attaches(model, entry, stag
         except OSError:
             aligner = None
     if aligner is not None:  # the stage is not on this entry point's way (e.g. no listener)
-        assert stage in ("metrics listener", "forced-sync watch") and aligner.attached
+        assert stage in ("metrics listener", "forced-sync watch",
+                         "forced-sync watch, second bucket group") and aligner.attached
         aligner.detach()
     assert leftovers(chunks, config, bound, hooks) == []
     aligner = ENTRIES[entry](chunks, config, **kw)  # nothing refuses a second try

@@ -98,6 +98,23 @@ def test_an_error_on_one_rank_stops_every_rank_in_megatron_lm_loop(fault):
     check_every_rank_stopped(opts, info.value, fault)
 
 
+def test_an_argument_check_failing_on_one_rank_stops_every_rank_at_attach():
+    """Issue 40: Megatron-LM's argument check failing on one rank only (at the post-wrap hook's
+    attach) used to leave the other ranks blocked in the attach's agreement until gloo closed
+    them ("Connection closed by peer"). The check now runs inside the agreement: every rank
+    raises the plugin's error, the faulty one its own message, within seconds."""
+    opts = DemoOptions(pp=2, vp=2, dp=2, microbatches=4, steps=3, policy=Policy.ALIGNED,
+                       fault="args_check_fails_on_one_rank", pg_timeout_s=120.0)
+    with pytest.raises(DemoRankError) as info:
+        run_megatron_lm_demo(opts)
+    reports, times = info.value.reports, info.value.times
+    assert sorted(reports) == list(range(opts.world_size)), reports
+    for rank, text in reports.items():
+        assert text.startswith(f"rank {rank}: MegatronLMArgsError: nemo_fp8_align"), text
+        assert "fail the check on this rank only" in text, text
+    assert max(times.values()) - min(times.values()) < 10.0, times
+
+
 def test_demo_loop_megatron_lm_fault_exits_1_with_every_ranks_message(capsys):
     """Issue 24's done-when: `demo --loop megatron-lm --fault mismatch_on_one_rank` exits 1 with
     StepMismatchError named by every rank (it printed OK, the fault ignored)."""

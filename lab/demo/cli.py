@@ -137,14 +137,16 @@ def demo_input_problem(args: argparse.Namespace) -> Optional[str]:
     if fault is not None:
         from lab.demo import faults  # imports torch: only once a fault is asked for
 
-        names = sorted({**faults.FAULTS, **faults.HARMLESS, **faults.RANK_ERRORS})
+        names = sorted({**faults.FAULTS, **faults.HARMLESS, **faults.RANK_ERRORS,
+                        **faults.STARTUP_ERRORS})
+        in_megatron_lm = {**faults.RANK_ERRORS, **faults.STARTUP_ERRORS}
         if fault not in names:
             return f"--fault {fault}: not a known fault; pass one of " + ", ".join(names)
-        if getattr(args, "loop", None) == "megatron-lm" and fault not in faults.RANK_ERRORS:
+        if getattr(args, "loop", None) == "megatron-lm" and fault not in in_megatron_lm:
             # The engine faults are judged by the demo loop's own evidence (its GEMM checks);
             # Megatron-LM's loop takes the errors a rank meets on its own (the no-hang proof).
             return (f"--fault {fault}: runs in the demo's own loop only (pass --loop schedule); "
-                    "in Megatron-LM's loop pass one of " + ", ".join(sorted(faults.RANK_ERRORS)))
+                    "in Megatron-LM's loop pass one of " + ", ".join(sorted(in_megatron_lm)))
     timeout = getattr(args, "timeout", None)
     if timeout is not None and not timeout > 0:
         return f"--timeout {timeout}: must be a number of seconds > 0; pass e.g. --timeout 60"

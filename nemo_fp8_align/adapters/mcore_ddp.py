@@ -101,7 +101,7 @@ class McoreDDPAdapter:
                  forced_sync: Optional[Tuple[Sequence[Sequence[Any]], Any]] = None) -> None:
         for i, chunk in enumerate(chunks):
             self._check_chunk(i, chunk)
-        self._end = GradSyncStepEnd(chunks[0]) if owns_step_end else None
+        self._end = GradSyncStepEnd(chunks) if owns_step_end else None
         self.chunks = list(chunks)
         self.config = config
         self.owns_step_end = owns_step_end
@@ -262,27 +262,42 @@ def _launch_then(chunk: int, fn: Callable[..., Any],
 
 
 class GradSyncStepEnd:
-    """The step end both megatron-core holds report: chunk 0's ``finish_grad_sync``, wrapped on
-    the instance (the first thing ``finalize_model_grads`` does on every rank, before the
+    """The step end both megatron-core adapters report: chunk 0's ``finish_grad_sync``, wrapped
+    on the instance (the first thing ``finalize_model_grads`` does on every rank, before the
     gradient collectives), with its undo.
 
+    When the step end raises (the agreement found an error on some rank: every rank raises
+    here), the overlapped gradient reduce-scatters of every chunk are still in flight: each
+    chunk's ``finish_grad_sync`` waits for them first (the same collectives, in the same order,
+    that ``finalize_model_grads`` would have waited for on every rank), then the error is
+    raised, so no rank leaves a collective behind on its way out.
+
     Args:
-        chunk: model chunk 0, a megatron-core ``DistributedDataParallel``.
+        chunks: the model chunks, megatron-core ``DistributedDataParallel``; chunk 0's is wrapped.
     """
 
-    def __init__(self, chunk: Any) -> None:
+    def __init__(self, chunks: Sequence[Any]) -> None:
+        chunk = chunks[0]
         if not callable(getattr(chunk, "finish_grad_sync", None)):
             raise TypeError(f"model chunk 0 is a {type(chunk).__name__} without "
                             "finish_grad_sync: wrap each chunk in megatron-core's "
                             "DistributedDataParallel")
         self.chunk = chunk
+        self.chunks = list(chunks)
         self._wrapper: Any = None
 
     def install(self, on_end: Callable[[], None]) -> None:
         finish = self.chunk.finish_grad_sync
+        others = self.chunks[1:]
 
         def finish_grad_sync(*args: Any, **kwargs: Any) -> Any:
-            on_end()  # before the grad collectives: at the same point on every rank
+            try:
+                on_end()  # before the grad collectives: at the same point on every rank
+            except BaseException:
+                finish(*args, **kwargs)  # wait for what is in flight, then raise
+                for chunk in others:
+                    chunk.finish_grad_sync()
+                raise
             return finish(*args, **kwargs)
         self._wrapper = finish_grad_sync
         self.chunk.finish_grad_sync = finish_grad_sync
@@ -328,11 +343,15 @@ class ForcedSyncWatch:
         #: Transposes rebuilt after forced all-gathers (telemetry, tests).
         self.rebuilt = 0
         self._wrapped: List[Tuple[Any, Any]] = []  # (group, what its instance attribute was)
-        for chunk_groups, chunk_weights in zip(groups, weights):
-            for group in chunk_groups:
-                if not post_processes_forced_sync(group):
-                    ids = {id(p) for bucket in group.buckets for p in bucket.params}
-                    self._wrap(group, [w for w in chunk_weights if id(param_of(w)) in ids])
+        try:
+            for chunk_groups, chunk_weights in zip(groups, weights):
+                for group in chunk_groups:
+                    if not post_processes_forced_sync(group):
+                        ids = {id(p) for bucket in group.buckets for p in bucket.params}
+                        self._wrap(group, [w for w in chunk_weights if id(param_of(w)) in ids])
+        except BaseException:
+            self.remove()  # all or nothing: no group keeps a wrapper over this watch
+            raise
 
     @property
     def active(self) -> bool:

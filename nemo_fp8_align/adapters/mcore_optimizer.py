@@ -86,7 +86,7 @@ class McoreOptimizerAdapter:
             {ids[0]: chunk for chunk, ids in
              opt.model_index_to_all_gather_handle_index_map.items() if ids}
             for opt in self.optimizers]
-        self._end = GradSyncStepEnd(chunks[0]) if owns_step_end else None
+        self._end = GradSyncStepEnd(chunks) if owns_step_end else None
         self.chunks = list(chunks)
         self.owns_step_end = owns_step_end
         self._wrapped: List[Tuple[Any, Any]] = []  # (optimizer, its wrapper)

@@ -16,8 +16,8 @@ node count, unless no layout is found (the message then names the trade-off). A 
 needs a value another rule found invalid (a layer split without a valid PP) does not run: the
 invalid value is what is reported. Two gates: the plugin's own block (with ``enabled:
 false`` or ``policy: off`` the plugin is inactive and only errors inside that block are
-reported), and a model other than megatron-core's GPT model (T5, BERT, NeMo's Mamba), which
-is named alone: the plugin does not drive it, and the GPT rules' fixes would rewrite it.
+reported), and a model other than megatron-core's GPT model (T5, BERT, NeMo's Mamba, RETRO,
+Griffin), which is named alone: the plugin does not drive it, and the GPT rules' fixes would rewrite it.
 
 What is read, by rule (the module of each rule names where NeMo or megatron-core enforces it):
 the plugin block (``model.fp8_transpose_align``, a misspelt key gets "did you mean"); PP >= 2

@@ -214,7 +214,7 @@ def megatron_lm_violations(args: Mapping[str, Any], world_size: Optional[int] = 
     refused = encoder_decoder(args)
     if refused:  # T5: named alone, the GPT rules' fixes would rewrite it
         return out + refused
-    out += megatron_lm_only(args, world_size)
+    out += megatron_lm_only(args, world_size, mcore)
     cfg = megatron_lm_config(args, world_size)
     # Layers per virtual stage without --num-layers give no VP: the --num-layers violation is
     # the one to fix (a VP fix would guess the model's layer count).

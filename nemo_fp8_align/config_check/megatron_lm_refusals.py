@@ -8,10 +8,10 @@ numerics recipe. Pure functions of ``vars(args)``; nothing here imports Megatron
 
 from __future__ import annotations
 
-from typing import Any, List, Mapping
+from typing import Any, List, Mapping, Optional
 
 from nemo_fp8_align.config_check.reader import Violation
-from nemo_fp8_align.config_check.recipes import MCORE_MEGATRON_LM, SETTINGS, findings, recipe_of
+from nemo_fp8_align.config_check.recipes import SETTINGS, findings, judged_at, recipe_of
 from nemo_fp8_align.config_check.rules.model import ENCODER_DECODER_WHY
 
 __all__ = ["emerging_optimizer", "encoder_decoder", "fsdp_only", "plugin_refusals"]
@@ -51,9 +51,11 @@ def emerging_optimizer(args: Mapping[str, Any]) -> List[Violation]:
                       "attach it)")]
 
 
-def plugin_refusals(args: Mapping[str, Any]) -> List[Violation]:
-    """The recipe table's verdicts, the optimizer step's all-gather and FSDP, in that order."""
-    out = _recipes(args)
+def plugin_refusals(args: Mapping[str, Any], mcore: Any = None) -> List[Violation]:
+    """The recipe table's verdicts (judged by megatron-core ``mcore``'s rules, the version the
+    check runs against; None: the newest), the optimizer step's all-gather and FSDP, in that
+    order."""
+    out = _recipes(args, mcore)
     if args.get("overlap_param_gather_with_optimizer_step") and not any(
             v.key == "--overlap-param-gather-with-optimizer-step" for v in out):
         # The chunk-level attachment opens a step at the schedule's launch of chunk 0, which
@@ -104,14 +106,14 @@ _RECIPE_DESTS = {"fp8": "fp8", "fp8_recipe": "fp8_recipe", "fp8_param": "fp8_par
                  "cpu_offload": "optimizer_cpu_offload"}
 
 
-def _recipes(args: Mapping[str, Any]) -> List[Violation]:
-    """The recipe table's rows (the NeMo mode's too) on Megatron-LM's flags, for megatron-core
-    0.19.2: what it rejects, what the plugin needs of FP4, and its verdict on the recipe (never
-    a recipe change as the fix)."""
+def _recipes(args: Mapping[str, Any], mcore: Any = None) -> List[Violation]:
+    """The recipe table's rows (the NeMo mode's too) on Megatron-LM's flags: what megatron-core
+    0.19.2 rejects, what the plugin needs of FP4, and its verdict on the recipe on the version
+    checked against (never a recipe change as the fix)."""
     q = {name: args.get(dest) for name, dest in _RECIPE_DESTS.items()}
     flags = {name: s.flag for name, s in SETTINGS.items()}
     out = []
-    for f in findings(q, MCORE_MEGATRON_LM, megatron_lm=True):
+    for f in findings(q, judged_at(mcore), megatron_lm=True):
         flag, value = flags[f.setting], q[f.setting]
         found = "set" if value is True else repr(value if value is not None else
                                                  recipe_of(q) if "recipe" in f.setting else None)

@@ -204,8 +204,10 @@ def nearest_world(args: Mapping[str, Any], world: int) -> Optional[int]:
                  and _batch_fits(args, w, mp)), None)
 
 
-def megatron_lm_only(args: Mapping[str, Any], world: Optional[int]) -> List[Violation]:
-    """Every Megatron-LM-only violation, in the order Megatron-LM validates."""
+def megatron_lm_only(args: Mapping[str, Any], world: Optional[int],
+                     mcore: Any = None) -> List[Violation]:
+    """Every Megatron-LM-only violation, in the order Megatron-LM validates (the recipe
+    verdict by megatron-core ``mcore``'s rules; None: the newest)."""
     out: List[Violation] = []
     given = [(flag, dest) for flag, dest in _VP_DESTS if args.get(dest) is not None]
     if len(given) > 1:
@@ -237,7 +239,7 @@ def megatron_lm_only(args: Mapping[str, Any], world: Optional[int]) -> List[Viol
                              f"P2P communication when interleaving (PP = {pp}; Megatron-LM "
                              "asserts it)", "drop --no-overlap-p2p-communication"))
     out += _batch_schedule(args, world, vp, pp) + _optimizer_instances(args, world, pp)
-    out += [v for v in plugin_refusals(args) if v not in out]
+    out += [v for v in plugin_refusals(args, mcore) if v not in out]
     return out + fsdp_only(args) + _hierarchical_cp(args) + emerging_optimizer(args)
 
 

@@ -8,8 +8,9 @@ recipes' transposes on every version; blockwise FP8 (columnwise copy), NVFP4 (it
 MXFP8 (the requantize of grad-buffer reuse; nothing without it) from the megatron-core whose
 post-processing places them: the runtime's own table, ``SINCE`` of
 :mod:`nemo_fp8_align.recipes` (0.16, 0.17 and 0.18), read here rather than
-repeated, so the check and the refusal at attach cannot disagree. NeMo mode's stack is NeMo 2.3.3 on megatron-core 0.12.3;
-Megatron-LM mode's is megatron-core 0.19.2. A recipe is never a fix: a recipe the plugin does not
+repeated, so the check and the refusal at attach cannot disagree. The verdict is the version's
+the check runs against (:func:`judged_at`: ``--megatron-core``, else the installed one, the
+version the command's note names; NeMo 2.3.3 runs 0.12.3). A recipe is never a fix: a recipe the plugin does not
 align is "not supported by this plugin", with the switch that turns the plugin off.
 
 The rejections are read from megatron-core 0.19.2: ``megatron.training.arguments``
@@ -22,14 +23,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, List, Mapping, NamedTuple, Optional, Tuple
 
+from nemo_fp8_align.mcore_versions import NEWEST, VersionRules, parse_version
 from nemo_fp8_align.recipes import RECIPE_KIND
 from nemo_fp8_align.recipes import SINCE
 
-__all__ = ["MCORE_MEGATRON_LM", "MCORE_NEMO", "RECIPES", "SETTINGS", "Finding", "Recipe",
-           "Setting", "findings", "recipe_of", "rejected"]
+__all__ = ["MCORE_NEMO", "RECIPES", "SETTINGS", "Finding", "Recipe",
+           "Setting", "findings", "judged_at", "recipe_of", "rejected"]
 
 MCORE_NEMO = (0, 12)  #: NeMo 2.3.3's megatron-core (0.12.3): NeMo mode's stack
-MCORE_MEGATRON_LM = (0, 19)  #: megatron-core 0.19.2: Megatron-LM mode's stack
+
+
+def judged_at(mcore: Optional[VersionRules]) -> Tuple[int, int]:
+    """The megatron-core line a recipe is judged by: the version the check runs against (the
+    one ``--megatron-core`` gives, else the installed one: the version the command's note
+    names), the newest without one, as the check's other version rules."""
+    parsed = parse_version(mcore.version) if mcore is not None else None
+    return NEWEST if parsed is None else parsed[:2]
 
 
 def _since(name: str) -> Tuple[int, int]:
@@ -132,8 +141,8 @@ def _support(q: Mapping[str, Any], mcore: Tuple[int, int]) -> List[Finding]:
                         ("off",))]
     if mcore >= recipe.since:
         return []
-    stack = "NeMo 2.3.3's megatron-core 0.12.3" if mcore == MCORE_NEMO else (
-        f"megatron-core {_version(mcore)}")
+    # the version named is the one that judged (the note's), never a stack assumed by mode
+    stack = f"megatron-core {_version(mcore)}"
     why = {"blockwise": "it has no blockwise recipe",
            "mxfp8": "it raises 'MXFP8 currently does not support fp8_param'",
            "nvfp4": "it has no FP4"}[name] if mcore == MCORE_NEMO else (

@@ -28,12 +28,9 @@ from typing import Any, Callable, List, Optional, Sequence
 from nemo_fp8_align.adapters.groups import pipeline_group
 from nemo_fp8_align.assemble import DERIVED, assemble
 from nemo_fp8_align.config import AlignConfig
+from nemo_fp8_align.errors import MegatronLMArgsError
 
 __all__ = ["MegatronLMArgsError", "attach", "check_args", "post_wrap_hook"]
-
-
-class MegatronLMArgsError(ValueError):
-    """Megatron-LM's arguments have settings that stop the plugin from working."""
 
 
 def check_args(args: Any, world_size: Optional[int] = None) -> None:
@@ -79,9 +76,11 @@ def attach(model: Sequence[Any], *, backend: Any = None,
     from megatron.core.utils import get_model_config
 
     args = _megatron_args() if args is None else args
-    if args is not None and align_config.active:
-        check_args(args, torch.distributed.get_world_size()
-                   if torch.distributed.is_initialized() else None)
+
+    def startup_check() -> None:  # inside the attach's agreement: one rank failing stops all
+        if args is not None and align_config.active:
+            check_args(args, torch.distributed.get_world_size()
+                       if torch.distributed.is_initialized() else None)
     # Built before the aligner: nothing is attached yet if it fails.
     writer = WriterMetrics(args, group=pipeline_group(model, pg_collection)) \
         if log_metrics else None
@@ -89,7 +88,7 @@ def attach(model: Sequence[Any], *, backend: Any = None,
         list(model), num_microbatches=_num_microbatches_getter(), backend=backend,
         weights_of=weights_of, config=get_model_config(model[0]), align_config=align_config,
         pg_collection=pg_collection, optimizer=optimizer,
-        error_group=DERIVED if error_group is None else error_group)
+        error_group=DERIVED if error_group is None else error_group, startup_check=startup_check)
     try:
         if step_number is not None:
             aligner.step_number = step_number

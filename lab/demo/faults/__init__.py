@@ -28,7 +28,7 @@ from nemo_fp8_align.core.schedule import AT_START, InterleavedSchedule
 from nemo_fp8_align.backends.reference import ReferenceBackend
 from lab.demo import train
 
-__all__ = ["FAULTS", "HARMLESS", "RANK_ERRORS", "inject"]
+__all__ = ["FAULTS", "HARMLESS", "RANK_ERRORS", "STARTUP_ERRORS", "inject"]
 
 Undo = Callable[[], None]
 
@@ -307,6 +307,22 @@ def verify_fails_on_one_rank(loop: str = "schedule") -> Undo:
     return _in_faulty_step("_handle", corrupt, before=False)
 
 
+def args_check_fails_on_one_rank(loop: str = "megatron-lm") -> Undo:
+    """Megatron-LM's argument check fails on one rank only (at attach, before any step): every
+    rank must stop there with the plugin's error, none left waiting in the attach's agreement."""
+    from nemo_fp8_align.errors import MegatronLMArgsError
+    from nemo_fp8_align.integrations import megatron_lm
+
+    original = megatron_lm.check_args
+
+    def check_args(args: Any, world_size: Any = None) -> None:
+        if _the_faulty_rank():
+            raise MegatronLMArgsError("nemo_fp8_align (injected): Megatron-LM's arguments "
+                                      "fail the check on this rank only")
+        original(args, world_size)
+    return _patch(megatron_lm, "check_args", check_args)
+
+
 FAULTS: Dict[str, Callable[[], Undo]] = {f.__name__: f for f in (
     no_wait, transpose_before_all_gather, slot_shift, slot_shift_unreported, skip_chunk,
     last_chunk_to_first_use, transpose_twice)}
@@ -317,6 +333,9 @@ HARMLESS: Dict[str, Callable[[], Undo]] = {f.__name__: f for f in (
 RANK_ERRORS: Dict[str, Callable[[], Undo]] = {f.__name__: f for f in (
     mismatch_on_one_rank, extra_forward_on_one_rank, capture_on_one_rank,
     verify_fails_on_one_rank)}
+#: Errors one rank meets at attach, in Megatron-LM's loop: every rank must stop at the attach.
+STARTUP_ERRORS: Dict[str, Callable[[str], Undo]] = {f.__name__: f for f in (
+    args_check_fails_on_one_rank,)}
 
 
 def inject(name: str, loop: str = "schedule") -> Undo:
@@ -324,13 +343,16 @@ def inject(name: str, loop: str = "schedule") -> Undo:
 
     ``loop="megatron-lm"`` (``demo --loop megatron-lm``) takes the :data:`RANK_ERRORS` only: the
     engine faults are judged by the demo loop's own evidence."""
-    known = {**FAULTS, **HARMLESS, **RANK_ERRORS}
+    known = {**FAULTS, **HARMLESS, **RANK_ERRORS, **STARTUP_ERRORS}
     if name not in known:
         raise ValueError(f"fault={name!r} is not a known fault; choose one of: "
                          + ", ".join(sorted(known)))
+    in_megatron_lm = {**RANK_ERRORS, **STARTUP_ERRORS}
     if loop == "megatron-lm":
-        if name not in RANK_ERRORS:
+        if name not in in_megatron_lm:
             raise ValueError(f"fault={name!r} runs in the demo's own loop only; in Megatron-LM's "
-                             "loop choose one of: " + ", ".join(sorted(RANK_ERRORS)))
-        return RANK_ERRORS[name](loop)
+                             "loop choose one of: " + ", ".join(sorted(in_megatron_lm)))
+        return in_megatron_lm[name](loop)
+    if name in STARTUP_ERRORS:
+        raise ValueError(f"fault={name!r} runs in Megatron-LM's loop only (--loop megatron-lm)")
     return known[name]()

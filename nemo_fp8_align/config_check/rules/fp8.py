@@ -8,7 +8,7 @@ from typing import Any
 
 from nemo_fp8_align.config_check.context import CheckContext
 from nemo_fp8_align.config_check.reader import ABSENT, UNRESOLVED
-from nemo_fp8_align.config_check.recipes import MCORE_NEMO, SETTINGS, findings
+from nemo_fp8_align.config_check.recipes import SETTINGS, findings, judged_at
 
 __all__ = ["APEX_OPTIM", "MCORE_OPTIM", "PER_TENSOR_RECIPES", "RECIPE_NODES",
            "SUPPORTED_OPTIMIZERS",
@@ -55,7 +55,8 @@ def rule_fp8_format(ctx: CheckContext) -> None:
 
 def rule_fp8_recipe(ctx: CheckContext) -> None:
     """The recipe rows of :mod:`nemo_fp8_align.config_check.recipes` (the table both modes
-    share) on NeMo's keys, for NeMo 2.3.3's megatron-core 0.12.3: per-tensor recipes are
+    share) on NeMo's keys, for the megatron-core checked against (NeMo 2.3.3 runs 0.12.3):
+    per-tensor recipes are
     aligned; any other is "not supported by this plugin" with the plugin's off switch as the
     way out (a recipe change would change the training numerics, so it is never the fix); and
     the combinations megatron-core rejects. Megatron-LM mode runs the same rows on its flags
@@ -67,7 +68,7 @@ def rule_fp8_recipe(ctx: CheckContext) -> None:
         # NeMo's switch (fp8_hybrid / fp8_e4m3 give the format); the plugin needs FP8 or FP4,
         # so the recipe is judged as if it were on (rule_fp8_enabled asks for it)
         q["fp8"] = _value(ctx, "fp8") or not q["fp4"]
-        for f in findings(q, MCORE_NEMO, megatron_lm=False):
+        for f in findings(q, judged_at(ctx.mcore), megatron_lm=False):
             key = node + SETTINGS[f.setting].nemo
             found, why = ctx.model.get(key), _spelt(f.why, node)
             if f.fix[0] == "off":

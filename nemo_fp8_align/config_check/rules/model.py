@@ -1,7 +1,8 @@
 """Startup-check rules on the model NeMo builds: megatron-core's GPT model, attention heads against
 TP, the shared-embedding bucket bug of megatron-core 0.12.3, CUDA graphs, and the plugin block
 the entry-point callback needs. One function per rule, ``rule(ctx) -> None``; and the gate
-that names a config of another model (T5, BERT, NeMo's Mamba) alone (:func:`other_model_refused`).
+that names a config of another model (T5, BERT, NeMo's Mamba, RETRO, Griffin) alone
+(:func:`other_model_refused`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from nemo_fp8_align.config_check.rules.fp8 import APEX_OPTIM, MCORE_OPTIM
 from nemo_fp8_align.config_check.rules.split import divisors
 from nemo_fp8_align.config_check.structured import BLOCK_KEY
 
-__all__ = ["BERT_WHY", "ENCODER_DECODER_WHY", "MAMBA_WHY", "other_model_refused",
+__all__ = ["BERT_WHY", "ENCODER_DECODER_WHY", "GRIFFIN_WHY", "MAMBA_WHY", "RETRO_WHY",
+           "other_model_refused",
            "rule_attention_heads", "rule_cuda_graph", "rule_mcore_gpt", "rule_plugin_block",
            "rule_shared_embedding_bucket"]
 
@@ -31,6 +33,17 @@ MAMBA_WHY = ("megatron-core's GPT model: the plugin needs VP >= 2, and megatron-
 BERT_WHY = ("a GPT model: the plugin wires into NeMo's MegatronGPTModel (its training step "
             "and megatron-core's GPT model chunks); a BERT model (MegatronBertModel) is not "
             "supported by this plugin")
+
+#: ...a RETRO model: NeMo's MegatronRetroModel builds megatron-core's RETRO decoder.
+RETRO_WHY = ("megatron-core's GPT model with a pipeline: megatron-core's RETRO decoder "
+             "(get_retro_decoder_block_spec) asserts 'retro does not currently support "
+             "pipeline parallelism' and the same of virtual pipeline parallelism, and the "
+             "plugin needs PP >= 2 and VP >= 2; a RETRO model is not supported by this plugin")
+#: ...a Griffin model: NeMo's MegatronGriffinModel builds its GriffinModel with no stage ends.
+GRIFFIN_WHY = ("megatron-core's GPT model with a pipeline: NeMo's MegatronGriffinModel builds "
+               "its GriffinModel without pre_process / post_process, so every pipeline stage "
+               "would build the embedding and the output layer and no pipeline can run, and "
+               "the plugin needs PP >= 2; a Griffin model is not supported by this plugin")
 
 #: megatron-core 0.12.3 pads bucket ends to a multiple of lcm(DP, 128) values.
 _BUCKET_PAD = 128
@@ -65,11 +78,20 @@ def _other_model(ctx: CheckContext) -> Optional[Tuple[List[str], str, str]]:
     if "bert_binary_head" in node or "mcore_bert" in node:
         return (["bert_binary_head" if "bert_binary_head" in node else "mcore_bert"],
                 "a BERT model", BERT_WHY)
+    if isinstance(node.get("retro"), Mapping):
+        # NeMo's MegatronRetroModel reads cfg.retro (retro_project_dir, the encoder's layers)
+        return ["retro"], "a RETRO model", RETRO_WHY
+    griffin = [k for k in ("logits_soft_cap", "activations_checkpoint_recurrent") if k in node]
+    if griffin:
+        # keys only MegatronGriffinModel reads among NeMo's configs (Mamba's recurrent
+        # checkpointing key is told above, by its pattern)
+        return griffin, "a Griffin model", GRIFFIN_WHY
     return None
 
 
 def other_model_refused(ctx: CheckContext) -> bool:
-    """A NeMo config of a model the plugin does not drive (T5 / BART, BERT, Mamba) is named
+    """A NeMo config of a model the plugin does not drive (T5 / BART, BERT, Mamba, RETRO,
+    Griffin) is named
     once, and no other rule runs: their fixes (``mcore_gpt`` for ``mcore_t5``, a
     ``model.num_layers`` T5 does not read, a VP that megatron-core's MambaStack asserts
     against) would rewrite it into a broken GPT config. True when refused."""
