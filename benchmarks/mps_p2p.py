@@ -1,5 +1,5 @@
 """Process groups for several pipeline ranks sharing ONE GPU (CUDA MPS), made cheap enough to
-time a pipeline: the host-staging backend (``validation/host_staging.py``) with
+time a pipeline: the host-staging backend (``lab/host_staging.py``) with
 
 * groups of one rank done on the device, without host staging (a data-parallel size of 1:
   megatron-core still all-gathers parameters and reduce-scatters gradients over that group;
@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from validation.host_staging import HostStagingProcessGroup, _StagedWork
+from lab.host_staging import HostStagingProcessGroup, _StagedWork
 
 __all__ = ["BACKEND_NAME", "enable_mps_backend", "measure_modes", "probe_ipc", "pingpong",
            "settings"]

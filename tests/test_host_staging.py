@@ -1,4 +1,4 @@
-"""The host-staging process-group backend (validation/host_staging.py) on the CPU:
+"""The host-staging process-group backend (lab/host_staging.py) on the CPU:
 two gloo processes, CPU tensors staged through host copies exactly as CUDA tensors are on the
 one-GPU test machine; and its refusal on a machine with several GPUs."""
 
@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 
 from lab.demo.ranks import free_port
 
-from validation import host_staging
+from lab import host_staging
 
 
 def test_refuses_on_a_machine_with_several_gpus(monkeypatch):

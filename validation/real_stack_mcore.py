@@ -2,7 +2,7 @@
 
 A small GPT from megatron-core's TE layer spec (``fp8_param=True``: the transformer layers'
 linear weights are TE ``Float8Tensor``s), PP x DP processes sharing the GPU through the
-host-staging backend (validation/host_staging.py), the interleaved schedule (VP
+host-staging backend (lab/host_staging.py), the interleaved schedule (VP
 chunks), DDP with ``overlap_param_gather``, ``align_param_gather`` and ``fp8_param_gather``, the
 DistributedOptimizer, and ``align_fp8_transposes`` with ``TEBackend``. Every rank trains the
 same model from the same seed once per policy (off, aligned, lazy, off again) and records

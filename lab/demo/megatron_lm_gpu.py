@@ -8,14 +8,14 @@ default ``aligned`` policy; ``lazy`` and ``off`` pass only their ``AlignConfig``
 Several ranks share the one GPU (CUDA MPS splits its SMs between the rank processes): NCCL
 refuses two ranks of one communicator on one GPU, so the ranks' groups are made before
 ``pretrain`` on a backend that works there, from a source checkout: ``host_staging``
-(validation/host_staging.py: gloo with CUDA tensors staged through host memory) or ``mps_ipc``
+(lab/host_staging.py: gloo with CUDA tensors staged through host memory) or ``mps_ipc``
 (benchmarks/mps_p2p.py: the same, with one-rank groups on the device and point-to-point over CUDA
 IPC). Megatron-LM finds torch.distributed and the model-parallel groups initialised and uses
 them; nothing of its loop is edited.
 
 What the demo adds beside the loop, as a user's script would: the dataset, a forward step for
 megatron-core's GPT, and a post-wrap hook after the plugin's (:class:`GpuBook`) that watches
-Transformer Engine's own transpose builds (validation/real_stack_common.py's ``TransposeWatch``
+Transformer Engine's own transpose builds (lab/transpose_watch.py's ``TransposeWatch``
 on ``_create_transpose``), each chunk's first forward, every forward of the schedule (to place
 each build among this rank's forwards: its observed slot), and digests of the gradients and
 parameters around the distributed optimizer's copy of the new parameters.
@@ -34,7 +34,7 @@ import torch
 __all__ = ["GROUPS", "GpuBook", "gpu_argv", "init_gpu_groups", "run_gpu_rank", "train_gpu"]
 
 #: The process-group backends for ranks sharing one GPU: name -> (module, setup function).
-GROUPS = {"host_staging": ("validation.host_staging", "enable_host_staging"),
+GROUPS = {"host_staging": ("lab.host_staging", "enable_host_staging"),
           "mps_ipc": ("mps_p2p", "enable_mps_backend")}
 
 #: Flags of the CPU command line that a GPU run replaces (flag -> number of values it takes).
@@ -157,7 +157,7 @@ class GpuBook:
         self.probe: Any = None
         self._undo: List[Callable[[], None]] = []
         if checks:
-            from validation.real_stack_common import TransposeWatch
+            from lab.transpose_watch import TransposeWatch
 
             # On the class before the plugin attaches (see real_stack_mcore's note).
             self.watch = TransposeWatch().install()
@@ -173,7 +173,7 @@ class GpuBook:
         if self.on_model is not None:
             self.on_model(self.chunks, self.weights)
         if self.checks:
-            from validation.real_stack_common import FirstUseProbe
+            from lab.transpose_watch import FirstUseProbe
 
             for c, ws in enumerate(self.weights):
                 self.watch.watch(c, ws, prefix="")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from typing import Any, Dict, List, Optional, TextIO
+from typing import Any, Dict, List, Optional, Sequence, TextIO
 
 __all__ = ["run_megatron_lm_check"]
 
@@ -40,8 +40,17 @@ def run_megatron_lm_check(args: argparse.Namespace, argv: List[str], out: TextIO
     from nemo_fp8_align.config_check.megatron_lm_args import (megatron_lm_violations,
                                                               parse_megatron_lm_argv)
 
+    from nemo_fp8_align.config_check.megatron_lm_parser import flag_source, host_validate
+
     mcore = getattr(args, "mcore_rules", None)
-    note = getattr(args, "mcore_note", "")
+    source, verdict = flag_source(), host_validate(argv, world)
+    # the version note, which reads the flags, and Megatron-LM's own validate_args beside
+    # the plugin's verdict (where its parser is importable)
+    note = [n for n in (getattr(args, "mcore_note", ""), source.note) if n]
+    if verdict is not None:
+        note.append(f"Megatron-LM's validate_args: {verdict}")
+    host = {"flags_read_by": source.kind, "flags_version": source.version,
+            "megatron_lm_validate_args": verdict}
     violations = megatron_lm_violations(parse_megatron_lm_argv(argv), world_size=world,
                                         mcore=mcore)
     if not violations:
@@ -49,7 +58,7 @@ def run_megatron_lm_check(args: argparse.Namespace, argv: List[str], out: TextIO
                                                 "unknown, pass --world-size)")
         if as_json:
             _emit(out, {"ok": True, "state": state, "world_size": world, "violations": [],
-                        "fix_overrides": [], "notes": _notes(world, argv, note)})
+                        "fix_overrides": [], "notes": _notes(world, argv, note), **host})
         else:
             print(f"Megatron-LM arguments: {state}", file=out)
             for text in _notes(world, argv, note)[world is None:]:  # the state says the first
@@ -57,7 +66,8 @@ def run_megatron_lm_check(args: argparse.Namespace, argv: List[str], out: TextIO
         return EXIT_OK
     line, fixed_argv, fixed_world = _fix_line(violations, argv, world, mcore)
     if as_json:
-        _emit(out, _payload(violations, line, fixed_argv, fixed_world, world, argv, note))
+        _emit(out, {**_payload(violations, line, fixed_argv, fixed_world, world, argv, note),
+                    **host})
     else:
         _print_text(out, violations, line, world, argv, note)
     return EXIT_INVALID
@@ -83,7 +93,7 @@ def _fix_line(violations: List[Any], argv: List[str], world: Optional[int],
 
 def _payload(violations: List[Any], line: Any, fixed_argv: List[str],
              fixed_world: Optional[int], world: Optional[int], argv: List[str],
-             note: str = "") -> Dict[str, Any]:
+             note: Sequence[str] = ()) -> Dict[str, Any]:
     """The NeMo mode's keys; ``fix_overrides`` are the flags to set, as argument tokens."""
     import shlex
 
@@ -110,13 +120,14 @@ def _violation_dict(v: Any, line: Any) -> Dict[str, str]:
             "fix": agreeing(v.fix, line)}
 
 
-def _notes(world: Optional[int], argv: List[str], version_note: str = "") -> List[str]:
+def _notes(world: Optional[int], argv: List[str], lead: Sequence[str] = ()) -> List[str]:
+    """The notes: the world size where unknown, then ``lead`` (the version checked against,
+    what read the flags, Megatron-LM's own validate_args), then what the list holds."""
     from nemo_fp8_align.config_check.megatron_lm_parser import script_flags_given
 
     notes = [] if world is not None else [
         "microbatch checks skipped: world size unknown, pass --world-size"]
-    if version_note:
-        notes.append(version_note)
+    notes += list(lead)
     if "--hybrid-layer-pattern" in argv or "--hybrid-override-pattern" in argv:
         notes.append("--hybrid-layer-pattern: read as Megatron-LM 0.19.2 reads it (its symbols "
                      "are the layers, whatever --num-layers says; its '|' segments the PP x VP "
@@ -130,7 +141,7 @@ def _notes(world: Optional[int], argv: List[str], version_note: str = "") -> Lis
 
 
 def _print_text(out: TextIO, violations: List[Any], line: Any, world: Optional[int],
-                argv: List[str], version_note: str = "") -> None:
+                argv: List[str], version_note: Sequence[str] = ()) -> None:
     from nemo_fp8_align.config_check.fixes import agreeing
 
     print(f"Megatron-LM arguments: {len(violations)} setting(s) stop the aligned "

@@ -1,12 +1,16 @@
-"""Megatron-LM 0.19.2's command line, read as Megatron-LM reads it, without importing it.
+"""Megatron-LM's command line, read as Megatron-LM reads it.
 
-``megatron_lm_flags.txt`` lists every option of Megatron-LM's own parser
-(``megatron.training.arguments.add_megatron_arguments`` of the megatron-core 0.19.2 wheel): its
-spelling, kind, ``nargs``, value type, choices, ``dest`` and the defaults the check reads. It is
-data generated from that parser (``python -m nemo_fp8_align.config_check.megatron_lm_args
---write-flags`` in an environment with megatron-core 0.19.2), and
-``tests/test_megatron_lm_parser_019.py`` holds it equal to the live parser. :func:`parse_argv`
-builds an ``argparse`` parser from it, so a value
+Where Megatron-LM's own parser is importable (``megatron.training.arguments``: the megatron-core
+wheel from 0.19 on, or a Megatron-LM checkout on ``PYTHONPATH``), the flags are read through it:
+a parser built as ``megatron.training.arguments.parse_args`` builds its own
+(``add_megatron_arguments`` on an ``argparse`` parser without abbreviations), with no
+``validate_args`` (:func:`host_validate` runs that apart, where asked). Elsewhere (NeMo's
+megatron-core 0.12.3, a login node without megatron-core) the copy is the fallback:
+``megatron_lm_flags.txt`` lists every option of Megatron-LM 0.19.2's parser: its spelling, kind,
+``nargs``, value type, choices, ``dest`` and the defaults the check reads. It is data generated
+from that parser (``python -m nemo_fp8_align.config_check.megatron_lm_args --write-flags`` in an
+environment with megatron-core 0.19.2), and ``tests/test_megatron_lm_parser_019.py`` holds it
+equal to the live parser. :func:`flag_source` says which one reads the flags. Either way a value
 is read with the flag's own ``nargs`` and type, an unknown flag is named (with the flag meant,
 where one is close), and a value Megatron-LM's parser rejects is reported as it would be.
 """
@@ -20,13 +24,13 @@ import re
 import shlex
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 from nemo_fp8_align.config_check.reader import Violation
 
-__all__ = ["ArgvProblem", "MEGATRON_LM_VERSION", "SCRIPT_FLAGS", "flag_spec", "given_dests",
-           "option_of", "parse_argv", "script_flags_given", "spec_from_parser", "takes_value",
-           "write_flag_table"]
+__all__ = ["ArgvProblem", "FlagSource", "MEGATRON_LM_VERSION", "SCRIPT_FLAGS", "flag_source",
+           "flag_spec", "given_dests", "host_validate", "option_of", "parse_argv",
+           "script_flags_given", "spec_from_parser", "takes_value", "write_flag_table"]
 
 MEGATRON_LM_VERSION = "0.19.2"
 SPEC_FILE = Path(__file__).with_name("megatron_lm_flags.txt")
@@ -61,10 +65,69 @@ class ArgvProblem(ValueError):
     """Megatron-LM's parser would stop on this command line (argparse's own message)."""
 
 
+class FlagSource(NamedTuple):
+    """What reads the flags: ``kind`` ``"parser"`` (Megatron-LM's own, imported) or
+    ``"table"`` (the copied flag table); ``version`` the Megatron-LM (megatron-core) release
+    whose flags they are; ``note`` one line for the output; ``host`` the imported module or
+    None."""
+
+    kind: str
+    version: str
+    note: str
+    host: Any = None
+
+
+_HOST = "megatron.training.arguments"
+
+
+@lru_cache(maxsize=1)
+def flag_source() -> FlagSource:
+    """Megatron-LM's own parser where ``megatron.training.arguments`` imports and builds one,
+    else the copied table (the note says why)."""
+    import importlib
+    import io
+    import contextlib
+    import warnings
+
+    try:
+        # importing it loads torch and megatron-core and may print or warn (no Apex, ...): the
+        # check's output stays its own
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
+                contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            module = importlib.import_module(_HOST)
+        module.add_megatron_arguments  # noqa: B018 - before 0.19 Megatron-LM had no such builder
+    except Exception as err:  # noqa: BLE001 - any failure to import is a reason for the copy
+        why = (f"{_HOST} is not importable here" if isinstance(err, ImportError)
+               else f"{_HOST} did not load ({type(err).__name__}: {err})")
+        return FlagSource("table", MEGATRON_LM_VERSION, f"flags read by the copied flag table "
+                          f"of Megatron-LM {MEGATRON_LM_VERSION} ({why}; with megatron-core >= "
+                          "0.19 or a Megatron-LM checkout on PYTHONPATH its own parser reads "
+                          "them)")
+    from nemo_fp8_align.mcore_versions import importable_version
+
+    version = importable_version() or "unknown"
+    where = Path(getattr(module, "__file__", "") or _HOST).parent.parent
+    return FlagSource("parser", version, f"flags read by Megatron-LM's own parser ({_HOST}, "
+                      f"megatron-core {version}, {where})", module)
+
+
+def _host_parser(cls: type = argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron-LM's parser, built as its ``parse_args`` builds it (no extra_args_provider:
+    the GPT pretraining script's own)."""
+    import io
+    import contextlib
+    import warnings
+
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        return flag_source().host.add_megatron_arguments(cls(allow_abbrev=False))
+
+
 def spec_from_parser(parser: argparse.ArgumentParser,
-                     read: Sequence[str] = ()) -> Dict[str, Dict[str, Any]]:
+                     read: Optional[Sequence[str]] = ()) -> Dict[str, Dict[str, Any]]:
     """Every option of ``parser``: option string -> dest, kind, nargs, type, choices, and the
-    default where its dest is in ``read`` (the dests the check reads)."""
+    default where its dest is in ``read`` (the dests the check reads; None: every dest)."""
     flags: Dict[str, Dict[str, Any]] = {}
     for action in parser._actions:  # noqa: SLF001 - argparse keeps its options only here
         kind = {"_StoreAction": "store", "_StoreTrueAction": "true",
@@ -80,13 +143,22 @@ def spec_from_parser(parser: argparse.ArgumentParser,
                 action.nargs, "type": vtype if kind == "store" else None,
                 "choices": (tuple(action.choices) if action.choices is not None
                             and kind == "store" and vtype in _TYPES else None),
-                "default": action.default if action.dest in read else None,
+                "default": action.default if read is None or action.dest in read else None,
                 "negative": kind == "bool" and option.startswith("--no-")}
     return flags
 
 
 @lru_cache(maxsize=1)
 def flag_spec() -> Dict[str, Dict[str, Any]]:
+    """Every flag in :func:`spec_from_parser`'s form: read from Megatron-LM's own parser where
+    :func:`flag_source` has it, else from the generated table (``megatron_lm_flags.txt``)."""
+    if flag_source().kind == "parser":
+        return spec_from_parser(_host_parser(), None)
+    return table_spec()
+
+
+@lru_cache(maxsize=1)
+def table_spec() -> Dict[str, Dict[str, Any]]:
     """The generated table (``megatron_lm_flags.txt``) in :func:`spec_from_parser`'s form."""
     flags: Dict[str, Dict[str, Any]] = {}
     for line in SPEC_FILE.read_text().splitlines():
@@ -123,6 +195,8 @@ class _Parser(argparse.ArgumentParser):
 
 @lru_cache(maxsize=1)
 def _parser() -> argparse.ArgumentParser:
+    if flag_source().kind == "parser":
+        return _host_parser(_Parser)
     parser = _Parser(add_help=False, allow_abbrev=False)
     seen: Set[Tuple[str, ...]] = set()
     by_action: Dict[Tuple[str, str], List[str]] = {}
@@ -205,7 +279,7 @@ def _without_flag(argv: List[str], flag: str) -> List[str]:
 def _parse_problem(message: str) -> Violation:
     flag = message.split(":", 1)[0].replace("argument ", "").split("/")[0].strip()
     return Violation(flag or "<arguments>", message, f"an argument list Megatron-LM "
-                     f"{MEGATRON_LM_VERSION}'s parser accepts", f"correct {flag} (Megatron-LM's "
+                     f"{flag_source().version}'s parser accepts", f"correct {flag} (Megatron-LM's "
                      f"parser stops here: '{message}')")
 
 
@@ -251,8 +325,9 @@ def _unknown(rest: Sequence[str], argv: Sequence[str] = ()) -> List[Violation]:
         # the guess is text only: pasted as a flag with the unknown flag's value, it replaced
         # a setting the user gave (a multimodal script's --dataloader-save PATH became
         # --dataloader-type PATH over its --dataloader-type external) or turned one off
-        out.append(Violation(name, f"{shown} (not a Megatron-LM {MEGATRON_LM_VERSION} flag)",
-                             f"a flag of Megatron-LM {MEGATRON_LM_VERSION}'s parser, which stops "
+        version = flag_source().version
+        out.append(Violation(name, f"{shown} (not a Megatron-LM {version} flag)",
+                             f"a flag of Megatron-LM {version}'s parser, which stops "
                              f"on any other ('unrecognized arguments'){hint}",
                              f"drop {name}"))
     return out
@@ -281,3 +356,44 @@ def write_flag_table(read: Sequence[str], path: Path = SPEC_FILE) -> None:
                 json.dumps(row["default"])]
         lines.append("\t".join(cols))
     path.write_text("\n".join(lines) + "\n")
+
+
+#: What the CPU lacks, in the errors validate_args raises where it asks the GPU (the grouped
+#: GEMM's compute capability, the device architecture with TP or CP > 1).
+_NO_GPU = ("CUDA", "cuda", "NVIDIA driver", "no GPU", "device")
+
+
+def host_validate(argv: Sequence[str], world: Optional[int]) -> Optional[str]:
+    """Megatron-LM's own ``validate_args`` on ``argv`` parsed by its own parser, with
+    ``world`` processes (rank 0), as one line: ``"OK"``, its first error, or why it did not
+    run (``"not run: ..."``: no world size, or a check that asks the GPU this machine lacks).
+    None where Megatron-LM's parser is not importable (the copied table reads the flags)."""
+    source = flag_source()
+    if source.kind != "parser":
+        return None
+    if world is None:
+        return "not run (the world size is unknown: pass --world-size)"
+    import contextlib
+    import io
+    import warnings
+
+    try:
+        args = _host_parser(_Parser).parse_args(list(argv))
+    except ArgvProblem as err:
+        return f"its parser stops: {err}"
+    args._is_global_batch_size_explicitly_specified = args.global_batch_size is not None
+    args.rank, args.world_size = 0, world
+    try:
+        # it prints its argument table and warns on rank 0: the check's output stays its own
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
+                contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            source.host.validate_args(args, {})
+    except (KeyboardInterrupt, MemoryError):
+        raise
+    except BaseException as err:  # noqa: BLE001 - its verdict is whatever it raises (or exits)
+        text = " ".join(str(err).split()) or type(err).__name__
+        if not isinstance(err, AssertionError) and any(w in text for w in _NO_GPU):
+            return f"not run on this machine (it asks the GPU: {type(err).__name__}: {text})"
+        return f"{type(err).__name__}: {text}"
+    return "OK"
