@@ -117,3 +117,67 @@ def test_the_recipe_rejections_are_megatron_cores(q, rejected):
     named = named_by_the_check(q, megatron_lm=True)
     assert (_recipe_config_error(q) is not None) is rejected, _recipe_config_error(q)
     assert bool(named) is rejected, named
+
+
+# --- check --megatron-lm reads the flags through this parser, and runs validate_args ----------
+
+from nemo_fp8_align.config_check import megatron_lm_parser  # noqa: E402
+from nemo_fp8_align.config_check.megatron_lm_args import (megatron_lm_violations,  # noqa: E402
+                                                          parse_megatron_lm_argv)
+from support.check_json import check_cli, check_json  # noqa: E402
+from test_check_megatron_lm_host_parser import FULL  # noqa: E402
+
+
+def _payload(world, argv):
+    return check_json(["--megatron-lm", "--world-size", str(world), "--", *argv])
+
+
+def test_megatron_lms_own_parser_reads_the_flags_and_says_so(monkeypatch):
+    """The table is not read where the parser is: emptied, the flags are still known."""
+    source = megatron_lm_parser.flag_source()
+    assert source.kind == "parser" and source.version.startswith("0.19"), source
+    status, payload = _payload(4, FULL)
+    assert status == 0, payload
+    assert payload["flags_read_by"] == "parser", payload
+    assert any(n.startswith("flags read by Megatron-LM's own parser "
+                            "(megatron.training.arguments") for n in payload["notes"])
+    monkeypatch.setattr(megatron_lm_parser, "table_spec", lambda: {})
+    assert megatron_lm_violations(parse_megatron_lm_argv(FULL), world_size=4) == []
+
+
+def test_the_copy_is_the_fallback_where_the_parser_does_not_import(monkeypatch):
+    """The same list read by the copy (megatron.training made unimportable): the same verdict,
+    and the output says the copy read it."""
+    import sys
+
+    megatron_lm_parser.flag_source.cache_clear()
+    megatron_lm_parser.flag_spec.cache_clear()
+    megatron_lm_parser._parser.cache_clear()
+    monkeypatch.setitem(sys.modules, "megatron.training.arguments", None)  # ImportError
+    try:
+        status, payload = _payload(4, FULL)
+        assert status == 0 and payload["flags_read_by"] == "table", payload
+        assert payload["megatron_lm_validate_args"] is None
+    finally:
+        monkeypatch.undo()
+        megatron_lm_parser.flag_source.cache_clear()
+        megatron_lm_parser.flag_spec.cache_clear()
+        megatron_lm_parser._parser.cache_clear()
+
+
+def test_megatron_lms_validate_args_runs_on_the_cpu_and_its_verdict_is_reported():
+    status, payload = _payload(4, FULL)
+    assert payload["megatron_lm_validate_args"] == "OK", payload
+    assert "Megatron-LM's validate_args: OK" in payload["notes"]
+    # 9 layers over PP 2: its own assertion, beside the plugin's violations
+    argv = [a if a != "8" else "9" for a in FULL]
+    status, payload = _payload(4, argv)
+    assert status == 2
+    verdict = payload["megatron_lm_validate_args"]
+    assert verdict.startswith("AssertionError: number of layers of the model must be "
+                              "divisible pipeline model parallel size"), verdict
+    status, out, _ = check_cli("--megatron-lm", "--world-size", "4", "--", *argv)
+    assert "note: Megatron-LM's validate_args: AssertionError: number of layers" in out, out
+    # 3 processes: TP * PP * CP = 2 does not divide them (its own world-size assertion)
+    status, payload = _payload(3, FULL)
+    assert payload["megatron_lm_validate_args"].startswith("AssertionError"), payload

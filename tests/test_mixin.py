@@ -409,7 +409,7 @@ def fake_te_api(float8_cls):
 def test_te_weights_are_the_float8_parameters_of_each_chunk(monkeypatch):
     from nemo_fp8_align.config import AlignConfig
     from nemo_fp8_align.backends import te as te_backend
-    from nemo_fp8_align.integrations.nemo import build
+    from nemo_fp8_align.integrations.nemo import session as build
 
     class Float8Tensor(torch.nn.Parameter):  # stands in for TE's class
         pass
@@ -425,7 +425,7 @@ def test_te_weights_are_the_float8_parameters_of_each_chunk(monkeypatch):
 def test_te_weights_without_te_say_how_to_fix(monkeypatch):
     from nemo_fp8_align.config import AlignConfig
     from nemo_fp8_align.backends import te as te_backend
-    from nemo_fp8_align.integrations.nemo import build
+    from nemo_fp8_align.integrations.nemo import session as build
 
     def no_te():
         raise ImportError("Transformer Engine is not importable here.")

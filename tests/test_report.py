@@ -29,7 +29,7 @@ def test_report_on_demo_telemetry_aligned(capsys):
     assert "r0:[2] r1:[2]" in _chunk_line(out, 1)
     # these records carry no pp_size/vp_size/dp_size: completeness is not claimed
     assert "every record is there" not in out
-    assert out.rstrip().endswith("(--pp-size N --vp-size N --dp-size N) to judge it.")
+    assert "(--pp-size N --vp-size N --dp-size N) to judge it. Not observed: " in out
 
 
 def test_report_on_demo_telemetry_lazy(capsys):
@@ -174,12 +174,13 @@ def test_report_judges_completeness_of_older_records_only_with_the_sizes(tmp_pat
     assert "pipeline rank 1 wrote no records (of PP=2)" in capsys.readouterr().out
     assert main(["report", str(ALIGNED), "--pp-size", "2", "--vp-size", "2", "--dp-size", "2"]) == 0
     out = capsys.readouterr().out
-    assert "every record is there" in out and "global ranks not judged" in out
+    assert "every record of steps 0-2 is there" in out and "global ranks not judged" in out
 
 
 def test_report_observed_records_claim_completeness(capsys):
     assert main(["report", str(OBSERVED)]) == 0
-    assert capsys.readouterr().out.rstrip().endswith("one record per step/chunk/rank).")
+    assert ("every record of steps 0-2 is there (every rank, one record per step/chunk/rank). "
+            "Not observed: any step after step 2") in capsys.readouterr().out
 
 
 def test_report_baseline_footnote_follows_the_data(capsys):

@@ -93,7 +93,7 @@ def test_microbatches_changed_on_every_rank_is_named_not_observed(tmp_path, caps
     status, out, _ = _report(tmp_path, capsys, rows)
     assert status in (0, 1), out
     if status == 0:
-        assert "M=8 as the records state it" in out and "not observed" in out
+        assert "M=8 as the records state it" in out and "Not observed:" in out
     _never_claimed(out)
 
 
@@ -128,7 +128,7 @@ def test_observations_stripped_from_a_real_failure_are_named_not_observed(tmp_pa
                 r[key] = None
     status, out, _ = _report(tmp_path, capsys, rows)
     assert "observed builds where the policy puts them" not in out
-    assert status == 1 or "Not observed: where the transposes were built" in out, out
+    assert status == 1 or "where the transposes were built (records without obs_* fields" in out, out
     _never_claimed(out)
 
 
@@ -170,4 +170,4 @@ def test_absurd_sizes_end_quickly_without_a_traceback(tmp_path, capsys):
     status, out, _ = _report(tmp_path, capsys, rows)
     assert status == 1, out
     assert "global ranks wrote no records" in out and "more missing records" in out
-    assert len(out.splitlines()) < 120
+    assert len(out.splitlines()) < 200  # MAX_LISTED of each kind, then counted

@@ -25,7 +25,9 @@ import sys
 from collections import defaultdict
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from nemo_fp8_align.core.completeness import completeness_problems
+from nemo_fp8_align.core.completeness import completeness_problems, observed_all, unseen_steps
+from nemo_fp8_align.core.observe import schedule_of
+from nemo_fp8_align.core.schedule import ScheduleError
 from nemo_fp8_align.core.telemetry import record_problems
 from nemo_fp8_align.errors import TelemetryError
 from nemo_fp8_align.planner import gantt
@@ -41,7 +43,8 @@ def add_report_parser(sub: "argparse._SubParsersAction") -> None:
         "chunk's aligned slot, and where the builds were observed.")
     p.add_argument("telemetry", nargs="+", metavar="TELEMETRY",
                    help="telemetry files (JSON lines), all ranks of one run; '{rank}' in a path "
-                   "stands for every rank's file, e.g. 'out/telemetry.rank{rank}.jsonl'")
+                   "stands for every rank's file, e.g. 'out/telemetry.rank{rank}.jsonl'; '-' "
+                   "reads standard input (cat telemetry.rank*.jsonl | nemo-fp8-align report -)")
     p.add_argument("--plot", metavar="PATH", default=None,
                    help="write a picture (.png/.svg/.pdf): the slot where each rank built each "
                    "chunk's transposes, per step")
@@ -73,17 +76,47 @@ def _with_sizes(records: List[dict], args: argparse.Namespace) -> List[dict]:
 
 
 def _verdict(records: List[dict]) -> str:
-    observed = any(r.get("obs_built") is not None for r in records)
+    """The OK line: what the judges checked, then what no record can show (named "not
+    observed", never implied by "every record is there")."""
+    observed = observed_all(records) is True
     text = ("OK: every record passes the invariants (slot per policy, after the all-gather, all "
             "weights" + (", observed builds where the policy puts them" if observed else "")
             + "), each record's fields agree with one another, the ranks agree on each slot, and ")
+    steps = sorted({r["step"] for r in records})
+    span = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
     why = completeness_judged(records)
     if why is not None:
-        return text.replace(", and ", "; ") + why + "."
-    if any(r.get("world_size") is None for r in records):
-        return text + ("every record is there (one per step/chunk/pipeline rank/data-parallel "
-                       "rank; global ranks not judged: records without world_size).")
-    return text + "every record is there (every rank, one record per step/chunk/rank)."
+        text = text.replace(", and ", "; ") + why + "."
+    elif any(r.get("world_size") is None for r in records):
+        text += (f"every record of {span} is there (one per step/chunk/pipeline rank/"
+                 "data-parallel rank; global ranks not judged: records without world_size).")
+    else:
+        text += f"every record of {span} is there (every rank, one record per step/chunk/rank)."
+    return text + " " + _not_observed(records, steps, observed)
+
+
+def _not_observed(records: List[dict], steps: List[int], observed: bool) -> str:
+    """What the records cannot show: the steps outside them (the writer does not say how many a
+    run had), steps between two processes' records, the microbatches (stated, never observed)
+    and, without ``obs_*`` fields, where the builds ran."""
+    unseen = [f"any step after step {steps[-1]}" + (f" or before step {steps[0]}" if steps[0] > 0
+                                                       else "")
+              + " (the records do not say how many steps the run had)"]
+    between = unseen_steps(records)
+    if between:
+        unseen.append(", ".join(f"step {lo}" if lo == hi else f"steps {lo}-{hi}"
+                                for lo, hi in between)
+                      + " (no record on any rank, between one process's steps and the next's: "
+                      "a step after a checkpoint load runs without launches)")
+    ms = sorted({r["microbatches"] for r in records if r.get("microbatches") is not None})
+    if ms:
+        unseen.append(f"the microbatches (M={ms[-1]} as the records state it; no record observes "
+                      "the microbatches themselves)")
+    if not observed and any(r.get("weights") for r in records):
+        unseen.append("where the transposes were built (records without obs_* fields: "
+                      "observation off, or an older version; the placement rests on the "
+                      "aligner's own slot)")
+    return "Not observed: " + "; ".join(unseen) + "."
 
 
 def _policy(records: List[dict]) -> str:
@@ -199,6 +232,9 @@ def _inputs(args: argparse.Namespace) -> Tuple[List[dict], Optional[List[dict]]]
         raise TelemetryError(problem)
     records = _with_sizes(load_telemetry(args.telemetry), args)
     _policy(records)
+    if STDIN in args.telemetry and STDIN in (args.baseline or ()):
+        raise TelemetryError("- (standard input) given for both TELEMETRY and --baseline: it "
+                             "can be read once; give one of the two runs as files")
     baseline = load_telemetry(args.baseline) if args.baseline else None
     if baseline is not None:
         _policy(baseline)
@@ -314,7 +350,55 @@ def record_problem(record: Any) -> Optional[str]:
     return None
 
 
+#: Forward passes per rank per step (M x VP) beyond which a record is not judged: the schedule
+#: model lists every one (a real step has a few thousand; 10**12 would never end).
+MAX_FORWARDS = 1_000_000
+
+
+def schedule_problem(record: Mapping[str, Any]) -> Optional[str]:
+    """Why the schedule shape ``record`` states is one the schedule model cannot judge it
+    against (None when it can, or the record states none)."""
+    vp, m = record.get("vp_size"), record.get("microbatches")
+    if vp is not None and m is not None and vp * m > MAX_FORWARDS:
+        return (f"microbatches {m} x vp_size {vp} = {m * vp} forwards per rank per step, more "
+                f"than the {MAX_FORWARDS} the report models (a real step has a few thousand): "
+                "corrupt or altered records; pass the files a run wrote")
+    try:
+        schedule_of(record)
+    except ScheduleError as err:
+        shape = ", ".join(f"{k} {record.get(k)}" for k in ("pp_size", "vp_size", "microbatches",
+                                                           "group_size"))
+        return (f"its schedule ({shape}) is not one megatron-core's interleaved schedule runs, "
+                f"so nothing to judge it against: {err}; pass the files of a run with the "
+                "plugin on (records of another kind, or altered)")
+    return None
+
+
+#: The path that stands for standard input (``cat t.rank*.jsonl | nemo-fp8-align report -``).
+STDIN = "-"
+
+
+def _read_stdin() -> List[str]:
+    stream = sys.stdin
+    if stream is None or stream.isatty():
+        raise TelemetryError("-: reads the telemetry (JSON lines) from standard input, but it is "
+                             "a terminal; pipe the files in (cat telemetry.rank*.jsonl | "
+                             "nemo-fp8-align report -) or give the files' paths")
+    raw = getattr(stream, "buffer", None)
+    try:
+        text = raw.read().decode("utf-8") if raw is not None else stream.read()
+    except UnicodeDecodeError as err:
+        raise TelemetryError(f"-: standard input is not UTF-8 text (byte {err.start}): not "
+                             "telemetry (JSON lines)") from None
+    except OSError as err:
+        raise TelemetryError(f"-: cannot read standard input ({err}); give the files' "
+                             "paths") from None
+    return text.splitlines(keepends=True)
+
+
 def _read_lines(path: str) -> List[str]:
+    if path == STDIN:
+        return _read_stdin()
     if os.path.isdir(path):
         raise TelemetryError(f"{path}: is a directory; pass its telemetry files, e.g. "
                              f"{os.path.join(path, 'telemetry.rank{rank}.jsonl')}")
@@ -333,7 +417,7 @@ def _refuse_repeats(files: Sequence[str]) -> None:
     would read every record twice, which the report's checks call broken invariants."""
     seen: Dict[str, str] = {}
     for path in files:
-        key = os.path.realpath(path)
+        key = STDIN if path == STDIN else os.path.realpath(path)
         if key in seen:
             raise TelemetryError(f"{path}: given twice (also as {seen[key]}); pass each "
                                  "telemetry file once")
@@ -347,17 +431,21 @@ def load_telemetry(paths: Sequence[str]) -> List[dict]:
     files = expand_paths(paths)
     _refuse_repeats(files)
     for path in files:
+        name = "stdin" if path == STDIN else path
         for number, line in enumerate(_read_lines(path), 1):
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
-                raise TelemetryError(f"{path}:{number}: not JSON ({err.msg})") from None
+                raise TelemetryError(f"{name}:{number}: not JSON ({err.msg})") from None
             why = record_problem(record)
             if why:
-                raise TelemetryError(f"{path}:{number}: not a transpose record, {why} (is this "
+                raise TelemetryError(f"{name}:{number}: not a transpose record, {why} (is this "
                                      "nemo_fp8_align telemetry?)")
+            why = schedule_problem(record)
+            if why:
+                raise TelemetryError(f"{name}:{number}: {_where(record)}: {why}")
             records.append(record)
     if not records:
         raise TelemetryError(f"no records in {', '.join(files)}")

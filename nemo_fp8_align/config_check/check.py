@@ -93,8 +93,15 @@ def check_config(cfg: Any, *, data_parallel_size: Optional[int] = None) -> None:
             NeMo-Framework-Launcher training YAML, or the launcher's config with ``training:``.
         data_parallel_size: DP for the microbatch checks; derived from ``trainer:`` when None
             (when both are known they must agree).
+
+    Judged by the importable megatron-core's rules (its recipes, schedule and options), as the
+    plugin's own check at attach and ``nemo-fp8-align check`` judge; the newest rules where
+    none is importable.
     """
-    violations = find_violations(cfg, data_parallel_size=data_parallel_size)
+    from nemo_fp8_align.mcore_versions import importable_rules
+
+    violations = find_violations(cfg, data_parallel_size=data_parallel_size,
+                                 mcore=importable_rules())
     if violations:
         raise FP8AlignConfigError(violations, off=plugin_off_override(cfg))
 
