@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_fp8_align.cli import check_version
+from nemo_fp8_align.cli import check as check_command
 from nemo_fp8_align.mcore_versions import rules_for
 from support.check_json import check_cli
 
@@ -56,8 +56,8 @@ def test_a_malformed_or_unknown_version_is_an_error_naming_the_flag(given):
 
 
 def test_without_megatron_core_the_newest_rules_apply_and_the_note_says_so(monkeypatch):
-    monkeypatch.setattr(check_version, "importable_version", lambda: None)
-    monkeypatch.setattr(check_version, "importable_rules", lambda: None)
+    monkeypatch.setattr(check_command, "importable_version", lambda: None)
+    monkeypatch.setattr(check_command, "importable_rules", lambda: None)
     # N = 5 with M = 5: megatron-core >= 0.10's rule holds (PP <= N <= M, M mod N = 0)
     status, out, _ = check(CONF, "model.global_batch_size=20",
                            "+model.microbatch_group_size_per_vp_stage=5")
@@ -70,8 +70,8 @@ def test_an_installed_version_outside_the_known_ones_gets_the_newest_rules_said_
     from nemo_fp8_align import mcore_versions as mcore_version
 
     monkeypatch.setattr(mcore_version, "importable_version", lambda: "0.20.1")
-    monkeypatch.setattr(check_version, "importable_version", lambda: "0.20.1")
-    monkeypatch.setattr(check_version, "importable_rules", mcore_version.importable_rules)
+    monkeypatch.setattr(check_command, "importable_version", lambda: "0.20.1")
+    monkeypatch.setattr(check_command, "importable_rules", mcore_version.importable_rules)
     status, out, _ = check(CONF)
     assert status == 0
     assert "note: megatron-core 0.20.1 is installed, outside the versions the check knows (0.7 " \

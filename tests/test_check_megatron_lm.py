@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from nemo_fp8_align.config_check.megatron_lm_args import (megatron_lm_violations,
-                                                          parse_megatron_lm_argv)
+from nemo_fp8_align.config_check.megatron_lm_args import megatron_lm_violations
+from nemo_fp8_align.config_check.megatron_lm_parser import parse_megatron_lm_argv
 
 GOOD = ("--pipeline-model-parallel-size 2 --num-layers 8 --num-layers-per-virtual-pipeline-stage 2 "
         "--fp8-format hybrid --fp8-param-gather --use-distributed-optimizer "

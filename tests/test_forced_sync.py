@@ -66,6 +66,27 @@ def test_after_a_forced_all_gather_the_next_backward_reads_current_transposes(
 
 @pytest.mark.slow
 @needs_manual
+@pytest.mark.skipif(AFTER_FORCED, reason="megatron-core >= 0.18 post-processes forced "
+                    "all-gathers itself: no watch, nothing of the plugin's to fail there")
+def test_a_rebuild_failing_on_one_rank_stops_every_rank_at_the_next_step_end():
+    """Issue 40: the watch's rebuild failing on one rank, inside the evaluation's forced
+    all-gather (between steps), used to raise there: its peers then died in the evaluation's
+    pipeline receives with gloo's errors. Now it is held to the next step's end, where every
+    rank raises the plugin's error, the faulty one with its own message, within seconds."""
+    with pytest.raises(DemoRankError) as info:
+        demo(*SHAPE, "aligned", steps=STEPS, eval_after_each_step=True, eval_forced_sync=True,
+             manual_post_processing=True, fault="rebuild_fails_on_one_rank")
+    reports, times = info.value.reports, info.value.times
+    world = SHAPE[0] * SHAPE[2]
+    assert sorted(reports) == list(range(world)), reports
+    for rank, text in reports.items():
+        assert text.startswith(f"rank {rank}: StaleFP8Error: nemo_fp8_align"), text
+        assert "could not be rebuilt after a forced all-gather on this rank only" in text, text
+    assert max(times.values()) - min(times.values()) < 10.0, times
+
+
+@pytest.mark.slow
+@needs_manual
 def test_without_the_plugin_the_backward_reads_stale_transposes_before_0_18():
     """The hazard itself (megatron-core alone, Megatron-LM PRs #4560/#4563): a stale read on
     0.16 / 0.17; none from 0.18 on."""

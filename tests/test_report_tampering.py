@@ -171,3 +171,16 @@ def test_absurd_sizes_end_quickly_without_a_traceback(tmp_path, capsys):
     assert status == 1, out
     assert "global ranks wrote no records" in out and "more missing records" in out
     assert len(out.splitlines()) < 200  # MAX_LISTED of each kind, then counted
+
+
+def test_a_step_between_two_runs_is_named_not_observed(tmp_path, capsys):
+    # A job resumed from a checkpoint: each rank's new process (a new run id) starts after the
+    # step that reloads, which runs without launches, so no rank records it. Not a deletion.
+    rows = [{**r, "run": r["run"] + "-resumed"} if r["step"] == 2 else r
+            for r in _rows(OBSERVED) if r["step"] != 1]
+    status, out, _ = _report(tmp_path, capsys, rows)
+    assert status == 0, out
+    assert "every record of steps 0, 2 is there" in out
+    assert ("step 1 (no record on any rank, between one process's steps and the next's: a step "
+            "after a checkpoint load runs without launches)") in out
+    _never_claimed(out)

@@ -138,7 +138,7 @@ def demo_input_problem(args: argparse.Namespace) -> Optional[str]:
         from lab.demo import faults  # imports torch: only once a fault is asked for
 
         names = sorted({**faults.FAULTS, **faults.HARMLESS, **faults.RANK_ERRORS,
-                        **faults.STARTUP_ERRORS})
+                        **faults.STARTUP_ERRORS, **faults.BETWEEN_STEPS_ERRORS})
         in_megatron_lm = {**faults.RANK_ERRORS, **faults.STARTUP_ERRORS}
         if fault not in names:
             return f"--fault {fault}: not a known fault; pass one of " + ", ".join(names)

@@ -331,6 +331,11 @@ class ForcedSyncWatch:
     """After every forced all-gather of a bucket group that megatron-core does not
     post-process, rebuilds the transposes of the weights in that group.
 
+    A rebuild that fails is held, not raised: the forced all-gather runs between steps
+    (evaluation, a checkpoint save), where raising on one rank would leave its peers blocked in
+    the evaluation's pipeline receives. The aligner reports it at the next step end's agreement,
+    on every rank (:meth:`take_failures`), before any optimizer step uses that step's gradients.
+
     Args:
         groups: per model chunk, its bucket groups (dense and expert-parallel).
         weights: per model chunk, its FP8 weights.
@@ -342,6 +347,7 @@ class ForcedSyncWatch:
         self.backend = backend
         #: Transposes rebuilt after forced all-gathers (telemetry, tests).
         self.rebuilt = 0
+        self._failures: List[Exception] = []
         self._wrapped: List[Tuple[Any, Any]] = []  # (group, what its instance attribute was)
         try:
             for chunk_groups, chunk_weights in zip(groups, weights):
@@ -366,14 +372,27 @@ class ForcedSyncWatch:
             if _forced(args, kwargs):  # synchronous: the bytes are in place
                 # Only transposes flagged valid can hold old bytes unseen; invalid ones are built
                 # at the aligned slot or at first use anyway (TE without manual processing).
-                flagged = [w for w in weights if self.backend.has_valid_transpose(w)]
-                if flagged:
-                    with torch.no_grad():  # an evaluation's caller may have autograd on
-                        self.rebuilt += self.backend.rebuild_transposes(flagged)
+                try:
+                    self._rebuild(weights)
+                except Exception as err:  # rank-local: held for the next step end's agreement
+                    self._failures.append(err)
             return out
 
         group.start_param_sync = start_param_sync
         self._wrapped.append((group, previous))
+
+    def _rebuild(self, weights: List[Any]) -> None:
+        # Only transposes flagged valid can hold old bytes unseen; invalid ones are built at the
+        # aligned slot or at first use anyway (TE without manual processing).
+        flagged = [w for w in weights if self.backend.has_valid_transpose(w)]
+        if flagged:
+            with torch.no_grad():  # an evaluation's caller may have autograd on
+                self.rebuilt += self.backend.rebuild_transposes(flagged)
+
+    def take_failures(self) -> List[Exception]:
+        """The rebuild failures held since the last call."""
+        failures, self._failures = self._failures, []
+        return failures
 
     def remove(self) -> None:
         """Put back what each wrapped group had (idempotent)."""

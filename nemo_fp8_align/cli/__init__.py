@@ -16,7 +16,23 @@ from typing import List, Optional
 __all__ = ["main"]
 
 
+#: The exit status of a command ended by Ctrl-C (128 + SIGINT, as a shell reports it).
+INTERRUPTED = 130
+
+
 def main(argv: Optional[List[str]] = None) -> int:
+    """Run one sub-command; Ctrl-C ends any of them with one line and exit status 130 (it
+    printed a KeyboardInterrupt traceback from wherever the command was)."""
+    try:
+        return _dispatch(argv)
+    except KeyboardInterrupt:
+        command = next((a for a in (sys.argv[1:] if argv is None else argv)
+                        if a in ("check", "plan", "report")), "")
+        print(f"nemo-fp8-align{' ' + command if command else ''}: interrupted", file=sys.stderr)
+        return INTERRUPTED
+
+
+def _dispatch(argv: Optional[List[str]]) -> int:
     parser = argparse.ArgumentParser(prog="nemo-fp8-align", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     from nemo_fp8_align.cli.check import add_check_parser  # imports no NeMo

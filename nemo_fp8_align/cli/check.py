@@ -5,23 +5,29 @@ The YAML is composed by Hydra exactly as a NeMo training script would compose it
 grammar so ``True`` and ``2`` are a bool and an int), with the plugin's structured config
 registered. A NeMo-Framework-Launcher training YAML (``run:``, ``trainer:``, ``exp_manager:``,
 ``model:``) works as it is. Exit status: 0 and one line when the config is valid, 2 with every
-violation (or with the reason the file could not be read).
+violation (or with the reason the file could not be read). ``--megatron-core X.Y`` picks the
+version whose rules judge (:func:`megatron_core_target`); ``--megatron-lm`` checks a Megatron-LM
+argument list instead (:mod:`.check_megatron_lm`); the NeMo mode's report is
+:mod:`.check_output`, imported only after the dependencies are found (it needs OmegaConf).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
-from typing import Any, Optional, Sequence, TextIO
+from typing import Any, NamedTuple, Optional, Sequence, TextIO
 
 from nemo_fp8_align.cli.check_load import file_problem, load_config, load_source
 from nemo_fp8_align.cli.deps import CHECK_NEEDS, missing_dependency
 from nemo_fp8_align.errors import ConfigLoadError
+from nemo_fp8_align.mcore_versions import (NEWEST, OLDEST, VersionRules, importable_rules,
+                                           importable_version, parse_version, rules_for)
 
-__all__ = ["EXIT_OK", "EXIT_INVALID", "add_check_parser", "file_problem", "load_config",
-           "load_source", "run_check"]
+__all__ = ["EXIT_OK", "EXIT_INVALID", "Target", "add_check_parser", "file_problem",
+           "load_config", "load_source", "megatron_core_target", "run_check"]
 
 EXIT_OK = 0
 EXIT_INVALID = 2
@@ -74,8 +80,6 @@ def run_check(args: argparse.Namespace, *, out: Optional[TextIO] = None,
     """Run the check for parsed ``args``; returns the exit status (0 valid, 2 otherwise)."""
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
-    from nemo_fp8_align.cli.check_version import megatron_core_target
-
     target = megatron_core_target(args)
     args.mcore_rules, args.mcore_note = target.rules, target.note
     problem = _mode_problem(args) or target.error
@@ -114,6 +118,49 @@ def run_check(args: argparse.Namespace, *, out: Optional[TextIO] = None,
         return report.error(f"{args.config}: the file holds no settings; expected a NeMo "
                             "training config with trainer: and model:")
     return report.run(source, cfg)
+
+
+# ---------------------------------------------------------------------------------------------
+# Which megatron-core the check judges by: ``--megatron-core X.Y``, else the importable one (its
+# version read from its files, nothing imported: :func:`~nemo_fp8_align.mcore_versions.
+# importable_version`), else none (the newest rules, and a note saying so). The note names the
+# version whose rules judged, the recipe verdict included.
+
+FLAG = "--megatron-core"
+_KNOWN = f"{OLDEST[0]}.{OLDEST[1]} to {NEWEST[0]}.{NEWEST[1]}"
+
+
+class Target(NamedTuple):
+    """The rules to check against (None: the newest), the note that says which, or the error
+    of a malformed or unknown ``--megatron-core``."""
+
+    rules: Optional[VersionRules]
+    note: str
+    error: Optional[str] = None
+
+
+def megatron_core_target(args: argparse.Namespace) -> Target:
+    given = getattr(args, "megatron_core", None)
+    if given is not None:
+        parsed = parse_version(given)
+        if parsed is None or re.fullmatch(r"\d+\.\d+(\.\d+)?", given) is None:
+            return Target(None, "", f"{FLAG} {given!r}: not a version; pass X.Y or X.Y.Z, e.g. "
+                          f"{FLAG} 0.9.0 (the checked versions: {_KNOWN})")
+        if not OLDEST <= parsed[:2] <= NEWEST:
+            return Target(None, "", f"{FLAG} {given}: outside the versions the check knows "
+                          f"({_KNOWN}); pass one of them, or leave the flag out to check "
+                          "against the installed megatron-core")
+        return Target(rules_for(given), f"checked against megatron-core {given} ({FLAG})")
+    installed, rules = importable_version(), importable_rules()
+    if installed is None:
+        return Target(None, "megatron-core is not installed: checked against the newest "
+                      f"megatron-core's rules; pass {FLAG} X.Y to check against another")
+    if rules is None:
+        return Target(None, f"megatron-core {installed} is installed, outside the versions the "
+                      f"check knows ({_KNOWN}): checked against the newest megatron-core's "
+                      f"rules; pass {FLAG} X.Y to check against another")
+    return Target(rules, f"checked against megatron-core {installed} (the installed one; "
+                  f"{FLAG} X.Y for another)")
 
 
 def _mode_problem(args: argparse.Namespace) -> Optional[str]:

@@ -37,8 +37,8 @@ def run_megatron_lm_check(args: argparse.Namespace, argv: List[str], out: TextIO
         else:
             print(f"error: {missing}", file=err)
         return EXIT_INVALID
-    from nemo_fp8_align.config_check.megatron_lm_args import (megatron_lm_violations,
-                                                              parse_megatron_lm_argv)
+    from nemo_fp8_align.config_check.megatron_lm_args import megatron_lm_violations
+    from nemo_fp8_align.config_check.megatron_lm_parser import parse_megatron_lm_argv
 
     from nemo_fp8_align.config_check.megatron_lm_parser import flag_source, host_validate
 
@@ -77,8 +77,8 @@ def _fix_line(violations: List[Any], argv: List[str], world: Optional[int],
               mcore: Any = None) -> Any:
     """(the re-checked fix line, the argument list and world size it gives)."""
     from nemo_fp8_align.config_check.fixes import fix_line
-    from nemo_fp8_align.config_check.megatron_lm_args import (megatron_lm_violations,
-                                                              parse_megatron_lm_argv)
+    from nemo_fp8_align.config_check.megatron_lm_args import megatron_lm_violations
+    from nemo_fp8_align.config_check.megatron_lm_parser import parse_megatron_lm_argv
     from nemo_fp8_align.config_check.megatron_lm_edits import MEGATRON_LM, apply_edits
 
     def recheck(edits: List[str]) -> List[Any]:

@@ -18,7 +18,7 @@ import re
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NoReturn, Optional, Tuple
 
 from nemo_fp8_align.cli.check_load import load_config
 from nemo_fp8_align.cli.deps import CHECK_NEEDS, missing_dependency
@@ -61,7 +61,7 @@ def add_plan_parser(sub: "argparse._SubParsersAction") -> None:
                         ("--experts", "MoE experts per layer (num_moe_experts; default: dense)"),
                         ("--topk", "MoE experts per token (moe_router_topk, default 2)"),
                         ("--moe-ffn", "an expert's MLP hidden size (default: --ffn)")):
-        p.add_argument(name, type=int, default=None, help=help_)
+        p.add_argument(name, type=whole_number, default=None, help=help_)
     p.add_argument("--gated-mlp", action=argparse.BooleanOptionalAction, default=None,
                    help="SwiGLU-style MLP with 3 matrices (presets and configs know theirs)")
     for name, help_ in (("--tp", "tensor-parallel size (default 8)"),
@@ -75,7 +75,7 @@ def add_plan_parser(sub: "argparse._SubParsersAction") -> None:
                         ("--micro-batch", "micro-batch size (default 1)"),
                         ("--global-batch", "global batch (default: 8 x PP x micro x DP)"),
                         ("--group-size", "microbatch_group_size_per_vp_stage N (default PP)")):
-        p.add_argument(name, type=int, default=None, help=help_)
+        p.add_argument(name, type=whole_number, default=None, help=help_)
     p.add_argument("--overlap-p2p-comm", dest="overlap_p2p", default=None,
                    action=argparse.BooleanOptionalAction,
                    help="megatron-core overlap_p2p_comm (default on: Megatron-LM's with "
@@ -112,7 +112,28 @@ def add_plan_parser(sub: "argparse._SubParsersAction") -> None:
                    help="json: one object with saving_ms (lazy - aligned per step) and each "
                    "placement's predicted step time")
     add_measured_arguments(p)
+    one_line_usage_errors(p)
     p.set_defaults(func=run_plan)
+
+
+def one_line_usage_errors(p: argparse.ArgumentParser) -> None:
+    """argparse's errors as one line (the flag, the value, the fix), exit status 2: the usage
+    block it prints first ran to 40 lines for ``plan``, above the one that says what is wrong."""
+    def error(message: str) -> "NoReturn":
+        p.exit(2, f"{p.prog}: error: {message} (see {p.prog} --help)\n")
+
+    p.error = error  # type: ignore[method-assign]
+
+
+def whole_number(text: str) -> int:
+    """An integer flag's value, in digits: ``1e20`` or ``1.5`` is refused with the fix (argparse
+    said only "invalid int value")."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; give it in digits "
+                                     "(e.g. 96, not 9.6e1 or 1e20)")
 
 
 def _work(x: PlanInputs) -> Tuple[Optional[PostProcessing], Optional[str]]:
@@ -184,8 +205,8 @@ def plan_result(args: argparse.Namespace) -> Tuple[str, Dict[Placement, Timeline
                     etp=x.expert_tp)
     work, reason = _work(x)
     try:
-        m = layout.microbatches()
-        schedule = InterleavedSchedule(x.pp, x.vp, m, x.group_size)
+        m = _microbatches(x, layout)
+        schedule = _schedule(x, m, layout)
         layout.layers_per_chunk(model)
         _check_context_parallel(model.seq, x.cp)
     except (PlanInputError, ScheduleError):
@@ -207,6 +228,62 @@ def plan_result(args: argparse.Namespace) -> Tuple[str, Dict[Placement, Timeline
         "", _table(timelines, schedule.pp), "", _recommendation(timelines), _TRUST]
     summary.update(_summary(timelines, costs, work, info, m))
     return "\n".join(lines) + "\n", timelines, summary
+
+
+def _microbatches(x: PlanInputs, layout: Layout) -> int:
+    """M, the microbatches per step, inside what plan models; a global batch that does not
+    divide is named with the nearest that fits."""
+    per, batch = layout.micro_batch * layout.dp, layout.global_batch
+    try:
+        m = layout.microbatches()
+    except PlanInputError as err:
+        raise PlanInputError(f"{err}{_nearest_note(x, per, batch)}") from None
+    if m > MAX_MICROBATCHES:
+        raise PlanInputError(
+            f"--global-batch {batch}: M = global batch / (micro-batch x DP) = {batch} / {per} = "
+            f"{m} microbatches per step, outside the range plan models, 1 to {MAX_MICROBATCHES} "
+            f"(pass a --global-batch of at most {MAX_MICROBATCHES * per}, or a larger "
+            "--micro-batch or --dp)")
+    return m
+
+
+def _schedule(x: PlanInputs, m: int, layout: Layout) -> InterleavedSchedule:
+    try:
+        return InterleavedSchedule(x.pp, x.vp, m, x.group_size)
+    except ScheduleError as err:
+        per = layout.micro_batch * layout.dp
+        raise ScheduleError(f"{err}{_nearest_note(x, per, layout.global_batch)}") from None
+
+
+def _fits(pp: int, vp: int, m: int, n: Optional[int]) -> bool:
+    try:
+        InterleavedSchedule(pp, vp, m, n)
+    except ScheduleError:
+        return False
+    return True
+
+
+def nearest_global_batch(pp: int, vp: int, n: Optional[int], per: int, batch: int
+                         ) -> Optional[int]:
+    """The global batch nearest ``batch`` whose M (``batch / per``, ``per`` = micro-batch x DP)
+    the schedule accepts, within what plan models; a tie goes up (no samples dropped). Integer
+    arithmetic only: ``batch / per`` in floats rounds huge batches (2**53 and up) to another
+    count. None when no M near fits (an N below PP, PP or VP below 2)."""
+    if pp < 2 or vp < 2:
+        return None
+    low = batch // per
+    span = 2 * max(pp, n or pp) + 2  # valid counts recur every group of max(N, PP)
+    fits = [k for k in range(max(low - span, 1), min(low + span, MAX_MICROBATCHES) + 1)
+            if _fits(pp, vp, k, n)]
+    if not fits:
+        return None
+    return min(fits, key=lambda k: (abs(k * per - batch), -k)) * per
+
+
+def _nearest_note(x: PlanInputs, per: int, batch: int) -> str:
+    best = nearest_global_batch(x.pp, x.vp, x.group_size, per, batch)
+    return "" if best is None else (f"; the nearest global batch that fits: --global-batch "
+                                    f"{best} (M={best // per})")
 
 
 def _rounded(value):
@@ -427,15 +504,45 @@ class PlanInputs:
             raise AttributeError(name) from None
 
 
+#: The largest value plan models, per integer setting: beyond any model or cluster trained
+#: today, and small enough that the timeline stays finite and readable (10**20 layers printed
+#: a table of 20-digit numbers). M, the microbatches per step, is bounded by MAX_MICROBATCHES.
+LIMITS = {"layers": 4096, "hidden": 1 << 20, "heads": 1 << 16, "kv_heads": 1 << 16,
+          "ffn": 1 << 22, "seq": 1 << 24, "tp": 1024, "pp": 1024, "vp": 1024, "dp": 1 << 20,
+          "cp": 1024, "ep": 1 << 16, "expert_tp": 1024, "experts": 1 << 16, "topk": 1 << 16,
+          "moe_ffn": 1 << 22, "micro_batch": 1 << 16, "global_batch": 1 << 40,
+          "group_size": 1 << 16}
+#: Microbatches per step the timeline simulates at most (its time grows faster than M: about
+#: 12 s for M = 1024 at PP 8 on one CPU core; 10**20 never ended, or overflowed).
+MAX_MICROBATCHES = 4096
+#: The range plan models, per float setting (rates and the penalty factor).
+FLOAT_LIMITS = {"tflops": 1e6, "transpose_tbps": 1e4, "allgather_gbps": 1e6, "p2p_gbps": 1e6,
+                "overlap_penalty": 100.0}
+
+
+def _out_of_range(name: str, value: int) -> Optional[str]:
+    """Why an integer setting's value is outside what plan models (None when inside)."""
+    if value < 1:
+        return f"{value}: must be an integer >= 1"
+    if value > LIMITS[name]:
+        return (f"{value}: outside the range plan models, 1 to {LIMITS[name]} (pass a value "
+                "in that range)")
+    return None
+
+
 def _check_numbers(args: argparse.Namespace) -> None:
     for name in _INT_FLAGS:
         value = getattr(args, name, None)
-        if value is not None and value < 1:
-            raise PlanInputError(f"{flag(name)} {value}: must be an integer >= 1")
+        why = None if value is None else _out_of_range(name, value)
+        if why:
+            raise PlanInputError(f"{flag(name)} {why}")
     for name in _FLOAT_FLAGS:
         value = getattr(args, name, None)
         if value is not None and (not math.isfinite(value) or value <= 0):
             raise PlanInputError(f"{flag(name)} {value}: must be > 0 and finite")
+        if value is not None and value > FLOAT_LIMITS[name]:
+            raise PlanInputError(f"{flag(name)} {value:g}: outside the range plan models, above "
+                                 f"0 up to {FLOAT_LIMITS[name]:g} (pass a value in that range)")
 
 
 def _from_config(path: str, overrides: List[str]) -> Dict[str, Any]:
@@ -471,6 +578,13 @@ def _read_config(path: str, cfg: Any) -> Dict[str, Any]:
     model = Reader(model_node, prefix + "model.")
     trainer = None if trainer_node is None else Reader(trainer_node, prefix + "trainer.")
     ctx = CheckContext(model, trainer)
+    # the startup check's own gate (read-only): T5 / BART, BERT, Mamba are not GPT models
+    from nemo_fp8_align.config_check.rules.model import other_model_refused
+
+    if other_model_refused(ctx):
+        found = ctx.model.violations[-1]
+        raise PlanInputError(f"{path}: {found.found}: not planned; plan models {found.expected}"
+                             " (plan a GPT config, or pass --model or the size flags alone)")
     out: Dict[str, Any] = {}
     for name, key in CONFIG_KEYS.items():
         value = model.get(key)
@@ -481,6 +595,9 @@ def _read_config(path: str, cfg: Any) -> Dict[str, Any]:
                 raise PlanInputError(f"{prefix}model.{key}={value!r}: expected true or false")
         elif type(value) is not int or value < 1:
             raise PlanInputError(f"{prefix}model.{key}={value!r}: expected an integer >= 1")
+        elif value > LIMITS[name]:
+            raise PlanInputError(f"{prefix}model.{key}={value}: outside the range plan models, "
+                                 f"1 to {LIMITS[name]} (override it with a value in that range)")
         out[name] = value
     out.update(_config_fp8(model, prefix))
     if model.violations:
@@ -493,10 +610,19 @@ def _read_config(path: str, cfg: Any) -> Dict[str, Any]:
     dp = ctx.trainer_data_parallel()
     world, mp = ctx.world(), ctx.model_parallel()
     if dp is None and world is not None and mp is not None:
-        raise PlanInputError(
-            f"{prefix}trainer.devices x num_nodes = {world} GPUs is not divisible by TP x PP x CP "
-            f"= {mp} (megatron-core refuses it): change the node count or the layout, or pass "
-            "--dp to plan one data-parallel size")
+        # raised by resolve() only without --dp: the flag replaces the config's world
+        devices = f"{prefix}trainer.devices x {prefix}trainer.num_nodes"
+        if world < mp:
+            out["_world_problem"] = (
+                f"{devices} = {world} GPU{'s' if world != 1 else ''}, fewer than TP x PP x CP = "
+                f"{mp} (megatron-core refuses it): set {devices} to a multiple of {mp} (e.g. the "
+                f"override {prefix}trainer.devices={mp}), or pass --dp 1 to plan one model "
+                f"replica on {mp} GPUs")
+        else:
+            out["_world_problem"] = (
+                f"{devices} = {world} GPUs is not divisible by TP x PP x CP = {mp} (megatron-core"
+                f" refuses it): change the node count or the layout, or pass --dp N to plan N "
+                f"data-parallel ranks (e.g. --dp {world // mp})")
     if dp is not None:
         out["dp"] = dp
     for name, value in NEMO_P2P.items():
@@ -599,6 +725,9 @@ def resolve(args: argparse.Namespace) -> PlanInputs:
     v: Dict[str, Any] = dict.fromkeys((*_INT_FLAGS, "gated_mlp", "overlap_p2p", "batch_p2p",
                                        "fp8", "fp8_params", "recipe", "reuse_grad_buf"))
     v.update(_from_config(args.config, args.overrides) if args.config else {})
+    world_problem = v.pop("_world_problem", None)
+    if world_problem and args.dp is None:
+        raise PlanInputError(world_problem)
     if args.overrides and not args.config:
         raise PlanInputError(f"override {args.overrides[0]!r} without a CONFIG.yaml: pass the "
                              "config first (plan CONFIG.yaml key=value ...) or use the flags")

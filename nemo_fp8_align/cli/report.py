@@ -54,6 +54,9 @@ def add_report_parser(sub: "argparse._SubParsersAction") -> None:
         p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int, default=None,
                        metavar="N", help=f"the run's {what}, for records written without "
                        f"{name} (older telemetry): lets the report judge which records are missing")
+    from nemo_fp8_align.cli.plan import one_line_usage_errors
+
+    one_line_usage_errors(p)
     p.set_defaults(func=run_report)
 
 
@@ -83,7 +86,7 @@ def _verdict(records: List[dict]) -> str:
             "weights" + (", observed builds where the policy puts them" if observed else "")
             + "), each record's fields agree with one another, the ranks agree on each slot, and ")
     steps = sorted({r["step"] for r in records})
-    span = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
+    span = _spans(steps)
     why = completeness_judged(records)
     if why is not None:
         text = text.replace(", and ", "; ") + why + "."
@@ -93,6 +96,18 @@ def _verdict(records: List[dict]) -> str:
     else:
         text += f"every record of {span} is there (every rank, one record per step/chunk/rank)."
     return text + " " + _not_observed(records, steps, observed)
+
+
+def _spans(steps: List[int]) -> str:
+    """``steps 0-2``, or ``steps 0-1, 3-4`` around steps no rank recorded."""
+    runs: List[List[int]] = []
+    for step in steps:
+        if runs and step == runs[-1][1] + 1:
+            runs[-1][1] = step
+        else:
+            runs.append([step, step])
+    text = ", ".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in runs)
+    return f"step {text}" if len(steps) == 1 else f"steps {text}"
 
 
 def _not_observed(records: List[dict], steps: List[int], observed: bool) -> str:
@@ -154,7 +169,7 @@ def _shape(records: List[dict]) -> str:
     if r.get("pp_size") is None or r.get("microbatches") is None:
         return ("not recorded (older records): aligned slots judged from the "
                 "ranks' agreement only")
-    return (f"PP={r['pp_size']} VP={r['vp_size']} DP={r.get('dp_size') or '?'} "
+    return (f"PP={r['pp_size']} VP={r.get('vp_size') or '?'} DP={r.get('dp_size') or '?'} "
             f"M={r['microbatches']} N={r.get('group_size') or 'legacy'}, world size "
             f"{r.get('world_size') or '?'}")
 
@@ -196,8 +211,7 @@ def format_report(records: List[dict]) -> Tuple[str, List[str]]:
         for r in recs:
             per_rank[r["pp_rank"]].append(r)
         times = [(k, _timings(v)) for k, v in sorted(per_rank.items())]
-        built = sorted({f"{r['valid'] if r.get('valid', -1) >= 0 else r['transposed']}/{r['weights']}"
-                        for r in recs})
+        built = sorted({f"{_valid(r)}/{r['weights']}" for r in recs})
         table.append([str(chunk), str(sorted({r["aligned_slot"] for r in recs})),
                       _slots(per_rank, "slot")]
                      + ([_slots(per_rank, "obs_slot")] if observed else [])
@@ -218,6 +232,13 @@ def format_report(records: List[dict]) -> Tuple[str, List[str]]:
     return "\n".join(rows) + "\n", problems
 
 
+def _valid(r: Mapping[str, Any]) -> int:
+    """The valid count, or the built count for records without one (``valid`` absent, null or
+    -1)."""
+    valid = r.get("valid")
+    return valid if valid is not None and valid >= 0 else r["transposed"]
+
+
 def _plot(records: List[dict], path: str) -> Optional[str]:
     try:
         plot_slots(records, path)
@@ -230,11 +251,11 @@ def _inputs(args: argparse.Namespace) -> Tuple[List[dict], Optional[List[dict]]]
     problem = plot_path_problem(args.plot)
     if problem:
         raise TelemetryError(problem)
-    records = _with_sizes(load_telemetry(args.telemetry), args)
-    _policy(records)
     if STDIN in args.telemetry and STDIN in (args.baseline or ()):
         raise TelemetryError("- (standard input) given for both TELEMETRY and --baseline: it "
                              "can be read once; give one of the two runs as files")
+    records = _with_sizes(load_telemetry(args.telemetry), args)
+    _policy(records)
     baseline = load_telemetry(args.baseline) if args.baseline else None
     if baseline is not None:
         _policy(baseline)
@@ -334,6 +355,10 @@ def record_problem(record: Any) -> Optional[str]:
             return why
     if record["policy"] not in ("aligned", "lazy"):
         return f"field 'policy' is {json.dumps(record['policy'])}, expected \"aligned\" or \"lazy\""
+    for key in ("run", "backend", "kind"):  # keys of sets and labels: text (or null)
+        if record.get(key) is not None and not isinstance(record[key], str):
+            return (f"field {key!r} is {json.dumps(record[key])} ({_kind(record[key])}), "
+                    "expected a string")
     for key in ("after_all_gather", "legacy_order"):
         if key in record and not isinstance(record[key], bool):
             return f"field {key!r} is {json.dumps(record[key])} ({_kind(record[key])}), expected true or false"

@@ -7,23 +7,25 @@ violation's key and fix back into the flag a Megatron-LM user sets::
 
     from nemo_fp8_align.config_check.megatron_lm_args import megatron_lm_violations
     megatron_lm_violations(vars(megatron.training.get_args()), world_size=8)
+    # a command line, read by .megatron_lm_parser.parse_megatron_lm_argv (the check command's)
     megatron_lm_violations(parse_megatron_lm_argv(sys.argv[1:]), world_size=8)
 
 What NeMo needs and Megatron-LM does not (``megatron_amp_O2``, a half ``trainer.precision``) is
 filled in so those rules hold; what only Megatron-LM has (FSDP instead of DDP) is checked here.
 The refusal table's rows (whole-step CUDA graphs, the combined 1F1B schedule) run on the flags
-of the same names. Nothing here imports megatron-core.
+of the same names. Nothing here imports megatron-core, nor reads a command line: the runtime's
+check of Megatron-LM's parsed arguments loads no parser or flag table
+(:mod:`.megatron_lm_parser` reads command lines, for the check command).
 """
 
 from __future__ import annotations
 
 import re
 import shlex
-from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional
 
 from nemo_fp8_align.config_check.megatron_lm_hybrid import (HYBRID, hybrid_layers,
                                                             hybrid_pattern, hybrid_segments)
-from nemo_fp8_align.config_check.megatron_lm_parser import parse_argv
 from nemo_fp8_align.config_check.megatron_lm_refusals import encoder_decoder
 from nemo_fp8_align.config_check.megatron_lm_rules import (
     _VP_DESTS, LAYOUT, PARSE_PROBLEMS, implicit_global_batch, layout_stages, megatron_lm_only,
@@ -31,7 +33,7 @@ from nemo_fp8_align.config_check.megatron_lm_rules import (
 from nemo_fp8_align.config_check.reader import Violation
 
 __all__ = ["FLAGS", "READ_DESTS", "megatron_lm_config", "megatron_lm_violations",
-           "parse_megatron_lm_argv", "translate_fix"]
+           "translate_fix"]
 
 STORE_TRUE, STORE_FALSE, VALUE = "store_true", "store_false", "value"
 
@@ -139,16 +141,6 @@ _DERIVED_EXPECTED = {
                   "the plugin transposes)",
     "transformer_engine": "transformer_engine (FP8 weights are Transformer Engine tensors)",
 }
-
-
-def parse_megatron_lm_argv(argv: Sequence[str]) -> Dict[str, Any]:
-    """Megatron-LM's arguments parsed from a command line as its own parser reads them (every
-    argument, with Megatron-LM 0.19.2's defaults); what its parser would stop on (an unknown
-    flag, a value it rejects) is kept under ``PARSE_PROBLEMS`` for
-    :func:`megatron_lm_violations`."""
-    args, problems = parse_argv(argv)
-    args[PARSE_PROBLEMS] = problems
-    return args
 
 
 def megatron_lm_config(args: Mapping[str, Any], world_size: Optional[int] = None) -> dict:

@@ -26,10 +26,12 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
 
+from nemo_fp8_align.config_check.megatron_lm_rules import PARSE_PROBLEMS
 from nemo_fp8_align.config_check.reader import Violation
 
 __all__ = ["ArgvProblem", "FlagSource", "MEGATRON_LM_VERSION", "SCRIPT_FLAGS", "flag_source",
            "flag_spec", "given_dests", "host_validate", "option_of", "parse_argv",
+           "parse_megatron_lm_argv",
            "script_flags_given", "spec_from_parser", "takes_value", "write_flag_table"]
 
 MEGATRON_LM_VERSION = "0.19.2"
@@ -121,7 +123,28 @@ def _host_parser(cls: type = argparse.ArgumentParser) -> argparse.ArgumentParser
 
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
-        return flag_source().host.add_megatron_arguments(cls(allow_abbrev=False))
+        parser = flag_source().host.add_megatron_arguments(cls(allow_abbrev=False))
+    for action in parser._actions:  # noqa: SLF001 - argparse keeps its options only here
+        if callable(action.type) and action.type not in (int, float, str):
+            action.type = _rejecting(action.type)
+    return parser
+
+
+def _rejecting(convert: Any) -> Any:
+    """``convert`` (one of Megatron-LM's value types) raising only what argparse reports as an
+    invalid value: some raise KeyError (an enum's member map), which argparse lets through as
+    a traceback; the check names the flag instead."""
+    import functools
+
+    @functools.wraps(convert)
+    def wrapped(value: str) -> Any:
+        try:
+            return convert(value)
+        except (argparse.ArgumentTypeError, TypeError, ValueError):
+            raise
+        except Exception as err:  # noqa: BLE001 - any other failure is an invalid value
+            raise ValueError(f"{type(err).__name__}: {err}") from err
+    return wrapped
 
 
 def spec_from_parser(parser: argparse.ArgumentParser,
@@ -258,6 +281,16 @@ def parse_argv(argv: Sequence[str]) -> Tuple[Dict[str, Any], List[Violation]]:
     problems += _unknown(rest, argv)
     args["_is_global_batch_size_explicitly_specified"] = args.get("global_batch_size") is not None
     return args, problems
+
+
+def parse_megatron_lm_argv(argv: Sequence[str]) -> Dict[str, Any]:
+    """Megatron-LM's arguments parsed from a command line as its parser reads them (every
+    argument, with its defaults); what its parser would stop on (an unknown flag, a value it
+    rejects) is kept under ``PARSE_PROBLEMS`` for
+    :func:`~nemo_fp8_align.config_check.megatron_lm_args.megatron_lm_violations`."""
+    args, problems = parse_argv(argv)
+    args[PARSE_PROBLEMS] = problems
+    return args
 
 
 def _without_flag(argv: List[str], flag: str) -> List[str]:

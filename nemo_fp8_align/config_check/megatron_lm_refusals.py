@@ -8,7 +8,7 @@ numerics recipe. Pure functions of ``vars(args)``; nothing here imports Megatron
 
 from __future__ import annotations
 
-from typing import Any, List, Mapping, Optional
+from typing import Any, List, Mapping
 
 from nemo_fp8_align.config_check.reader import Violation
 from nemo_fp8_align.config_check.recipes import SETTINGS, findings, judged_at, recipe_of

@@ -281,6 +281,8 @@ class TransposeAligner:
             return
         failure, self._failure = self._failure, None
         deferred, self._deferred = self._deferred, []
+        watch = self.forced_syncs  # failures it held between steps (evaluation, saves)
+        deferred += watch.take_failures() if watch is not None else []
         if self._vmid is not None:
             ran, self._vmid = self._vmid, None
             if failure is None and (ran != self.schedule.total or self._pending):

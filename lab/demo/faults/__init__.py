@@ -28,7 +28,8 @@ from nemo_fp8_align.core.schedule import AT_START, InterleavedSchedule
 from nemo_fp8_align.backends.reference import ReferenceBackend
 from lab.demo import train
 
-__all__ = ["FAULTS", "HARMLESS", "RANK_ERRORS", "STARTUP_ERRORS", "inject"]
+__all__ = ["BETWEEN_STEPS_ERRORS", "FAULTS", "HARMLESS", "RANK_ERRORS", "STARTUP_ERRORS",
+           "inject"]
 
 Undo = Callable[[], None]
 
@@ -323,6 +324,23 @@ def args_check_fails_on_one_rank(loop: str = "megatron-lm") -> Undo:
     return _patch(megatron_lm, "check_args", check_args)
 
 
+def rebuild_fails_on_one_rank(loop: str = "schedule") -> Undo:
+    """On one rank the forced-sync watch's rebuild (after the evaluation's forced all-gather,
+    between steps) fails: every rank must stop at the next step's end with the plugin's error,
+    none left in the evaluation's pipeline receives."""
+    from nemo_fp8_align.adapters.mcore_ddp import ForcedSyncWatch
+    from nemo_fp8_align.errors import StaleFP8Error
+
+    original = ForcedSyncWatch.__dict__["_rebuild"]
+
+    def rebuild(self: Any, weights: Any) -> None:
+        if _the_faulty_rank():
+            raise StaleFP8Error("nemo_fp8_align (injected): the transposes could not be "
+                                "rebuilt after a forced all-gather on this rank only")
+        original(self, weights)
+    return _patch(ForcedSyncWatch, "_rebuild", rebuild)
+
+
 FAULTS: Dict[str, Callable[[], Undo]] = {f.__name__: f for f in (
     no_wait, transpose_before_all_gather, slot_shift, slot_shift_unreported, skip_chunk,
     last_chunk_to_first_use, transpose_twice)}
@@ -333,6 +351,10 @@ HARMLESS: Dict[str, Callable[[], Undo]] = {f.__name__: f for f in (
 RANK_ERRORS: Dict[str, Callable[[], Undo]] = {f.__name__: f for f in (
     mismatch_on_one_rank, extra_forward_on_one_rank, capture_on_one_rank,
     verify_fails_on_one_rank)}
+#: Errors one rank meets between steps (a forced all-gather's rebuild): every rank must stop at
+#: the next step's end.
+BETWEEN_STEPS_ERRORS: Dict[str, Callable[[], Undo]] = {f.__name__: f for f in (
+    rebuild_fails_on_one_rank,)}
 #: Errors one rank meets at attach, in Megatron-LM's loop: every rank must stop at the attach.
 STARTUP_ERRORS: Dict[str, Callable[[str], Undo]] = {f.__name__: f for f in (
     args_check_fails_on_one_rank,)}
@@ -343,7 +365,7 @@ def inject(name: str, loop: str = "schedule") -> Undo:
 
     ``loop="megatron-lm"`` (``demo --loop megatron-lm``) takes the :data:`RANK_ERRORS` only: the
     engine faults are judged by the demo loop's own evidence."""
-    known = {**FAULTS, **HARMLESS, **RANK_ERRORS, **STARTUP_ERRORS}
+    known = {**FAULTS, **HARMLESS, **RANK_ERRORS, **STARTUP_ERRORS, **BETWEEN_STEPS_ERRORS}
     if name not in known:
         raise ValueError(f"fault={name!r} is not a known fault; choose one of: "
                          + ", ".join(sorted(known)))

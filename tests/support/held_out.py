@@ -1,4 +1,4 @@
-"""What the check's fresh trials (tests/test_check_trial*.py) share: the upstream inputs kept as
+"""What the check's held-out upstream tests (tests/test_check_held_out_*.py) share: the upstream inputs kept as
 test data, the plugin's settings as each mode spells them, the call (Megatron-LM lists judged as
 megatron-core 0.19.2, their era), and the row check every trial makes: the printed line, pasted,
 passes and changes none of the settings the row keeps."""
@@ -68,3 +68,10 @@ def assert_nemo_line(config: str, overrides: List[str], line: Sequence[str],
     for key in kept:
         assert not any(key in o for o in line), line
     assert run([config, *overrides, *line])[0] == 0
+
+
+def bridge_args(name: str) -> List[str]:
+    """A Megatron-Bridge recipe written as Megatron-LM flags, one argument a line
+    (tests/data/upstream/megatron_bridge; the recipe and the model each follows are named in
+    tests/data/upstream/README.md)."""
+    return [a for a in (UP / "megatron_bridge" / f"{name}.args").read_text().split("\n") if a]

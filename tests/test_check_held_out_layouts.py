@@ -1,5 +1,7 @@
-"""The fresh trial of issue 25 ("Done when"), kept: upstream configs and scripts that the other
-tests do not contain, checked as a new user would, each printed fix line pasted and checked
+"""Held-out upstream configs and Megatron-LM scripts (issue 25's first three trials): the parallel
+layout fixes (a TP or CP that fills the node or the world changed before the node count or the
+world size, DeepSeek-V3's layout string, hybrid patterns, hierarchical CP) and every row's
+line. Upstream inputs that the other tests do not contain, checked as a new user would, each printed fix line pasted and checked
 again (records/check-held-out-trials.md has the table, tests/data/upstream/README.md the sources). Every row
 holds the verdict (the keys or flags named), the fix line, that the line passes when pasted, and
 what the line changes beyond the layout and the plugin's own settings (only where the row says
@@ -12,7 +14,7 @@ from typing import List, Tuple
 
 import pytest
 
-from support.trials import FP8, ON, UP, args_of, run
+from support.held_out import FP8, ON, UP, args_of, bridge_args, run
 
 pytestmark = pytest.mark.filterwarnings("ignore:provider=hydra.searchpath")
 LAYOUT = ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
@@ -217,14 +219,7 @@ def test_a_layout_string_of_one_stage_per_rank_gets_one_of_two():
 #: Megatron-Bridge 0.6.0's deepseek_v3_pretrain_1024gpu_h100_bf16_config (recipes/deepseek/h100/
 #: deepseek_v3.py, Apache-2.0) written as Megatron-LM flags: TP 2, PP 16 with Bridge's own
 #: (16, 1) layout, EP 64, MTP 1, micro batch 1, global batch 4096; blockwise FP8 weights added.
-BRIDGE_DSV3 = ("--num-layers 61 --hidden-size 7168 --ffn-hidden-size 18432 "
-               "--num-attention-heads 128 --seq-length 4096 --max-position-embeddings 4096 "
-               "--tensor-model-parallel-size 2 --sequence-parallel "
-               "--pipeline-model-parallel-size 16 --pipeline-model-parallel-layout "
-               "Et*4|(t*4|)*14tmL --expert-model-parallel-size 64 --expert-tensor-parallel-size 1 "
-               "--num-experts 256 --mtp-num-layers 1 --micro-batch-size 1 --global-batch-size 4096 "
-               "--use-distributed-optimizer --overlap-param-gather --overlap-grad-reduce --bf16 "
-               "--fp8-format e4m3 --fp8-recipe blockwise --fp8-param-gather").split()
+BRIDGE_DSV3 = bridge_args("deepseek_v3_fp8_blockwise")
 
 
 def test_a_balanced_layout_string_is_kept_at_a_smaller_pipeline_size():

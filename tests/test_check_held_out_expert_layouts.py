@@ -1,4 +1,6 @@
-"""The sixth fresh trial of issue 25 ("Done when"), kept: upstream configs, Megatron-LM CI
+"""Held-out expert-parallel layouts (issue 25's sixth trial): a layout string kept at a smaller
+PP, or regrouped at another PP, keeps the EP that fits it (Megatron-Bridge's DeepSeek-V3); then
+every row's line. Upstream configs, Megatron-LM CI
 argument lists and Megatron-Bridge recipes (as flags) that no other test contained, checked as a
 new user would, each printed fix line pasted and checked again (records/check-held-out-trials.md, "Sixth
 trial"; sources in tests/data/upstream/README.md). The first test is the weaker line it found
@@ -11,46 +13,23 @@ from typing import List
 
 import pytest
 
-from support import trials
-from support.trials import (FP8, FP8_FLAGS, PLUGIN, assert_megatron_lm_line, assert_nemo_line,
-                            launcher, megatron_lm)
+from support import held_out
+from support.held_out import (FP8, FP8_FLAGS, bridge_args, PLUGIN, assert_megatron_lm_line,
+                              assert_nemo_line, launcher, megatron_lm)
 
 pytestmark = pytest.mark.filterwarnings("ignore:provider=hydra.searchpath")
 
 
 def args_of(name: str) -> List[str]:
-    return trials.args_of(f"ft_{name}")  # this trial's rows name the CI tests without "ft_"
+    return held_out.args_of(f"ft_{name}")  # this trial's rows name the CI tests without "ft_"
 
 
 #: Megatron-Bridge 0.6.0 recipes as flags (their layout and batch, the named Hugging Face
 #: model's architecture): deepseek/h100/deepseek_v3.py's 1024-GPU pretraining config (its
 #: layout for PP 16, VP 1, written as Megatron-LM's string) and llama/h100/llama3.py's
 #: Llama 3 70B 32-GPU one
-BRIDGE_DEEPSEEK_V3 = (
-    '--num-layers 61 --hidden-size 7168 --ffn-hidden-size 18432 --num-attention-heads 128 '
-    '--multi-latent-attention --q-lora-rank 1536 --kv-lora-rank 512 --qk-head-dim 128 '
-    '--qk-pos-emb-head-dim 64 --v-head-dim 128 --num-experts 256 --moe-ffn-hidden-size 2048 '
-    '--moe-shared-expert-intermediate-size 2048 --moe-layer-freq ([0]*3+[1]*58) '
-    '--moe-router-topk 8 --moe-token-dispatcher-type alltoall --moe-grouped-gemm '
-    '--mtp-num-layers 1 --mtp-loss-scaling-factor 0.1 --normalization RMSNorm --swiglu '
-    '--disable-bias-linear --untie-embeddings-and-output-weights --position-embedding-type rope '
-    '--seq-length 4096 '
-    '--max-position-embeddings 163840 --tensor-model-parallel-size 2 '
-    '--pipeline-model-parallel-size 16 --expert-model-parallel-size 64 '
-    '--expert-tensor-parallel-size 1 --context-parallel-size 1 --sequence-parallel '
-    '--pipeline-model-parallel-layout Et*4|(t*4|)*14tmL --micro-batch-size 1 '
-    '--global-batch-size 4096 --use-distributed-optimizer --overlap-grad-reduce '
-    '--overlap-param-gather --bf16').split()
-BRIDGE_LLAMA3_70B = (
-    '--num-layers 80 --hidden-size 8192 --ffn-hidden-size 28672 --num-attention-heads 64 '
-    '--group-query-attention --num-query-groups 8 --kv-channels 128 --swiglu '
-    '--normalization RMSNorm --position-embedding-type rope '
-    '--untie-embeddings-and-output-weights --disable-bias-linear --seq-length 8192 '
-    '--max-position-embeddings 8192 --tensor-model-parallel-size 4 '
-    '--pipeline-model-parallel-size 4 --num-virtual-stages-per-pipeline-rank 5 '
-    '--context-parallel-size 2 --sequence-parallel --micro-batch-size 1 '
-    '--global-batch-size 512 --use-distributed-optimizer --overlap-grad-reduce '
-    '--overlap-param-gather --grad-reduce-in-bf16 --tp-comm-overlap --bf16').split()
+BRIDGE_DEEPSEEK_V3 = bridge_args("deepseek_v3")
+BRIDGE_LLAMA3_70B = bridge_args("llama3_70b")
 BRIDGE = {"BRIDGE_DEEPSEEK_V3": BRIDGE_DEEPSEEK_V3, "BRIDGE_LLAMA3_70B": BRIDGE_LLAMA3_70B}
 
 

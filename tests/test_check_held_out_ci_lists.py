@@ -1,4 +1,7 @@
-"""The fourth fresh trial of issue 25 ("Done when"), kept: upstream configs, Megatron-LM CI
+"""Held-out Megatron-LM CI lists (issue 25's fourth trial): ModelOpt's script flags neither
+unknown nor dropped, an emerging optimizer named and never changed, a group size that keeps the
+global batch, the VP that splits evenly, an EP the layout's PP keeps; then every row's line.
+Upstream configs, Megatron-LM CI
 argument lists and Megatron-Bridge recipes (as flags) that no other test contained, checked as a
 new user would, each printed fix line pasted and checked again (records/check-held-out-trials.md, "Fourth
 trial"; sources in tests/data/upstream/README.md). The first tests are the three wrong answers it
@@ -11,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from support.trials import (FP8, FP8_FLAGS, ON, PLUGIN, UP, args_of, assert_megatron_lm_line,
-                            assert_nemo_line, launcher, megatron_lm, run)
+from support.held_out import (FP8, FP8_FLAGS, bridge_args, ON, PLUGIN, UP, args_of,
+                              assert_megatron_lm_line, assert_nemo_line, launcher, megatron_lm, run)
 
 pytestmark = pytest.mark.filterwarnings("ignore:provider=hydra.searchpath")
 
@@ -125,50 +128,11 @@ def test_mixtral_8x7b_on_48_gpus_keeps_ep_4_at_pp_3():
 
 # --- every Megatron-LM case of the trial: the verdict's line, pasted and checked again ------
 
-BRIDGE_QWEN30 = (
-    '--num-layers 48 --hidden-size 2048 --ffn-hidden-size 6144 --num-attention-heads 32 '
-    '--group-query-attention --num-query-groups 4 --kv-channels 128 --seq-length 4096 '
-    '--max-position-embeddings 40960 --num-experts 128 --moe-ffn-hidden-size 768 '
-    '--moe-router-topk 8 --moe-grouped-gemm --moe-token-dispatcher-type alltoall '
-    '--tensor-model-parallel-size 4 --pipeline-model-parallel-size 2 '
-    '--expert-model-parallel-size 4 --expert-tensor-parallel-size 1 --sequence-parallel '
-    '--micro-batch-size 2 --global-batch-size 32 --recompute-granularity full '
-    '--recompute-method uniform --recompute-num-layers 1 --use-distributed-optimizer '
-    '--overlap-grad-reduce --overlap-param-gather --bf16').split()
-BRIDGE_QWEN235 = (
-    '--num-layers 94 --hidden-size 4096 --ffn-hidden-size 12288 --num-attention-heads 64 '
-    '--group-query-attention --num-query-groups 4 --kv-channels 128 --seq-length 4096 '
-    '--max-position-embeddings 40960 --num-experts 128 --moe-ffn-hidden-size 1536 '
-    '--moe-router-topk 8 --moe-grouped-gemm --moe-token-dispatcher-type alltoall '
-    '--tensor-model-parallel-size 4 --pipeline-model-parallel-size 16 '
-    '--context-parallel-size 2 --expert-model-parallel-size 8 '
-    '--expert-tensor-parallel-size 1 --sequence-parallel '
-    '--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split '
-    '--micro-batch-size 1 --global-batch-size 32 --use-distributed-optimizer '
-    '--overlap-grad-reduce --overlap-param-gather --bf16').split()
-BRIDGE_LLAMA8_2 = (
-    '--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 '
-    '--group-query-attention --num-query-groups 8 --seq-length 8192 '
-    '--max-position-embeddings 8192 --tensor-model-parallel-size 1 '
-    '--pipeline-model-parallel-size 1 --context-parallel-size 2 --micro-batch-size 1 '
-    '--global-batch-size 512 --use-distributed-optimizer --overlap-grad-reduce '
-    '--overlap-param-gather --bf16').split()
-BRIDGE_LLAMA8_16K = (
-    '--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 '
-    '--group-query-attention --num-query-groups 8 --seq-length 16384 '
-    '--max-position-embeddings 16384 --tensor-model-parallel-size 4 '
-    '--pipeline-model-parallel-size 2 --context-parallel-size 2 --sequence-parallel '
-    '--micro-batch-size 1 --global-batch-size 512 --use-distributed-optimizer '
-    '--overlap-grad-reduce --overlap-param-gather --bf16').split()
-BRIDGE_OSS120 = (
-    '--num-layers 36 --hidden-size 2880 --ffn-hidden-size 2880 --num-attention-heads 64 '
-    '--group-query-attention --num-query-groups 8 --kv-channels 64 --seq-length 4096 '
-    '--max-position-embeddings 131072 --num-experts 128 --moe-ffn-hidden-size 2880 '
-    '--moe-router-topk 4 --moe-grouped-gemm --moe-token-dispatcher-type alltoall '
-    '--tensor-model-parallel-size 2 --pipeline-model-parallel-size 4 '
-    '--expert-model-parallel-size 16 --expert-tensor-parallel-size 1 --sequence-parallel '
-    '--micro-batch-size 1 --global-batch-size 512 --use-distributed-optimizer '
-    '--overlap-grad-reduce --overlap-param-gather --bf16').split()
+BRIDGE_QWEN30 = bridge_args("qwen30")
+BRIDGE_QWEN235 = bridge_args("qwen235")
+BRIDGE_LLAMA8_2 = bridge_args("llama8_2")
+BRIDGE_LLAMA8_16K = bridge_args("llama8_16k")
+BRIDGE_OSS120 = bridge_args("oss120")
 #: Megatron-Bridge 0.6.0 recipes as flags (their layout and batch, the named Hugging Face
 #: model's architecture): qwen3_moe.py's 30B-A3B 8-GPU and 235B-A22B 256-GPU configs (the latter
 #: with both accounting flags), llama3.py's 8B 2-GPU (CP 2) and 16k 16-GPU configs, gpt_oss.py's

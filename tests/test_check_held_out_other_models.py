@@ -1,4 +1,7 @@
-"""The fifth fresh trial of issue 25 ("Done when"), kept: upstream configs, Megatron-LM CI
+"""Held-out models the plugin does not drive (issue 25's fifth trial, issue 38): T5 (both modes),
+NeMo's BERT, Mamba, RETRO and Griffin configs are named alone, with no line but the plugin off;
+a hybrid model whose TP and CP fill the world gets a CP, not a world size; then every row's
+line. Upstream configs, Megatron-LM CI
 argument lists and Megatron-Bridge recipes (as flags) that no other test contained, checked as a
 new user would, each printed fix line pasted and checked again (records/check-held-out-trials.md, "Fifth
 trial"; sources in tests/data/upstream/README.md). The first tests are the wrong answers it found
@@ -10,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from support.trials import (FP8, FP8_FLAGS, ON, PLUGIN, UP, args_of, assert_megatron_lm_line,
-                            assert_nemo_line, launcher, megatron_lm, run)
+from support.held_out import (FP8, FP8_FLAGS, bridge_args, ON, PLUGIN, UP, args_of,
+                              assert_megatron_lm_line, assert_nemo_line, launcher, megatron_lm, run)
 
 pytestmark = pytest.mark.filterwarnings("ignore:provider=hydra.searchpath")
 
@@ -134,20 +137,8 @@ def test_a_nemo_griffin_config_is_named_not_given_a_pipeline():
 
 # --- every Megatron-LM case of the trial: the verdict's line, pasted and checked again ------
 
-BRIDGE_QWEN3_32B = (
-    '--num-layers 64 --hidden-size 5120 --ffn-hidden-size 25600 --num-attention-heads 64 '
-    '--group-query-attention --num-query-groups 8 --kv-channels 128 --qk-layernorm '
-    '--seq-length 4096 --max-position-embeddings 40960 --tensor-model-parallel-size 8 '
-    '--pipeline-model-parallel-size 2 --context-parallel-size 1 --micro-batch-size 2 '
-    '--global-batch-size 32 --use-distributed-optimizer --overlap-grad-reduce '
-    '--overlap-param-gather --bf16').split()
-BRIDGE_QWEN3_8B = (
-    '--num-layers 36 --hidden-size 4096 --ffn-hidden-size 12288 --num-attention-heads 32 '
-    '--group-query-attention --num-query-groups 8 --kv-channels 128 --qk-layernorm '
-    '--seq-length 4096 --max-position-embeddings 40960 --tensor-model-parallel-size 4 '
-    '--pipeline-model-parallel-size 1 --context-parallel-size 1 --micro-batch-size 2 '
-    '--global-batch-size 32 --use-distributed-optimizer --overlap-grad-reduce '
-    '--overlap-param-gather --bf16').split()
+BRIDGE_QWEN3_32B = bridge_args("qwen3_32b")
+BRIDGE_QWEN3_8B = bridge_args("qwen3_8b")
 #: Megatron-Bridge 0.6.0 recipes as flags (their layout, _pretrain_common's batch, the named
 #: Hugging Face model's architecture): qwen3.py's 32B 16-GPU and 8B 4-GPU pretraining configs
 BRIDGE = {"BRIDGE_QWEN3_32B": BRIDGE_QWEN3_32B, "BRIDGE_QWEN3_8B": BRIDGE_QWEN3_8B}
