@@ -59,6 +59,10 @@ class CudaGraphCaptureError(RuntimeError):
     """Aligned transposes fell due inside a CUDA-graph capture (they would replay on old bytes)."""
 
 
+class MetricsError(RuntimeError):
+    """The step's metrics could not be gathered on some rank (raised on every rank)."""
+
+
 class MegatronLMArgsError(ValueError):
     """Megatron-LM's arguments have settings that stop the plugin from working."""
 

@@ -12,15 +12,9 @@ import importlib.util
 
 import pytest
 
-from support.check_json import check_cli, check_json
+from support.check_json import VALIDATED_ARGV, check_cli, check_json
 
-#: A list Megatron-LM's validate_args accepts (4 processes: PP 2, DP 2, M 8), the plugin too.
-FULL = ("--pipeline-model-parallel-size 2 --num-layers 8 --num-layers-per-virtual-pipeline-stage 2 "
-        "--fp8-format hybrid --fp8-param-gather --use-distributed-optimizer "
-        "--overlap-param-gather --overlap-grad-reduce --micro-batch-size 1 "
-        "--global-batch-size 16 --bf16 --seq-length 128 --max-position-embeddings 128 "
-        "--lr 1e-4 --hidden-size 64 --num-attention-heads 4 --train-iters 10 "
-        "--tokenizer-type NullTokenizer --vocab-size 128 --mock-data").split()
+FULL = VALIDATED_ARGV
 
 
 def _host_importable() -> bool:

@@ -115,6 +115,24 @@ def test_an_argument_check_failing_on_one_rank_stops_every_rank_at_attach():
     assert max(times.values()) - min(times.values()) < 10.0, times
 
 
+def test_a_metrics_listener_failing_before_its_gather_on_one_rank_stops_every_rank():
+    """Issue 40: the metrics listener failing on one rank before its all_gather_object (after
+    step 1's agreement) left that rank's pipeline peers in the gather and the rest in the next
+    iteration's collectives until the launcher killed them. The failure now travels through the
+    gather: every rank holds it and raises at step 2's end, within seconds."""
+    opts = DemoOptions(pp=2, vp=2, dp=2, microbatches=4, steps=3, policy=Policy.ALIGNED,
+                       fault="metrics_fail_on_one_rank", pg_timeout_s=120.0)
+    with pytest.raises(DemoRankError) as info:
+        run_megatron_lm_demo(opts)
+    reports, times = info.value.reports, info.value.times
+    assert sorted(reports) == list(range(opts.world_size)), reports
+    for rank, text in reports.items():
+        # The pipeline group of the faulty rank held it; the other group's ranks name it.
+        assert text.startswith(f"rank {rank}: MetricsError: nemo_fp8_align"), text
+        assert "rank 3: OSError: injected: this rank's step records could not be read" in text
+    assert max(times.values()) - min(times.values()) < 10.0, times
+
+
 def test_demo_loop_megatron_lm_fault_exits_1_with_every_ranks_message(capsys):
     """Issue 24's done-when: `demo --loop megatron-lm --fault mismatch_on_one_rank` exits 1 with
     StepMismatchError named by every rank (it printed OK, the fault ignored)."""

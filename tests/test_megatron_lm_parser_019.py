@@ -124,8 +124,8 @@ def test_the_recipe_rejections_are_megatron_cores(q, rejected):
 from nemo_fp8_align.config_check import megatron_lm_parser  # noqa: E402
 from nemo_fp8_align.config_check.megatron_lm_args import megatron_lm_violations  # noqa: E402
 from nemo_fp8_align.config_check.megatron_lm_parser import parse_megatron_lm_argv  # noqa: E402
+from support.check_json import VALIDATED_ARGV as FULL  # noqa: E402
 from support.check_json import check_cli, check_json  # noqa: E402
-from test_check_megatron_lm_host_parser import FULL  # noqa: E402
 
 
 def _payload(world, argv):

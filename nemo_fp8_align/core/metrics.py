@@ -29,7 +29,9 @@ Keys (``c`` = model chunk; times in milliseconds, host clock, except ``wait_ms``
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Union
+
+from nemo_fp8_align.errors import MetricsError
 
 __all__ = ["gather_step_metrics", "last_step_records", "step_metrics"]
 
@@ -100,18 +102,34 @@ def step_metrics(rows: Sequence[Mapping[str, Any]]) -> Dict[str, float]:
     return out
 
 
-def gather_step_metrics(records: Sequence[Any], *, group: Any = None) -> Dict[str, float]:
+def gather_step_metrics(records: Union[Sequence[Any], Callable[[], Sequence[Any]]], *,
+                        group: Any = None) -> Dict[str, float]:
     """Gather this step's records over the pipeline ``group`` (all ranks of it must call) and
-    summarise them; without an initialised process group, this rank's records alone."""
+    summarise them; without an initialised process group, this rank's records alone.
+
+    ``records`` may be a function giving them. Whatever fails on one rank before the gather
+    (finding or reading its records) still enters the gather, as that rank's failure, so no
+    peer is left waiting in it; then every rank raises :class:`MetricsError` naming it."""
     import torch.distributed as dist
 
-    mine = [_compact(r) for r in records]
+    try:
+        mine: List[Dict[str, Any]] = [_compact(r) for r in
+                                      (records() if callable(records) else records)]
+        failure = None
+    except Exception as err:  # rank-local: carried through the collective
+        mine, failure = [], f"{type(err).__name__}: {err}"
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         parts: List[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(parts, mine, group=group)
-        rows = [row for part in parts for row in part]
+        dist.all_gather_object(parts, (mine, failure), group=group)
+        failures = [f"  rank {dist.get_global_rank(group, i) if group is not None else i}: {f}"
+                    for i, (_, f) in enumerate(parts) if f is not None]
+        rows = [row for part, _ in parts for row in part]
     else:
+        failures = [f"  this rank: {failure}"] if failure is not None else []
         rows = mine
+    if failures:
+        raise MetricsError("nemo_fp8_align: the step's metrics could not be gathered:\n"
+                           + "\n".join(failures))
     return step_metrics(rows)
 
 

@@ -151,13 +151,16 @@ class WriterMetrics:
     def __call__(self, aligner: Any) -> None:
         from nemo_fp8_align.core.metrics import gather_step_metrics, last_step_records
 
-        iteration = _iteration(aligner)
-        if iteration % self.every or aligner._step == self._last:
+        # Decided from the aligner's own step (the same on every rank), not from anything that
+        # could fail on one rank: every rank of the group then enters the gather.
+        if (aligner._step + 1) % self.every or aligner._step == self._last:
             return  # not a logging iteration, or no step ended since the last write
-        self._last = aligner._step
-        records = [r for r in last_step_records(aligner.records) if r.step == aligner._step]
-        metrics = gather_step_metrics(records, group=self.group)
+        step, self._last = aligner._step, aligner._step
+        metrics = gather_step_metrics(
+            lambda: [r for r in last_step_records(aligner.records) if r.step == step],
+            group=self.group)  # a failure on one rank reaches every rank through it
         if metrics:
+            iteration = _iteration(aligner)
             _write(metrics, iteration)
             self.written = (self.written + [dict(metrics, iteration=iteration)])[-8:]
 

@@ -33,3 +33,14 @@ def check_json(argv: List[str], megatron_lm_version: Optional[str] = None) -> Tu
         argv = argv + ["--format", "json"]
     status, out, _ = check_cli(*argv)
     return status, json.loads(out.strip().splitlines()[-1])
+
+
+#: A Megatron-LM list that both the plugin's check and Megatron-LM's own validate_args accept
+#: (4 processes: PP 2, DP 2, M 8): the model, data and tokenizer flags validate_args asks for.
+VALIDATED_ARGV = ("--pipeline-model-parallel-size 2 --num-layers 8 "
+                  "--num-layers-per-virtual-pipeline-stage 2 --fp8-format hybrid "
+                  "--fp8-param-gather --use-distributed-optimizer --overlap-param-gather "
+                  "--overlap-grad-reduce --micro-batch-size 1 --global-batch-size 16 --bf16 "
+                  "--seq-length 128 --max-position-embeddings 128 --lr 1e-4 --hidden-size 64 "
+                  "--num-attention-heads 4 --train-iters 10 --tokenizer-type NullTokenizer "
+                  "--vocab-size 128 --mock-data").split()

@@ -341,6 +341,21 @@ def rebuild_fails_on_one_rank(loop: str = "schedule") -> Undo:
     return _patch(ForcedSyncWatch, "_rebuild", rebuild)
 
 
+def metrics_fail_on_one_rank(loop: str = "megatron-lm") -> Undo:
+    """The metrics listener fails on one rank before its gather (reading step 1's records),
+    after step 1's agreement: every rank must stop at the next step's end with the plugin's
+    error, none left in the listener's all_gather_object."""
+    from nemo_fp8_align.core import metrics
+
+    original = metrics.__dict__["_compact"]
+
+    def compact(record: Any) -> Any:
+        if _the_faulty_rank() and getattr(record, "step", None) == FAULTY_STEP:
+            raise OSError("injected: this rank's step records could not be read")
+        return original(record)
+    return _patch(metrics, "_compact", compact)
+
+
 FAULTS: Dict[str, Callable[[], Undo]] = {f.__name__: f for f in (
     no_wait, transpose_before_all_gather, slot_shift, slot_shift_unreported, skip_chunk,
     last_chunk_to_first_use, transpose_twice)}
@@ -357,7 +372,7 @@ BETWEEN_STEPS_ERRORS: Dict[str, Callable[[], Undo]] = {f.__name__: f for f in (
     rebuild_fails_on_one_rank,)}
 #: Errors one rank meets at attach, in Megatron-LM's loop: every rank must stop at the attach.
 STARTUP_ERRORS: Dict[str, Callable[[str], Undo]] = {f.__name__: f for f in (
-    args_check_fails_on_one_rank,)}
+    args_check_fails_on_one_rank, metrics_fail_on_one_rank)}
 
 
 def inject(name: str, loop: str = "schedule") -> Undo:
