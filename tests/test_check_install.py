@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_fp8_align.cli.deps import CHECK_NEEDS, missing_dependency
+from nemo_fp8_align.cli.common import CHECK_NEEDS, missing_dependency
 from lab.demo.cli import DEMO_NEEDS
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,7 +17,7 @@ import sys
 from typing import Any, List, Optional
 
 from nemo_fp8_align.config import Policy
-from nemo_fp8_align.cli.deps import missing_dependency
+from nemo_fp8_align.cli.common import missing_dependency
 
 __all__ = ["EXIT_BAD_INPUT", "PROG", "build_parser", "demo_input_problem", "main",
            "telemetry_path_problem"]
@@ -35,7 +35,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Parse the demo's flags, run it, and return its exit status (0 OK, 1 a check failed,
     2 a bad flag)."""
     args = build_parser().parse_args(argv)
-    from nemo_fp8_align.cli.pipes import closed_pipes_discarded
+    from nemo_fp8_align.cli.common import closed_pipes_discarded
 
     with closed_pipes_discarded():  # `... | head -1`: the demo's own status, no traceback
         return args.func(args)
@@ -231,7 +231,7 @@ def version_problem(args: argparse.Namespace) -> Optional[str]:
     the optimizer owns the all-gather: the flags that model >= 0.9's DDP all-gather paths
     (the optimizer-step dispatch, DDP's forced all-gather, post-processing, checkpoints) are
     refused, named with the version."""
-    from nemo_fp8_align.cli.deps import _importable
+    from nemo_fp8_align.cli.common import _importable
 
     if not _importable("megatron.core"):
         return None  # the missing dependency is reported on its own
@@ -261,7 +261,7 @@ def legacy_schedule_problem(args: argparse.Namespace) -> Optional[str]:
     """megatron-core < 0.10's own schedule rules (no N; M a multiple of PP), spelled for the
     installed version; None where they hold, or megatron-core is newer or not installed (the
     missing dependency is reported on its own)."""
-    from nemo_fp8_align.cli.deps import _importable
+    from nemo_fp8_align.cli.common import _importable
 
     if not _importable("megatron.core"):
         return None
@@ -285,7 +285,7 @@ def loop_problem(loop: str) -> Optional[str]:
     """Why ``--loop megatron-lm`` cannot run here (None when it can)."""
     if loop != "megatron-lm":
         return None
-    from nemo_fp8_align.cli.deps import _importable
+    from nemo_fp8_align.cli.common import _importable
 
     if not _importable("megatron.training.models"):
         return ("--loop megatron-lm: Megatron-LM's training loop (megatron.training with its "

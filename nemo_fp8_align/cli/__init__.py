@@ -5,7 +5,7 @@ module here: ``check`` (the startup config check), ``plan`` (the timeline model)
 Results go to stdout (the verdict, the violation list, the fix line, the table, JSON);
 diagnostics that are not the result (an unreadable input, a failed plot) go to stderr. A reader
 that closes the pipe early (``| head -1``) ends nothing early: the command exits with its own
-status (:mod:`nemo_fp8_align.cli.pipes`)."""
+status (:mod:`nemo_fp8_align.cli.common`)."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def _dispatch(argv: Optional[List[str]]) -> int:
 
     add_report_parser(sub)
     args = parser.parse_args(argv)
-    from nemo_fp8_align.cli.pipes import closed_pipes_discarded
+    from nemo_fp8_align.cli.common import closed_pipes_discarded
 
     with closed_pipes_discarded():  # `... | head -1`: the command's own status, no traceback
         return args.func(args)

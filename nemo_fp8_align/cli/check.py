@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, Optional, Sequence, TextIO
 
 from nemo_fp8_align.cli.check_load import file_problem, load_config, load_source
-from nemo_fp8_align.cli.deps import CHECK_NEEDS, missing_dependency
+from nemo_fp8_align.cli.common import CHECK_NEEDS, missing_dependency
 from nemo_fp8_align.errors import ConfigLoadError
 from nemo_fp8_align.mcore_versions import (NEWEST, OLDEST, VersionRules, importable_rules,
                                            importable_version, parse_version, rules_for)
@@ -201,7 +201,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="nemo-fp8-align")
     add_check_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["check", *(sys.argv[1:] if argv is None else argv)])
-    from nemo_fp8_align.cli.pipes import closed_pipes_discarded
+    from nemo_fp8_align.cli.common import closed_pipes_discarded
 
     with closed_pipes_discarded():
         return args.func(args)

@@ -23,7 +23,7 @@ PLUGIN_OFF = ("do not attach the plugin (leave out megatron_lm.post_wrap_hook() 
 
 def run_megatron_lm_check(args: argparse.Namespace, argv: List[str], out: TextIO,
                           err: TextIO) -> int:
-    from nemo_fp8_align.cli.deps import missing_dependency
+    from nemo_fp8_align.cli.common import missing_dependency
 
     as_json = getattr(args, "format", "text") == "json"
     missing = missing_dependency("check --megatron-lm", (("omegaconf", "omegaconf", "hydra"),))

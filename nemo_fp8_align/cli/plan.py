@@ -18,11 +18,11 @@ import re
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Dict, List, NoReturn, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from nemo_fp8_align.cli.check_load import load_config
-from nemo_fp8_align.cli.deps import CHECK_NEEDS, missing_dependency
-from nemo_fp8_align.cli.report import plot_path_problem
+from nemo_fp8_align.cli.common import (CHECK_NEEDS, missing_dependency, one_line_usage_errors,
+                                      plot_path_problem)
 from nemo_fp8_align.core.schedule import InterleavedSchedule, ScheduleError
 from nemo_fp8_align.errors import ConfigLoadError, PlanInputError
 from nemo_fp8_align.planner.costs import (GPUS, MODELS, OVERLAP_PENALTY_H200, Layout, ModelShape,
@@ -114,15 +114,6 @@ def add_plan_parser(sub: "argparse._SubParsersAction") -> None:
     add_measured_arguments(p)
     one_line_usage_errors(p)
     p.set_defaults(func=run_plan)
-
-
-def one_line_usage_errors(p: argparse.ArgumentParser) -> None:
-    """argparse's errors as one line (the flag, the value, the fix), exit status 2: the usage
-    block it prints first ran to 40 lines for ``plan``, above the one that says what is wrong."""
-    def error(message: str) -> "NoReturn":
-        p.exit(2, f"{p.prog}: error: {message} (see {p.prog} --help)\n")
-
-    p.error = error  # type: ignore[method-assign]
 
 
 def whole_number(text: str) -> int:

@@ -25,6 +25,7 @@ import sys
 from collections import defaultdict
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from nemo_fp8_align.cli.common import one_line_usage_errors, plot_path_problem
 from nemo_fp8_align.core.completeness import completeness_problems, observed_all, unseen_steps
 from nemo_fp8_align.core.observe import schedule_of
 from nemo_fp8_align.core.schedule import ScheduleError
@@ -54,7 +55,6 @@ def add_report_parser(sub: "argparse._SubParsersAction") -> None:
         p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int, default=None,
                        metavar="N", help=f"the run's {what}, for records written without "
                        f"{name} (older telemetry): lets the report judge which records are missing")
-    from nemo_fp8_align.cli.plan import one_line_usage_errors
 
     one_line_usage_errors(p)
     p.set_defaults(func=run_report)
@@ -300,7 +300,6 @@ _INTS = {"step": 0, "pp_rank": 0, "dp_rank": 0, "chunk": 0, "vmid": -1, "slot": 
 _OPTIONAL_INTS = {"valid": -1, "rank": -1, "pp_size": 1, "vp_size": 1, "microbatches": 1,
                   "group_size": 1, "dp_size": 1, "world_size": 1, "obs_built": 0, "obs_slot": 0}
 _TIMES = ("seconds", "t_launch", "t_slot", "t_gathered", "t_done", "t_first_use")
-PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 
 
 def expand_paths(paths: Sequence[str]) -> List[str]:
@@ -476,23 +475,6 @@ def load_telemetry(paths: Sequence[str]) -> List[dict]:
         raise TelemetryError(f"no records in {', '.join(files)}")
     records.sort(key=lambda r: (r["step"], r["chunk"], r["pp_rank"], r["dp_rank"]))
     return records
-
-
-def plot_path_problem(path: Optional[str], flag: str = "--plot") -> Optional[str]:
-    """Why a picture cannot be written to ``path`` (None when it can), before any work."""
-    if path is None:
-        return None
-    if os.path.isdir(path) or path.endswith(os.sep) or not os.path.basename(path):
-        return f"{flag} {path}: is a directory; pass a file name, e.g. {os.path.join(path, 'plot.png')}"
-    if not path.lower().endswith(PLOT_SUFFIXES):
-        return (f"{flag} {path}: not a picture file name; end it with "
-                f"{' / '.join(PLOT_SUFFIXES)}, e.g. {os.path.splitext(path)[0]}.png")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        return f"{flag} {path}: the directory {parent} does not exist; create it (mkdir -p) first"
-    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        return f"{flag} {path}: not writable; pass a path you can write"
-    return None
 
 
 # ---------------------------------------------------------------------------------------------
