@@ -448,3 +448,15 @@ def test_a_node_count_fix_keeps_the_layers_where_a_layout_fits_at_the_new_world_
                        "model.global_batch_size=360")
     assert "trainer.num_nodes=4" in line, line
     assert not any("num_layers=" in o for o in line), line
+
+
+def test_the_nearest_global_batch_is_exact_above_2_to_the_53():
+    """Issue 40: a huge global batch's "nearest that fits" was off by float rounding (the
+    division gbs / per lost the units above 2**53). Checked against a search in integers."""
+    from nemo_fp8_align.config_check.batch_fix import nearest_batch, schedule_fits
+
+    gbs = 3 * 10**18 + 22
+    near = [k for k in range(gbs // 3 - 10, gbs // 3 + 10) if schedule_fits(2, 2, k, None)]
+    best = min(near, key=lambda k: (abs(3 * k - gbs), -k))
+    assert nearest_batch(2, 2, 3, 1, gbs, None) == (1, 3 * best)
+

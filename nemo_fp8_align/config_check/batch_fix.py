@@ -13,7 +13,8 @@ message names both values. Pure arithmetic over the interleaved schedule's own r
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from fractions import Fraction
+from typing import Optional, Tuple, Union
 
 from nemo_fp8_align.core.schedule import InterleavedSchedule, ScheduleError
 
@@ -45,7 +46,8 @@ def _span(pp: int, n: Optional[int]) -> int:
     return 2 * max(pp, n or pp) + 2
 
 
-def nearest_microbatches(pp: int, vp: Optional[int], m: float, n: Optional[int],
+def nearest_microbatches(pp: int, vp: Optional[int], m: Union[Fraction, float],
+                         n: Optional[int],
                          legacy: bool = False) -> Optional[int]:
     """The microbatch count nearest ``m`` (the batch's own count, whole or not) that the
     schedule accepts; a tie goes up (no samples dropped). None: none near (an N below PP)."""
@@ -76,10 +78,11 @@ def nearest_batch(pp: int, vp: Optional[int], dp: int, mbs: int, gbs: int,
     best: Optional[Tuple[int, int]] = None
     for micro in range(mbs, max(mbs - 9, 0), -1):
         per = micro * dp
-        count = (nearest_microbatches(pp, vp, gbs / per, n, legacy) if pp >= 2
-                 else max(round(gbs / per), 1))
+        exact = Fraction(gbs, per)  # a float loses the units of a batch above 2**53
+        count = (nearest_microbatches(pp, vp, exact, n, legacy) if pp >= 2
+                 else max(round(exact), 1))
         if count is None:
             continue
         if best is None or abs(count * per - gbs) < abs(best[1] - gbs):
             best = (micro, count * per)
-    return best if best is not None else (mbs, max(round(gbs / (mbs * dp)), 1) * mbs * dp)
+    return best if best is not None else (mbs, max(round(Fraction(gbs, mbs * dp)), 1) * mbs * dp)

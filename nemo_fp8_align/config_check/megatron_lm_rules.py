@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import re
 import shlex
+from fractions import Fraction
 from typing import Any, List, Mapping, Optional, Tuple, Union
 
 from nemo_fp8_align.config_check.reader import Violation
@@ -339,4 +340,5 @@ def _batch_schedule(args: Mapping[str, Any], world: Optional[int], vp: Any,
 
 def _nearest(pp: int, vp: int, batch: int, per: int, n: Optional[int]) -> int:
     """The batch nearest ``batch`` (a multiple of ``per``) whose M fits, as NeMo mode's fix."""
-    return (nearest_microbatches(pp, vp, batch / per, n) or max(round(batch / per), 1)) * per
+    exact = Fraction(batch, per)  # a float loses the units of a batch above 2**53
+    return (nearest_microbatches(pp, vp, exact, n) or max(round(exact), 1)) * per
