@@ -1,4 +1,4 @@
-"""Where the aligner's pipeline / data-parallel rank and size come from (integrations/groups.py):
+"""Where the aligner's pipeline / data-parallel rank and size come from (adapters/groups.py):
 an explicit ``pg_collection``, else the DDP chunks' own groups, else ``parallel_state``.
 
 Unit tests on megatron-core's real ProcessGroupCollection and DistributedDataParallel in a

@@ -1,6 +1,6 @@
 """Stand-in for the parameter-bucket state machine of Apex's ``DistributedFusedAdam``.
 
-Apex cannot be installed here, so ``nemo_fp8_align.sync.apex`` is tested against this
+Apex cannot be installed here, so ``nemo_fp8_align.adapters.apex`` is tested against this
 model of the behaviour its code relies on, written from Apex's public source (not copied):
 
 * each bucket has a status: SHARDED (not launched) -> SYNCING (all-gather in flight) -> READY;
