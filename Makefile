@@ -12,10 +12,11 @@ DEMO_ARGS ?= --pp 2 --vp 2 --dp 2 --microbatches 4 --steps 3 --policy aligned --
 
 .PHONY: install install-mcore016 install-mcore019 demo test test-mcore019 smoke smoke-nemo2x
 
-$(VENV)/.installed: requirements/cpu.txt requirements/nodeps.txt requirements/constraints.txt pyproject.toml
+$(VENV)/.installed: requirements/cpu.txt requirements/nodeps.txt requirements/nemo2.txt requirements/constraints.txt pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install $(PIP_FLAGS) -c requirements/constraints.txt -r requirements/cpu.txt
 	$(VENV)/bin/pip install $(PIP_FLAGS) --no-deps -r requirements/nodeps.txt
+	$(VENV)/bin/pip install $(PIP_FLAGS) --no-deps --target $(VENV)/nemo2-deps -r requirements/nemo2.txt
 	$(VENV)/bin/pip install $(PIP_FLAGS) --no-deps -e .
 	touch $@
 

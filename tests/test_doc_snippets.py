@@ -291,6 +291,27 @@ def bridge_snippet(block, monkeypatch, **_):
         assert leftovers(chunks, config, bound, hooks) == []
 
 
+def nemo2_trainer(block, sandbox, **_):
+    """NeMo 2's ``nl.Trainer`` built as written, in a new process (``nemo.lightning`` needs the
+    packages of requirements/nemo2.txt, in ``.venv/nemo2-deps``): the callback is on it, and the
+    plugin's startup check finds nothing in the way of the documented strategy, precision and
+    DDP config (the fit itself: tests/test_nemo2_callback.py)."""
+    deps = ROOT / ".venv" / "nemo2-deps"
+    if not (deps / "fiddle").is_dir():
+        pytest.importorskip("fiddle", reason="nemo.lightning needs requirements/nemo2.txt")
+    pytest.importorskip("nemo", reason="needs nemo_toolkit 2.3.3")
+    script = sandbox / "nemo2_snippet.py"
+    script.write_text(block.text + "\nfrom nemo_fp8_align.integrations.nemo2 import nemo2_violations\n"
+                      "print('CALLBACKS', [type(c).__name__ for c in trainer.callbacks])\n"
+                      "print('VIOLATIONS', nemo2_violations(trainer))\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(deps), str(ROOT)]))
+    out = subprocess.run([sys.executable, str(script)], cwd=sandbox, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "'FP8TransposeAlignNeMo2'" in out.stdout.split("CALLBACKS", 1)[1].splitlines()[0]
+    assert "VIOLATIONS []" in out.stdout, out.stdout[-3000:]
+
+
 def report_on_data(block, sandbox, **_):
     """A command on the repository's data: its output as shown (the README shows a few
     lines of the table: they need not be adjacent there)."""
@@ -367,8 +388,9 @@ HANDLERS = [
     ("docs/testing.md", "nemo_fp8_align demo: PP=2", demo_output),
     ("README.md", "from nemo.collections.nlp.models.language_modeling", mixin_class),
     ("README.md", "from nemo.collections.nlp.parts.megatron_trainer_builder", callback_trainer),
-    ("README.md", "python examples/megatron_gpt_pretraining.py", example_command),
+    ("docs/nemo.md", "python examples/megatron_gpt_pretraining.py", example_command),
     ("README.md", ".venv/bin/torchrun", cpu_example_command),
+    ("README.md", "import nemo.lightning as nl", nemo2_trainer),
     ("README.md", "from nemo_fp8_align import TEBackend", align_snippet),
     ("README.md", "from megatron.training.argument_utils", megatron_lm_snippet),
     ("README.md", "from nemo_fp8_align.integrations.bridge", bridge_snippet),

@@ -2,10 +2,13 @@
 
 Real ``nl.Trainer`` + ``MegatronStrategy`` fits (:mod:`support.nemo2_fit`): a small
 megatron-core GPT, PP=2 x VP=2 on 2 ranks, megatron-core DDP with the distributed optimizer,
-``overlap_param_gather`` and ``align_param_gather``, GEMMs on reference FP8 weights, 3 steps:
+``overlap_param_gather`` and ``align_param_gather``, GEMMs on reference FP8 weights, 3 steps,
+with NeMo 2's own ``MegatronCommOverlapCallback`` (as NeMo's recipes add it; it rewrites the DDP
+overlap flags at setup, here passed ``overlap_param_gather=True, align_param_gather=True``):
 
-- aligned (saving a checkpoint mid-fit after step 2: ``MegatronStrategy.save_checkpoint``
-  forces every chunk's all-gather while the plugin is attached), off, lazy;
+- aligned (validating after every step: forward-only schedules with the plugin attached; and
+  saving a checkpoint mid-fit after step 2: ``MegatronStrategy.save_checkpoint`` forces every
+  chunk's all-gather while the plugin is attached), off, lazy;
 - the aligned slots equal on every pipeline rank, every chunk, every step; the judge goes red
   on the lazy run (the alignment removed: each rank at its own first use);
 - losses bit-identical to off;
@@ -13,7 +16,9 @@ megatron-core GPT, PP=2 x VP=2 on 2 ranks, megatron-core DDP with the distribute
   error; a new process resumed from the step-2 checkpoint runs step 3 with the same loss and
   aligned slots;
 - the startup check on real ``MegatronStrategy`` / ``MegatronMixedPrecision`` /
-  ``DistributedDataParallelConfig`` objects (:mod:`support.nemo2_check`).
+  ``DistributedDataParallelConfig`` objects (:mod:`support.nemo2_check`), and in a fit where
+  ``MegatronCommOverlapCallback()``'s defaults turn the overlap flags off (one data-parallel
+  rank): every rank raises, naming that callback's arguments.
 
 ``nemo.lightning`` needs ``fiddle`` and ``nvidia-resiliency-ext`` beyond what NeMo 1.x needs;
 they are looked for in the environment and in ``.venv/nemo2-deps`` (``pip install --target``).
@@ -31,6 +36,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEPS = os.environ.get("NEMO_FP8_ALIGN_NEMO2_DEPS", os.path.join(ROOT, ".venv", "nemo2-deps"))
 PP, VP, STEPS = 2, 2, 3
+#: MegatronCommOverlapCallback(overlap_param_gather=True, align_param_gather=True)
+COMM_OVERLAP = ["--comm-overlap", "gather"]
 
 pytestmark = [pytest.mark.nemo, pytest.mark.slow]
 
@@ -106,9 +113,9 @@ def judge(rows, steps):
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("nemo2")
     out = {}
-    for name, args in (("aligned", ["--policy", "aligned", "--save-at", "2"]),
+    for name, args in (("aligned", ["--policy", "aligned", "--save-at", "2", "--val-every", "1"]),
                        ("off", ["--policy", "off"]), ("lazy", ["--policy", "lazy"])):
-        proc = fit(base / name, *args, "--steps", str(STEPS))
+        proc = fit(base / name, *args, *COMM_OVERLAP, "--steps", str(STEPS))
         assert proc.returncode == 0, (name, proc.stdout[-3000:] + proc.stderr[-3000:],
                                       _errors(base / name))
         out[name] = base / name
@@ -148,6 +155,17 @@ def test_losses_bit_identical_to_off(runs):
     assert losses(runs["lazy"]) == off
 
 
+def test_validation_between_steps_leaves_the_steps_aligned(runs):
+    """NeMo 2's validation runs the schedule forward-only (megatron-core sets param_sync_func
+    to None for it, DDP's pre-hooks gather at first use): not a training step for the plugin.
+    The aligned run validated after every step; its slots and losses are checked above."""
+    for rank in range(PP):
+        with open(runs["aligned"] / f"val.rank{rank}.jsonl") as f:
+            after = [json.loads(line)["after_step"] for line in f]
+        assert after == list(range(1, STEPS + 1))
+    assert not glob.glob(os.path.join(runs["off"], "val.rank*.jsonl"))
+
+
 def test_policy_off_is_inert(runs):
     assert records(runs["off"]) == []
     assert not glob.glob(os.path.join(runs["off"], "telemetry.rank*.jsonl"))
@@ -161,7 +179,7 @@ def test_checkpoint_mid_fit_then_resume(runs, tmp_path):
     ckpt = runs["aligned"] / "ckpt"
     assert ckpt.is_dir()
     proc = fit(tmp_path / "resume", "--policy", "aligned", "--steps", str(STEPS),
-               "--resume", str(ckpt))
+               "--resume", str(ckpt), *COMM_OVERLAP)
     assert proc.returncode == 0, (proc.stdout[-3000:] + proc.stderr[-3000:],
                                   _errors(tmp_path / "resume"))
     assert losses(tmp_path / "resume") == {STEPS: losses(runs["off"])[STEPS]}
@@ -219,3 +237,19 @@ def test_startup_check_names_every_violation_in_nemo2_spelling():
     assert raised["message"].startswith("7 NeMo 2 setting(s) stop")
     assert got["callback_off_inert"] == {"aligner": False}
     assert got["policy_off_inert"] == {"aligner": False}
+
+
+def test_comm_overlap_defaults_stop_every_rank_at_train_start(tmp_path):
+    """MegatronCommOverlapCallback() with one data-parallel rank sets overlap_param_gather and
+    align_param_gather False at its setup, after the user's DistributedDataParallelConfig: the
+    check runs on what the DDP chunks were built with, on every rank, before any step."""
+    out = tmp_path / "defaults"
+    proc = fit(out, "--policy", "aligned", "--comm-overlap", "default", "--steps", "1")
+    assert proc.returncode != 0
+    errors = _errors(out)
+    assert sorted(errors) == ["error.rank0.txt", "error.rank1.txt"], proc.stderr[-3000:]
+    for text in errors.values():
+        assert "NeMo2ConfigError: 2 NeMo 2 setting(s) stop" in text
+        assert "MegatronCommOverlapCallback(overlap_param_gather=True)" in text
+        assert "MegatronCommOverlapCallback(align_param_gather=True)" in text
+    assert losses(out) == {} and records(out) == []

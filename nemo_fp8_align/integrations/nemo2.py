@@ -56,7 +56,8 @@ from typing_extensions import override
 
 from nemo_fp8_align.config import AlignConfig
 
-__all__ = ["FP8TransposeAlignNeMo2", "NeMo2ConfigError", "nemo2_chunks", "nemo2_violations"]
+__all__ = ["FP8TransposeAlignNeMo2", "NeMo2ConfigError", "check_trainer", "nemo2_chunks",
+           "nemo2_violations"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,7 @@ def nemo2_violations(trainer: Any, *, te_weights: bool = True) -> List[str]:
     """Every setting of a NeMo 2 trainer that stops the plugin, each with the argument that
     fixes it; empty when none. ``te_weights``: the FP8 weights are Transformer Engine's (the
     precision plugin's FP8 settings are then required; reference weights need none)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
     from nemo.lightning.pytorch.strategies import MegatronStrategy
 
     strategy = trainer.strategy
@@ -117,12 +119,11 @@ def nemo2_violations(trainer: Any, *, te_weights: bool = True) -> List[str]:
                      "MegatronStrategy(virtual_pipeline_model_parallel_size=2) (num_layers "
                      "divisible by pipeline_model_parallel_size x 2)")
     ddp = getattr(strategy, "ddp_config", None)
+    # By class name: its module imports nemo.collections.llm, which needs nemo_run.
     overlap_cb = [cb for cb in trainer.callbacks if type(cb).__name__ ==
                   "MegatronCommOverlapCallback"]
     via_cb = (" and, with MegatronCommOverlapCallback in the callbacks (it rewrites these flags "
               "at setup), MegatronCommOverlapCallback({}=True)") if overlap_cb else ""
-    from megatron.core.distributed import DistributedDataParallelConfig
-
     if not isinstance(ddp, DistributedDataParallelConfig):
         found.append(f"MegatronStrategy(ddp={getattr(strategy, '_ddp', ddp)!r}): the plugin "
                      "needs megatron-core's DDP and distributed optimizer. Fix: "

@@ -1,7 +1,8 @@
 """A NeMo 2 (``nemo.lightning``) ``MegatronStrategy`` fit on the CPU over gloo: tests ONLY.
 
     python -m torch.distributed.run --nproc-per-node 2 -m support.nemo2_fit OUT_DIR \
-        --policy aligned|lazy|off [--fault-rank R --fault-step S] [--save-at N | --resume]
+        --policy aligned|lazy|off [--steps N] [--fault-rank R --fault-step S]
+        [--save-at N] [--resume CKPT] [--val-every N] [--comm-overlap none|default|gather]
 
 A small megatron-core GPT (4 layers, PP=2 x VP=2, 2 ranks) built by a NeMo 2 LightningModule of
 the ``llm.GPTModel`` protocol (``configure_model``, ``data_step``, ``forward_step``, the loss
@@ -14,8 +15,14 @@ does not carry. The transformer layers' GEMMs run on reference FP8 weights
 :mod:`lab.demo.cpu_redirects`.
 
 Writes ``OUT_DIR/loss.jsonl`` (the last pipeline rank: each step's loss, exact as ``float.hex``),
-``OUT_DIR/telemetry.rank{rank}.jsonl`` (the plugin's records) and ``OUT_DIR/error.rank{rank}.txt``
-when the fit raised (then the process exits 3).
+``OUT_DIR/telemetry.rank{rank}.jsonl`` (the plugin's records), ``OUT_DIR/val.rank{rank}.jsonl``
+(after which step each validation batch ran), ``OUT_DIR/ckpt`` (``--save-at``) and
+``OUT_DIR/error.rank{rank}.txt`` when the fit raised (then the process exits 3).
+
+CPU-only stand-ins, each with its reason where it is applied: megatron-core's CUDA calls
+(:mod:`lab.demo.cpu_redirects`), the model-parallel RNG fork, three torch_dist checkpoint fixes
+(:mod:`support.dist_checkpoint`) and NeMo 2's CUDA-only ``_fix_tensors_device`` on load, and
+the import of ``MegatronCommOverlapCallback``'s module without ``nemo.collections.llm``.
 """
 
 from __future__ import annotations
@@ -50,12 +57,14 @@ def _tiny_gpt_classes() -> Any:
         """``llm.GPTModel``'s protocol, for a megatron-core GPT on the local spec with
         reference-FP8 linears."""
 
-        def __init__(self, config: Any, lr: float = 1e-3) -> None:
+        def __init__(self, config: Any, optim: Any = None) -> None:
             super().__init__()
             self.config = config
-            self.optim = MegatronOptimizerModule(config=OptimizerConfig(
-                optimizer="adam", lr=lr, use_distributed_optimizer=True, bf16=False, fp16=False,
-                params_dtype=torch.float32, clip_grad=1.0))
+            # An argument, as llm.GPTModel's: MegatronCommOverlapCallback.setup rewrites the
+            # captured one too (trainer.model.__io__.optim.config).
+            self.optim = optim or MegatronOptimizerModule(config=OptimizerConfig(
+                optimizer="adam", lr=1e-3, use_distributed_optimizer=True, bf16=False,
+                fp16=False, params_dtype=torch.float32, clip_grad=1.0))
             self.optim.connect(self)
             self._train_reduction = MaskedTokenLossReduction()
             self._val_reduction = MaskedTokenLossReduction(validation_step=True)
@@ -164,6 +173,11 @@ def _recorder(out: str, save_at: Any = None) -> Any:
                 f.write(json.dumps({"step": int(trainer.global_step),
                                     "loss": float(loss).hex()}) + "\n")
 
+        def on_validation_batch_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
+            # which training step each validation batch ran after (the test reads it)
+            with open(os.path.join(out, f"val.rank{trainer.global_rank}.jsonl"), "a") as f:
+                f.write(json.dumps({"after_step": int(trainer.global_step)}) + "\n")
+
     return Recorder()
 
 
@@ -234,6 +248,54 @@ def _cpu_dist_checkpoints() -> None:
     nemo_io_pl._fix_tensors_device = lambda ckpt: ckpt
 
 
+def _comm_overlap_callback(**kwargs: Any) -> Any:
+    """NeMo 2's own ``MegatronCommOverlapCallback(**kwargs)``, on the CPU.
+
+    Its module imports ``TransformerLayerTPOverlapCfg`` from
+    ``nemo.collections.llm.recipes.tp_overlap_configs.userbuffers``
+    (megatron_comm_overlap.py:23), and importing anything under ``nemo.collections.llm`` runs
+    that package's ``__init__``, which needs ``nemo_run`` (not carried here). The leaf module
+    (a few dataclasses, importing only ``nemo.lightning.io``) is loaded from its file under its
+    own name, its parent packages as empty namespaces, so the callback's module imports as
+    shipped. Its ``setup`` then asks ``torch.cuda.get_device_capability()`` only to choose
+    which CUDA_DEVICE_MAX_CONNECTIONS advice to log: the CPU build raises there, so Hopper's
+    (9, 0) is answered for that question alone."""
+    import importlib.util
+    import types
+
+    import nemo
+
+    leaf = "nemo.collections.llm.recipes.tp_overlap_configs.userbuffers"
+    if leaf not in sys.modules:
+        root = os.path.join(os.path.dirname(nemo.__file__), "collections", "llm")
+        for name in ("nemo.collections.llm", "nemo.collections.llm.recipes",
+                     "nemo.collections.llm.recipes.tp_overlap_configs"):
+            if name not in sys.modules:
+                package = types.ModuleType(name)
+                package.__path__ = [os.path.join(root, *name.split(".")[3:])]
+                sys.modules[name] = package
+        spec = importlib.util.spec_from_file_location(
+            leaf, os.path.join(root, "recipes", "tp_overlap_configs", "userbuffers.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[leaf] = module
+        spec.loader.exec_module(module)
+    from nemo.lightning.pytorch.callbacks import megatron_comm_overlap
+
+    callback = megatron_comm_overlap.MegatronCommOverlapCallback(**kwargs)
+    check = callback._check_num_cuda_device_max_connections
+
+    def check_on_cpu() -> None:
+        original = torch.cuda.get_device_capability
+        torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
+        try:
+            check()
+        finally:
+            torch.cuda.get_device_capability = original
+
+    callback._check_num_cuda_device_max_connections = check_on_cpu
+    return callback
+
+
 def main(argv: Any = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -244,6 +306,11 @@ def main(argv: Any = None) -> int:
     parser.add_argument("--save-at", type=int, default=None,
                         help="save OUT/ckpt after this global step, mid-fit")
     parser.add_argument("--resume", default=None, help="checkpoint directory to resume from")
+    parser.add_argument("--val-every", type=int, default=None,
+                        help="validate (one batch) every this many training steps")
+    parser.add_argument("--comm-overlap", choices=["none", "default", "gather"],
+                        default="none", help="add NeMo 2's MegatronCommOverlapCallback: with its "
+                        "defaults, or with overlap_param_gather and align_param_gather passed")
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--vp", type=int, default=2)
     args = parser.parse_args(argv)
@@ -284,12 +351,18 @@ def main(argv: Any = None) -> int:
                                                              "telemetry.rank{rank}.jsonl")),
         backend=ReferenceBackend(), weights_of=reference_weights_of)
     callbacks = [align, _recorder(args.out, args.save_at)]
+    if args.comm_overlap != "none":
+        gather = dict(overlap_param_gather=True, align_param_gather=True)
+        callbacks.append(_comm_overlap_callback(**(gather if args.comm_overlap == "gather"
+                                                   else {})))
     trainer = nl.Trainer(accelerator="cpu", devices=int(os.environ.get("WORLD_SIZE", "1")),
                          num_nodes=1, max_steps=args.steps, strategy=strategy,
                          plugins=nl.MegatronMixedPrecision(precision="32"),
                          callbacks=callbacks, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, num_sanity_val_steps=0,
-                         limit_val_batches=0, log_every_n_steps=1, use_distributed_sampler=False)
+                         limit_val_batches=GLOBAL if args.val_every else 0,
+                         val_check_interval=args.val_every, log_every_n_steps=1,
+                         use_distributed_sampler=False)
     if args.fault_rank is not None:
         _faulty(align, args.fault_rank, args.fault_step)
     model = TinyGPT(config)
