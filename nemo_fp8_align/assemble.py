@@ -18,6 +18,7 @@ ranks (a check failing on one rank raises on every rank, and no rank is left att
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, List, Optional, Sequence, Union
 
 import torch
@@ -180,14 +181,25 @@ def check_telemetry_path(path: Optional[str], key: str = "AlignConfig.telemetry_
         raise ValueError(f"{key}={path!r} has no {{rank}} but {world} ranks would append to it. "
                          f"Fix: {key}=<dir>/fp8_align.rank{{rank}}.jsonl")
     resolved = telemetry_writer(path).path
-    try:
-        with open(resolved, "a", encoding="utf-8"):
-            pass
-    except OSError as err:
+    why = _unwritable(resolved)  # asked without creating it: a refused attach leaves no file
+    if why is not None:
         raise ValueError(
-            f"{key}={path!r}: cannot write {resolved!r} on this rank ({err.strerror or err}). "
+            f"{key}={path!r}: cannot write {resolved!r} on this rank ({why}). "
             f"Fix: a directory that exists and is writable on every node, e.g. "
-            f"{key}=/results/fp8_align.rank{{rank}}.jsonl, or {key}=null.") from None
+            f"{key}=/results/fp8_align.rank{{rank}}.jsonl, or {key}=null.")
+
+
+def _unwritable(path: str) -> Optional[str]:
+    """Why this process could not append to ``path`` (None: it could), asked of the file or,
+    where it does not exist yet, of its directory."""
+    if os.path.isdir(path):
+        return "a directory"
+    if os.path.exists(path):
+        return None if os.access(path, os.W_OK) else "not writable"
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        return "No such file or directory"
+    return None if os.access(directory, os.W_OK | os.X_OK) else "the directory is not writable"
 
 
 def telemetry_writer(path: Optional[str]) -> Optional[TelemetryWriter]:

@@ -29,3 +29,19 @@ def test_a_telemetry_path_shared_by_several_ranks_is_refused(monkeypatch, tmp_pa
                              weights_of=lambda c: [], config=config,
                              align_config=AlignConfig(telemetry_path=str(tmp_path / "t.jsonl")))
     assert config.param_sync_func == [print, print] and not chunk._forward_pre_hooks
+
+
+def test_a_refused_attach_leaves_no_telemetry_file(tmp_path):
+    """Issue 40: the startup check of the telemetry path created the file (it opened it to see
+    that it could), so a refused attach (here: no Transformer Engine for the default backend)
+    left an empty telemetry file behind; so did ``policy=off``, which runs the same check."""
+    from nemo_fp8_align.config import AlignConfig
+
+    chunk = torch.nn.Linear(1, 1)
+    config = TransformerConfig(num_layers=4, hidden_size=8, num_attention_heads=2)
+    config.param_sync_func = [print, print]
+    path = tmp_path / "t.jsonl"
+    with pytest.raises(ImportError, match="Transformer Engine is not importable"):
+        align_fp8_transposes([chunk, chunk], num_microbatches=4, config=config,
+                             align_config=AlignConfig(telemetry_path=str(path)))
+    assert not path.exists()
