@@ -6,13 +6,13 @@ they know (the chunks, the schedule's config, M, the backend, the optimizer, who
 step) and :func:`assemble` does the rest, in one order, inside one agreement of the model's
 ranks (a check failing on one rank raises on every rank, and no rank is left attached):
 
-1. the entry point's own startup check, refusals that need no weights (whole-step CUDA graphs, the combined 1F1B schedule) and the
-   telemetry path;
+1. the entry point's own startup check, refusals that need no weights (whole-step CUDA graphs,
+   the combined 1F1B schedule) and the telemetry path;
 2. the ranks and the schedule megatron-core runs for this config;
 3. the FP8 weights (less those with no post-all-gather work) and the recipes' refusals;
-4. the adapter of the distributed optimizer that owns the all-gather
-   (:func:`pick_adapter`: megatron-core DDP chunks, megatron-core 0.7/0.8's optimizer chain, or
-   Apex's ``DistributedFusedAdam``);
+4. the adapter of the distributed optimizer that owns the all-gather (:func:`pick_adapter`:
+   megatron-core DDP chunks, megatron-core 0.7/0.8's optimizer chain, or Apex's
+   ``DistributedFusedAdam``);
 5. the :class:`~nemo_fp8_align.core.aligner.TransposeAligner`, attached.
 """
 
@@ -102,8 +102,8 @@ def assemble(chunks: Sequence[torch.nn.Module], *,
                                                  requantized=_requantizes_mxfp8(chunk))
                        for chunk in chunks]
             adapter = pick_adapter(chunks, config, optimizer=optimizer,
-                                   apex_optimizer=apex_optimizer, owns_step_end=owns_step_end, weights=weights,
-                                   backend=backend)
+                                   apex_optimizer=apex_optimizer, owns_step_end=owns_step_end,
+                                   weights=weights, backend=backend)
             aligner = TransposeAligner(
                 chunks, schedule=schedule,
                 pp_rank=ranks.pp_rank if pp_rank is None else pp_rank,

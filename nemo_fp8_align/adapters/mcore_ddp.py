@@ -1,6 +1,6 @@
-"""The adapter for megatron-core DDP chunks (core_r0.9+), the all-gather owner of every
-megatron-core loop: Megatron-LM's ``train()``, Megatron-Bridge, NeMo's
-``mcore_distributed_optim``, ``align_fp8_transposes`` in a user's loop.
+"""The adapter for megatron-core DDP chunks (core_r0.9+), the all-gather owner of every megatron-
+core loop: Megatron-LM's ``train()``, Megatron-Bridge, NeMo's ``mcore_distributed_optim``,
+``align_fp8_transposes`` in a user's loop.
 
 Launches. Every such loop launches a chunk's parameter all-gather through that chunk's
 ``start_param_sync``: Megatron-LM's ``train()`` and Megatron-Bridge bind
@@ -12,22 +12,24 @@ wrap is pointed at the wrappers. The step's end is chunk 0's ``finish_grad_sync`
 thing megatron-core's ``finalize_model_grads`` does on every rank, before the gradient
 collectives (NeMo closes the step itself: ``owns_step_end=False``).
 
-Finishing. megatron-core's own forward pre-hooks call ``finish_param_sync`` lazily at each rank's
-first use of a bucket; the adapter calls it earlier, at the aligned slot, for every bucket group
-of the chunk (the dense ones and the expert-parallel ones). On core >= 0.16 with Transformer
-Engine, ``finish_param_sync`` also runs TE's post-all-gather processing (the transposes), so the
-backend then finds nothing left to build. Later pre-hooks find no pending handle and do nothing.
-With ``OptimizerConfig(overlap_param_gather_with_optimizer_step=True)``, ``get_megatron_optimizer``
-marks chunk 0's DDP instance, and chunk 0's all-gather is dispatched by the optimizer step
-(``ChainedOptimizer.step_with_ready_grads``), not by the schedule: the schedule's
-``start_param_sync`` returns at once for it. Before the first optimizer step, and after a step
-skipped for inf/nan (``ChainedOptimizer.step`` returns before dispatching), nothing was dispatched;
-megatron-core's own pre-hook then dispatches and waits at first use, and ``finish`` does the
-same at the aligned slot: the same one all-gather, on the same group, in the same order on every
-rank of that group, and the schedule dispatches nothing for chunk 0 afterwards.
+Finishing. megatron-core's own forward pre-hooks call ``finish_param_sync`` lazily at each
+rank's first use of a bucket; the adapter calls it earlier, at the aligned slot, for every
+bucket group of the chunk (the dense ones and the expert-parallel ones). On core >= 0.16 with
+Transformer Engine, ``finish_param_sync`` also runs TE's post-all-gather processing (the
+transposes), so the backend then finds nothing left to build. Later pre-hooks find no pending
+handle and do nothing. With ``OptimizerConfig(overlap_param_gather_with_optimizer_step=True)``,
+``get_megatron_optimizer`` marks chunk 0's DDP instance, and chunk 0's all-gather is dispatched
+by the optimizer step (``ChainedOptimizer.step_with_ready_grads``), not by the schedule: the
+schedule's ``start_param_sync`` returns at once for it. Before the first optimizer step, and
+after a step skipped for inf/nan (``ChainedOptimizer.step`` returns before dispatching), nothing
+was dispatched; megatron-core's own pre-hook then dispatches and waits at first use, and
+``finish`` does the same at the aligned slot: the same one all-gather, on the same group, in the
+same order on every rank of that group, and the schedule dispatches nothing for chunk 0
+afterwards.
 
-Forced all-gathers (megatron-core < 0.18). A forced all-gather (``DistributedDataParallel.start_param_sync(force_sync=True)``: Megatron-LM's
-evaluation and checkpoint save through ``disable_forward_pre_hook()``, any caller's
+Forced all-gathers (megatron-core < 0.18). A forced all-gather
+(``DistributedDataParallel.start_param_sync(force_sync=True)``: Megatron-LM's evaluation and
+checkpoint save through ``disable_forward_pre_hook()``, any caller's
 ``disable_forward_pre_hook(param_sync=True)``) either waits for the all-gather in flight or runs
 one synchronously. megatron-core 0.16 and 0.17 run no post-all-gather processing on that path,
 and the next ``finish_param_sync`` finds no handle to wait for, so it runs none either. With
@@ -38,14 +40,15 @@ group's ``_post_param_sync`` runs after a forced all-gather too).
 
 With ``overlap_param_gather_with_optimizer_step`` the hazard is in every such forced sync: the
 optimizer step has dispatched chunk 0's all-gather, the forced sync waits for it, and the
-schedule dispatches nothing more for chunk 0 before its forwards. (Otherwise the schedule's
-next launch gathers again and megatron-core post-processes that one.)
+schedule dispatches nothing more for chunk 0 before its forwards. (Otherwise the schedule's next
+launch gathers again and megatron-core post-processes that one.)
 
 :class:`ForcedSyncWatch` wraps each bucket group's ``start_param_sync`` (an instance attribute,
 removed by :meth:`ForcedSyncWatch.remove`) on megatron-core versions whose bucket groups have no
 ``_post_param_sync``; after a forced call returns, it rebuilds those of that group's transposes
-that are flagged valid from the bytes just gathered (the invalid ones are built as usual). On >= 0.18 nothing is wrapped: megatron-core's own
-post-processing runs, and a second build would be wasted work.
+that are flagged valid from the bytes just gathered (the invalid ones are built as usual). On
+>= 0.18 nothing is wrapped: megatron-core's own post-processing runs, and a second build would be
+wasted work.
 """
 
 from __future__ import annotations

@@ -1,32 +1,33 @@
-"""The adapter where megatron-core's DistributedOptimizer owns the parameter all-gather
-(megatron-core 0.7 and 0.8: ``OptimizerConfig.overlap_param_gather``).
+"""The adapter where megatron-core's DistributedOptimizer owns the parameter all-gather (megatron-
+core 0.7 and 0.8: ``OptimizerConfig.overlap_param_gather``).
 
-There the all-gathers are one chain per optimizer instance, bucket after bucket in forward
-order across all chunks (``model_index_to_all_gather_handle_index_map`` names each chunk's
-indices): ``zero_grad`` dispatches the first; whoever waits index i (the optimizer's global
-forward pre-hook at each rank's first use, or ``finish_param_sync(model_index)``) dispatches
-i + 1. The DDP chunks have no ``start_param_sync``. ``finish_param_sync(chunk)`` waits the
-chunk's in-flight handles in index order, dispatching each next one as the pre-hook would: the
-same collectives in the same order, only earlier; a handle not yet dispatched is left alone
-(no new collective).
+There the all-gathers are one chain per optimizer instance, bucket after bucket in forward order
+across all chunks (``model_index_to_all_gather_handle_index_map`` names each chunk's indices):
+``zero_grad`` dispatches the first; whoever waits index i (the optimizer's global forward pre-
+hook at each rank's first use, or ``finish_param_sync(model_index)``) dispatches i + 1. The DDP
+chunks have no ``start_param_sync``. ``finish_param_sync(chunk)`` waits the chunk's in-flight
+handles in index order, dispatching each next one as the pre-hook would: the same collectives in
+the same order, only earlier; a handle not yet dispatched is left alone (no new collective).
 
-A handle of None means either "not dispatched yet" or "waited": :meth:`McoreOptimizerAdapter.record` (called for every dispatch)
-tells them apart, for the chain under way: each optimizer step starts a new list of handles
+A handle of None means either "not dispatched yet" or "waited":
+:meth:`McoreOptimizerAdapter.record` (called for every dispatch) tells them apart, for the chain
+under way: each optimizer step starts a new list of handles
 (``_reset_metadata_and_sync_gather_all_model_params``), so dispatches recorded into an older
 list say nothing about the new bytes. A step whose optimizer update did not succeed (before the
 first step, or skipped for inf/nan) dispatches nothing: the parameters are unchanged, hence
 complete.
 
-Launches. There the schedule launches nothing per chunk (Megatron-LM binds no ``param_sync_func`` unless
-``--delay-param-gather``, and then the optimizer's ``finish_param_sync``): the step's
-all-gathers start in ``optimizer.zero_grad()``, which every loop of that era calls before the
-schedule (Megatron-LM's ``train_step``, NeMo's ``training_step``), and chain on from there. So
-the hold wraps each DistributedOptimizer's ``_dispatch_gather_model_params`` (an instance
-attribute, found by every caller: ``zero_grad``, the pre-hook chain, ``finish_param_sync``,
-forced gathers): a launch of chunk c is the dispatch of c's first all-gather (the same
-:func:`~nemo_fp8_align.core.adapter.is_launch` rule: not forced, gradients on). Only chunk 0 is
-launched before the loop, so the aligner handles the slot-0 chunks right after it. The step's
-end is chunk 0's ``finish_grad_sync``, as for :class:`~nemo_fp8_align.adapters.mcore_ddp.McoreDDPAdapter`.
+Launches. There the schedule launches nothing per chunk (Megatron-LM binds no
+``param_sync_func`` unless ``--delay-param-gather``, and then the optimizer's
+``finish_param_sync``): the step's all-gathers start in ``optimizer.zero_grad()``, which every
+loop of that era calls before the schedule (Megatron-LM's ``train_step``, NeMo's
+``training_step``), and chain on from there. So the hold wraps each DistributedOptimizer's
+``_dispatch_gather_model_params`` (an instance attribute, found by every caller: ``zero_grad``,
+the pre-hook chain, ``finish_param_sync``, forced gathers): a launch of chunk c is the dispatch
+of c's first all-gather (the same :func:`~nemo_fp8_align.core.adapter.is_launch` rule: not
+forced, gradients on). Only chunk 0 is launched before the loop, so the aligner handles the
+slot-0 chunks right after it. The step's end is chunk 0's ``finish_grad_sync``, as for
+:class:`~nemo_fp8_align.adapters.mcore_ddp.McoreDDPAdapter`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """The plugin's per-step effect, gathered over the pipeline ranks, for the experiment logger.
 
-Used by the NeMo session (callback and mixin) and Megatron-LM's metrics listener. Every rank calls :func:`gather_step_metrics` with the
-records its aligner emitted for the step just finished (the same steps on every rank: it is a
-collective over the rank's pipeline group); the result, on every rank, is one flat dict of floats
-that the caller logs from global rank 0 only, with ``LightningModule.log`` so the values land on
-the same logger step as NeMo's own ``train_step_timing`` and ``reduced_train_loss``.
+Used by the NeMo session (callback and mixin) and Megatron-LM's metrics listener. Every rank
+calls :func:`gather_step_metrics` with the records its aligner emitted for the step just
+finished (the same steps on every rank: it is a collective over the rank's pipeline group); the
+result, on every rank, is one flat dict of floats that the caller logs from global rank 0 only,
+with ``LightningModule.log`` so the values land on the same logger step as NeMo's own
+``train_step_timing`` and ``reduced_train_loss``.
 
 Keys (``c`` = model chunk; times in milliseconds, host clock, except ``wait_ms`` and
 ``transpose_ms`` on a GPU: the records' CUDA-event times there):
