@@ -16,6 +16,19 @@ EXPECTED = {
 }
 
 
+def check_every_rank_raised(err, world_size, cls, text):
+    """Every rank of the world raised the plugin's ``cls`` (not gloo's error), each report
+    naming ``text`` (the faulty rank's own message, or the others quoting it), all within
+    seconds of each other: a failure outside a step's body (at attach, in a listener, between
+    steps) reached every rank."""
+    reports, times = err.reports, err.times
+    assert sorted(reports) == list(range(world_size)), reports
+    for rank, report in reports.items():
+        assert report.startswith(f"rank {rank}: {cls}: nemo_fp8_align"), report
+        assert text in report, report
+    assert max(times.values()) - min(times.values()) < 10.0, times
+
+
 def check_every_rank_stopped(opts, err, fault):
     """Every rank raised the fault's plugin error class (not gloo's), the faulty (last) rank
     with what differed there, the others naming it; all within seconds of each other, far from
