@@ -189,7 +189,7 @@ def test_ddp_setup_workaround_only_when_the_plugin_is_active(monkeypatch, enable
 
 class FakeAligner:
     attached = True
-    param_sync, weights, backend = None, [[], []], None  # what the session's hold reads
+    weights, backend = [[], []], None  # what the session reads
 
     def __init__(self):
         self.launched, self.steps, self.step_ends = [], [], 0
@@ -261,7 +261,7 @@ def bare_model(use_mcore):
     # The session attach() would give it: the aligner, each chunk's first parameter.
     model._fp8_align_session = NeMoSession(model, AlignConfig(), weights=FP8Weights.REFERENCE)
     aligner = model.fp8_align_session.aligner = FakeAligner()
-    hold = model.fp8_align_session._hold = fake_adapter(model)
+    hold = aligner.adapter = fake_adapter(model)
     hold.install(aligner.on_param_sync_launched, aligner.on_step_end)  # as aligner.attach does
     aligner.detach = hold.restore
     model._fabric, model._jit_is_scripting = None, False
@@ -317,7 +317,7 @@ def test_forward_only_passes_notify_nothing(monkeypatch, use_mcore):
 def test_detach_is_idempotent():
     model = bare_model(True)
     detached = []
-    hold = model._fp8_align_session._hold
+    hold = model._fp8_align_session.aligner.adapter
     model.fp8_aligner.detach = lambda: (detached.append(1), hold.restore())
     model.fp8_align_detach()
     model.fp8_align_detach()
@@ -468,7 +468,7 @@ def test_exception_inside_a_training_step_detaches(monkeypatch):
     monkeypatch.setattr(MegatronGPTModel, "fwd_bwd_step", failing_fwd_bwd_step)
     model = bare_model(use_mcore=True)
     detached = []
-    hold = model._fp8_align_session._hold
+    hold = model._fp8_align_session.aligner.adapter
     model.fp8_aligner.detach = lambda: (detached.append(1), hold.restore())
     with pytest.raises(ValueError, match="boom"):
         model.fwd_bwd_step(iter([]), forward_only=False)
@@ -500,8 +500,8 @@ def attached_model(monkeypatch, use_mcore):
     from nemo_fp8_align.integrations.nemo import session as session_module
 
     model = bare_model(use_mcore)
-    model.fp8_align_session._hold.restore()  # bare_model's, for the fake aligner
-    model.fp8_align_session.aligner = model.fp8_align_session._hold = None
+    model.fp8_align_session.aligner.adapter.restore()  # bare_model's, for the fake aligner
+    model.fp8_align_session.aligner = None
     aligner = real_aligner(model)
     # What build_aligner returns: the aligner attached (assemble attaches it).
     monkeypatch.setattr(session_module, "build_aligner",

@@ -110,7 +110,6 @@ class NeMoSession:
         self.aligner: Any = None
         #: True for the length of a training ``fwd_bwd_step``.
         self.in_training_step = False
-        self._hold: Any = None  # the aligner's hold on NeMo's schedule, while attached
         self._logged_step = -1
         self._stepped = False  # a training fwd_bwd_step ran since the last batch end
         self._warned_no_step = False
@@ -152,7 +151,7 @@ class NeMoSession:
                                     entry=self.entry)
             if not aligner.attached:
                 return False
-            self.aligner, self._hold = aligner, aligner.adapter
+            self.aligner = aligner
             self._announce(aligner)
         except BaseException:
             self.close()
@@ -203,14 +202,14 @@ class NeMoSession:
     def sync_overlap_parameters(self, run: Callable[[Any], Any], params: Any = None) -> None:
         """``run`` (NeMo's Apex ``sync_overlap_parameters``); inside a training step, the
         chunk whose parameters were passed is reported as launched."""
-        hold = self._hold
+        adapter = getattr(self.aligner, "adapter", None)  # while attached
         # Only NeMo's schedule calls inside the training step are launches (NeMo also syncs
         # parameters around validation).
-        if params is None or not self.in_training_step or not hasattr(hold, "launched"):
+        if params is None or not self.in_training_step or not hasattr(adapter, "launched"):
             return run(params)
         params = list(params)  # the schedule passes a generator: read it once
         run(params)
-        hold.launched(params)
+        adapter.launched(params)
         return None
 
     def log_metrics(self, trainer: Any) -> List[Any]:
@@ -245,7 +244,7 @@ class NeMoSession:
     # ------------------------------------------------------------------ end
     def close(self) -> None:
         """Remove the aligner's hooks and chunk claim and every shadow (idempotent)."""
-        aligner, self.aligner, self._hold = self.aligner, None, None
+        aligner, self.aligner = self.aligner, None
         self.in_training_step = False
         try:
             self._shadows.restore()
