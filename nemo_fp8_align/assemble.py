@@ -6,13 +6,14 @@ they know (the chunks, the schedule's config, M, the backend, the optimizer, who
 step) and :func:`assemble` does the rest, in one order, inside one agreement of the model's
 ranks (a check failing on one rank raises on every rank, and no rank is left attached):
 
-1. the entry point's own startup check, refusals that need no weights (whole-step CUDA graphs,
-   the combined 1F1B schedule) and the telemetry path;
+1. the entry point's own startup check and the telemetry path;
 2. the ranks and the schedule megatron-core runs for this config;
-3. the FP8 weights (less those with no post-all-gather work) and the recipes' refusals;
-4. the adapter of the distributed optimizer that owns the all-gather (:func:`pick_adapter`:
+3. the adapter of the distributed optimizer that owns the all-gather (:func:`pick_adapter`:
    megatron-core DDP chunks, megatron-core 0.7/0.8's optimizer chain, or Apex's
    ``DistributedFusedAdam``);
+4. the FP8 weights, as that adapter takes them: its path's refusals (the setups of
+   :mod:`~nemo_fp8_align.support`, and the recipes its optimizer cannot post-process), less the
+   weights with no post-all-gather work (``Adapter.weights_to_align``);
 5. the :class:`~nemo_fp8_align.core.aligner.TransposeAligner`, attached.
 """
 
@@ -23,10 +24,10 @@ from typing import Any, Callable, List, Optional, Sequence, Union
 
 import torch
 
-from nemo_fp8_align import mcore_versions, recipes
+from nemo_fp8_align import mcore_versions
 from nemo_fp8_align.adapters.apex import ApexAdapter
 from nemo_fp8_align.adapters import groups
-from nemo_fp8_align.adapters.mcore_ddp import McoreDDPAdapter, param_of
+from nemo_fp8_align.adapters.mcore_ddp import McoreDDPAdapter
 from nemo_fp8_align.adapters.mcore_optimizer import McoreOptimizerAdapter
 from nemo_fp8_align.backends.protocol import FP8TransposeBackend
 from nemo_fp8_align.config import AlignConfig
@@ -36,7 +37,7 @@ from nemo_fp8_align.core.schedule import InterleavedSchedule
 from nemo_fp8_align.core.step_end import agreed
 from nemo_fp8_align.core.telemetry import TelemetryWriter
 from nemo_fp8_align.errors import UnsupportedSetupError
-from nemo_fp8_align.refusals import Setup, refuse_unsupported
+
 
 __all__ = ["DERIVED", "assemble", "check_telemetry_path", "default_backend", "pick_adapter",
            "schedule_for", "telemetry_writer"]
@@ -87,7 +88,6 @@ def assemble(chunks: Sequence[torch.nn.Module], *,
             if startup_check is not None:
                 startup_check()
             config = config if config is not None else chunks[0].config
-            refuse_unsupported(Setup(config=config))
             check_telemetry_path(align_config.telemetry_path, key=telemetry_key)
             if backend is None:  # an inactive plugin imports nothing
                 backend = default_backend(align_config) if align_config.active \
@@ -98,12 +98,12 @@ def assemble(chunks: Sequence[torch.nn.Module], *,
             m_now = num_microbatches() if callable(num_microbatches) else num_microbatches
             schedule = schedule_for(config, pp=ranks.pp_size, vp=len(chunks),
                                     num_microbatches=m_now)
-            weights = [recipes.weights_with_work(list(weights_of(chunk)), backend,
-                                                 requantized=_requantizes_mxfp8(chunk))
-                       for chunk in chunks]
             adapter = pick_adapter(chunks, config, optimizer=optimizer,
-                                   apex_optimizer=apex_optimizer, owns_step_end=owns_step_end,
-                                   weights=weights, backend=backend)
+                                   apex_optimizer=apex_optimizer, owns_step_end=owns_step_end)
+            # policy=off is the fix every refusal names: nothing is refused then
+            weights = adapter.weights_to_align([list(weights_of(c)) for c in chunks],
+                                               backend=backend, config=config) \
+                if align_config.active else [[] for _ in chunks]
             aligner = TransposeAligner(
                 chunks, schedule=schedule,
                 pp_rank=ranks.pp_rank if pp_rank is None else pp_rank,
@@ -121,30 +121,16 @@ def assemble(chunks: Sequence[torch.nn.Module], *,
 
 
 def pick_adapter(chunks: Sequence[torch.nn.Module], config: Any, *, optimizer: Any,
-                 apex_optimizer: Any, owns_step_end: bool, weights: Sequence[Sequence[Any]],
-                 backend: Any) -> Adapter:
-    """The adapter of whichever distributed optimizer owns the parameter all-gather, after the
-    recipe refusals that this optimizer implies."""
-    kinds = list(recipes.kinds_of(weights, backend))
+                 apex_optimizer: Any, owns_step_end: bool) -> Adapter:
+    """The adapter of whichever distributed optimizer owns the parameter all-gather: Apex's
+    ``DistributedFusedAdam`` where given, megatron-core 0.7/0.8's optimizer chain, else
+    megatron-core's DDP chunks. What each path refuses is its own
+    (``Adapter.weights_to_align``)."""
     if apex_optimizer is not None:
-        # No megatron-core post-processing runs on Apex's path: block-scaled kinds refused.
-        recipes.refuse_recipes(kinds, None, path="NeMo's Apex distributed_fused_adam")
         return ApexAdapter(apex_optimizer, chunks)
-    recipes.refuse_recipes(kinds, recipes.mcore_features())
     if _optimizer_owned(optimizer):
-        problem = mcore_versions.fp8_parameter_problem(
-            [param_of(w) for chunk in weights for w in chunk])
-        if problem is not None:  # 0.7/0.8: TE FP8 parameters never receive the all-gather
-            raise UnsupportedSetupError(problem)
         return McoreOptimizerAdapter(chunks, optimizer, owns_step_end=owns_step_end)
-    return McoreDDPAdapter(chunks, config, owns_step_end=owns_step_end,
-                           forced_sync=(weights, backend))
-
-
-def _requantizes_mxfp8(chunk: Any) -> bool:
-    """Whether megatron-core re-quantizes the chunk's MXFP8 parameters after the all-gather."""
-    ddp_config = getattr(chunk, "ddp_config", None)
-    return bool(getattr(ddp_config, "reuse_grad_buf_for_mxfp8_param_ag", False))
+    return McoreDDPAdapter(chunks, config, owns_step_end=owns_step_end)
 
 
 def _optimizer_owned(optimizer: Any) -> bool:

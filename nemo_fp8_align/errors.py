@@ -24,7 +24,7 @@ class ScheduleError(ValueError):
 
 class UnsupportedSetupError(ValueError):
     """A megatron-core setting the plugin cannot align (the table in
-    ``nemo_fp8_align/refusals.py``)."""
+    ``nemo_fp8_align/support.py``)."""
 
 
 class PlanInputError(ValueError):

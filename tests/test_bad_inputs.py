@@ -98,7 +98,14 @@ DEMO = [["--pp", "1"], ["--vp", "1"], ["--dp", "0"], ["--steps", "0"], ["--micro
         ["--group-size", "1"], ["--microbatches", "5"], ["--telemetry", "/nonexistent/d/t.jsonl"],
         ["--telemetry", "/tmp"], ["--telemetry", ""], ["--policy", "eager"], ["--pp", "x"],
         ["--fault", "no_such_fault"], ["--bogus"], ["--dist-opt-instances", "0"],
-        ["--dp", "2", "--dist-opt-instances", "3"]]
+        ["--dp", "2", "--dist-opt-instances", "3"],
+        # issue 40: absurd sizes, refused before any rank starts (--microbatches 1e20 spawned
+        # the ranks, then failed with OverflowError, exit 1)
+        ["--microbatches", "100000000000000000000"], ["--pp", "100000000000000000000"],
+        ["--vp", "100000"], ["--dp", "1000000"], ["--steps", "100000000000000000000"],
+        ["--group-size", "100000000000000000000"], ["--pp", "8", "--dp", "8"],
+        ["--timeout", "1e400"], ["--timeout", "1e20"], ["--resume-at", "100000000000000000000"],
+        ["--dp", "4", "--dist-opt-instances", "100000000000000000000"]]
 CASES += [pytest.param("demo", None, argv, id=f"demo-{'_'.join(argv)[:30]}") for argv in DEMO]
 
 CHECK = [["/nonexistent/c.yaml"], [str(GOOD)], [str(LAUNCHER / "gpt3_5b.yaml"), "model.no_such_key=1"],

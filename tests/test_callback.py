@@ -134,8 +134,9 @@ class FakeAligner:
             self.adapter.install(self.on_param_sync_launched, self.on_step_end)
         return True
 
-    def detach(self):
+    def detach(self, *, agree=False):
         self.attached_ = False
+        self.detached_with = getattr(self, "detached_with", []) + [agree]
         if self.adapter is not None:
             self.adapter.restore()
 
@@ -230,7 +231,9 @@ def test_real_trainer_attaches_wraps_per_batch_logs_and_detaches(monkeypatch):
     (aligner,) = aligners
     assert aligner.launched == [0, 1] * 3  # schedule launches only, every step
     assert module.model[0].started == [True, False] * 3  # NeMo's launches still ran
-    assert not aligner.attached_  # detached at teardown
+    assert not aligner.attached_  # detached at the end of training
+    # on_train_end, where every rank ends: what is still held stops every rank (agree=True)
+    assert aligner.detached_with == [True]
     assert all("start_param_sync" not in c.__dict__ for c in module.model)
     assert "setup_mcore_distributed_parallel" not in module.__dict__
     assert cb._session is None and (cb.steps, cb.transposes) == (3, 24)

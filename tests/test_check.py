@@ -14,7 +14,8 @@ from support.nemo_config import only, seed_config
 from nemo_fp8_align.config import AlignConfig, Policy
 from nemo_fp8_align.config_check.check import (FP8AlignConfigError, Violation, align_config_from,
                                        check_config, data_parallel_size_of, find_violations)
-from nemo_fp8_align.refusals import REFUSALS, Setup
+from nemo_fp8_align.config_check.fix_search import FIX_SEARCH
+from nemo_fp8_align.support import REFUSALS, Setup
 
 
 def without(cfg, dotted):
@@ -99,20 +100,28 @@ SINGLE = [
                               for case in SINGLE])
 def test_each_single_violation_is_reported_alone_with_its_fix(overrides, key, found, fix):
     # judged as check_config judges: by the importable megatron-core (NeMo 2.3.3's 0.12.3,
-    # which has no blockwise recipe and no MXFP8 parameters)
+    # which has no blockwise recipe and no MXFP8 parameters); the fix is the command line's
+    # (its fix search)
     from nemo_fp8_align.mcore_versions import importable_rules
 
-    v = only(find_violations(seed_config(**overrides), mcore=importable_rules()))
+    v = only(find_violations(seed_config(**overrides), mcore=importable_rules(),
+                             fixer=FIX_SEARCH))
     assert (v.key, v.found, v.fix) == (key, found, fix)
     with pytest.raises(FP8AlignConfigError) as info:
         check_config(seed_config(**overrides))
-    assert info.value.violations == [v]
+    # the startup check reports it alone too; where the command line's fix is a search, its
+    # own fix (without the search) names the command that proposes one
+    (runtime,) = info.value.violations
+    if runtime != v:
+        assert "`nemo-fp8-align check CONFIG.yaml` proposes" in runtime.fix, runtime
+        key, fix = runtime.key, runtime.fix
     assert key in str(info.value) and fix in str(info.value)
 
 
 def test_group_size_above_m_is_blamed_on_the_group_size():
     # N = 16 > M = 8; N = 8 would do, and so would the default.
-    v = only(find_violations(seed_config(microbatch_group_size_per_vp_stage=16)))
+    v = only(find_violations(seed_config(microbatch_group_size_per_vp_stage=16),
+                             fixer=FIX_SEARCH))
     assert v.key == "model.microbatch_group_size_per_vp_stage"
 
 
@@ -227,7 +236,7 @@ def test_unresolvable_trainer_devices_skip_the_microbatch_checks():
 def test_data_parallel_size_counts_tp_pp_and_cp():
     cfg = seed_config(tensor_model_parallel_size=2, global_batch_size=8)
     cfg.trainer.devices, cfg.trainer.num_nodes = 8, 4  # DP = 32 / (TP 2 * PP 4) = 4: M = 2 < PP
-    v = only(find_violations(cfg))
+    v = only(find_violations(cfg, fixer=FIX_SEARCH))
     assert v.found == "8 (M = 8 / (1 * DP 4) = 2)"
     assert v.fix == "model.global_batch_size=16"
     cfg.model.context_parallel_size = 2  # DP = 32 / 16 = 2: M = 4 = PP
@@ -373,7 +382,7 @@ def test_overlap_param_gather_with_optimizer_step_is_accepted():
     assert v.key == "model.optim." + key
 
 
-#: (row of refusals.py, a value of NeMo's model config that fires it)
+#: (row of support.py, a value of NeMo's model config that fires it)
 REFUSAL_CASES = [
     ("whole_step_graphs_scope", "full_iteration"),
     ("whole_step_graphs_scope", ["attn", "full_iteration"]),
@@ -384,7 +393,7 @@ REFUSAL_CASES = [
 
 @pytest.mark.parametrize("key,value", REFUSAL_CASES)
 def test_each_refusal_row_is_reported_by_the_check_with_its_reason_and_fix(key, value):
-    """The check runs the rows of refusals.py on NeMo's model config, which NeMo
+    """The check runs the rows of support.py on NeMo's model config, which NeMo
     passes through to TransformerConfig: the row's field, its reason, its fix."""
     row = next(r for r in REFUSALS if r.key == key)
     v = only(find_violations(seed_config(**{row.field: value})))
@@ -409,3 +418,28 @@ def test_per_layer_cuda_graphs_and_no_combined_schedule_pass_the_check():
     assert find_violations(seed_config(cuda_graph_impl="transformer_engine",
                                        cuda_graph_scope="attn",
                                        overlap_moe_expert_parallel_comm=False)) == []
+
+
+# --- the startup check's fixes where the command line's are a search ---
+
+def test_without_the_fix_search_each_fix_names_what_to_change_and_the_command():
+    """The runtime's startup check has no fixer (it never loads the layout search): the layer
+    split, the world size and the microbatches each get the fix a rule can give alone (the node
+    count, a value) or the settings to change, what must hold, and the command that proposes a
+    layout; the verdicts and their reasons are the command line's."""
+    command = "`nemo-fp8-align check CONFIG.yaml` proposes"
+    split, = find_violations(seed_config(num_layers=18))
+    assert (split.key, split.found) == ("model.num_layers", "18")
+    assert split.expected == only(find_violations(seed_config(num_layers=18),
+                                                  fixer=FIX_SEARCH)).expected
+    assert split.fix.startswith("PP, VP or the first/last stage's layer counts such that")
+    assert command in split.fix
+    cfg = seed_config()
+    cfg.trainer.devices = 6
+    world, = find_violations(cfg)
+    assert (world.key, world.fix) == ("trainer.num_nodes", "trainer.num_nodes=2")
+    assert "which keeps the layout" in world.expected and command in world.expected
+    batch, = find_violations(seed_config(global_batch_size=12))
+    assert (batch.key, batch.found) == ("model.global_batch_size", "12 (M = 12 / (1 * DP 2) = 6)")
+    assert batch.fix.startswith("a group size N, PP, VP or a smaller micro batch with which M")
+    assert command in batch.fix

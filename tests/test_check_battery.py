@@ -13,6 +13,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from nemo_fp8_align.config_check.check import find_violations
+from nemo_fp8_align.config_check.fix_search import FIX_SEARCH
 from nemo_fp8_align.config_check.fixes import fix_line, pasteable
 from support.overrides import applied, present
 from nemo_fp8_align.cli.check import load_config
@@ -372,7 +373,8 @@ ROWS: List[Tuple[str, Callable[[], Any], Optional[Any], Expected]] = [
                          ids=[row[0] for row in ROWS])
 def test_battery(build: Callable[[], Any], dp: Optional[Any], expected: Expected) -> None:
     cfg = build()
-    violations = find_violations(cfg, data_parallel_size=dp)
+    # the command line's verdicts and fixes (its fixer searches the layout)
+    violations = find_violations(cfg, data_parallel_size=dp, fixer=FIX_SEARCH)
     assert [(v.key, v.fix) for v in violations] == expected, "\n".join(map(str, violations))
     for v in violations:
         assert not v.key.startswith("<check rule"), str(v)  # no rule failed inside the check
@@ -380,8 +382,15 @@ def test_battery(build: Callable[[], Any], dp: Optional[Any], expected: Expected
     # The re-check: where every fix is an override, the combined line makes the config pass.
     if violations and all(pasteable(v.fix) for v in violations):
         line = fix_line(violations, lambda extra: find_violations(
-            applied(cfg, extra), data_parallel_size=dp), lambda key: present(cfg, key))
+            applied(cfg, extra), data_parallel_size=dp, fixer=FIX_SEARCH),
+            lambda key: present(cfg, key))
         assert line.passes, (line.overrides, [str(v) for v in line.left])
+    # The startup check (no fixer) finds as many, each fix the same or one without the search
+    runtime = find_violations(cfg, data_parallel_size=dp)
+    assert len(runtime) == len(violations), "\n".join(map(str, runtime))
+    for v in runtime:
+        assert v in violations or pasteable(v.fix) or "nemo-fp8-align check" in v.fix + \
+            v.expected or v.fix.startswith("<"), str(v)
 
 
 def test_battery_has_at_least_40_rows_and_real_upstream_configs() -> None:

@@ -248,3 +248,14 @@ def test_a_flag_of_the_other_mode_is_an_error(argv, needle):
 def test_a_nemo_flag_with_megatron_lm_is_an_error(argv, needle):
     status, out, err = check("--megatron-lm", *argv, "--", "--pipeline-model-parallel-size", "2")
     assert status == EXIT_INVALID and out == "" and needle in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv", [["--megatron-lm"], ["--megatron-lm", "--"],
+                                  ["--megatron-lm", "--world-size", "8"]])
+def test_megatron_lm_without_arguments_is_a_usage_error(argv):
+    """Issue 40: with no argument list, Megatron-LM's defaults were checked and 10 violations
+    listed. It is one line saying to give the training script's arguments, exit 2."""
+    status, out, err = check(*argv)
+    assert status == EXIT_INVALID and out == "", out
+    assert err.count("\n") == 1 and "no Megatron-LM arguments given" in err, err
+    assert "check --megatron-lm [--world-size N] -- --pipeline-model-parallel-size 2" in err

@@ -20,6 +20,7 @@ from support.overrides import applied
 from support.check_json import check_cli
 
 from nemo_fp8_align.config_check.check import find_violations
+from nemo_fp8_align.config_check.fix_search import FIX_SEARCH
 
 ROOT = Path(__file__).resolve().parents[1]
 UP = ROOT / "tests" / "data" / "upstream"
@@ -240,18 +241,18 @@ def test_trainer_world_size_not_divisible_by_model_parallel_size():
     # of 16; PP 3 or 6: NeMo's (num_layers // PP) % VP), so the node count is what to change,
     # and the message says that it is a trade-off.
     cfg.trainer.devices = 6
-    v = only(find_violations(cfg))
+    v = only(find_violations(cfg, fixer=FIX_SEARCH))
     assert (v.key, v.found, v.fix) == ("trainer.num_nodes", "1", "trainer.num_nodes=2")
     assert "6 * 1 = 6 GPUs" in v.expected and "multiple of 2" in v.expected
     assert "found no layout that fits" in v.expected
     # Re-checked: 12 GPUs give DP 3, which no node count divides into the batch of 16, so the
     # next round asks for the global batch too (the command line's fix line holds both): the
     # nearest that fits, 12 (M = 4; was 24, M = 8).
-    again = find_violations(applied(cfg, v.fix))
+    again = find_violations(applied(cfg, v.fix), fixer=FIX_SEARCH)
     assert [(w.key, w.fix) for w in again] == [("model.global_batch_size",
                                                 "model.global_batch_size=12")]
     assert "changes the training recipe" in again[0].expected
-    assert find_violations(applied(cfg, v.fix + " " + again[0].fix)) == []
+    assert find_violations(applied(cfg, v.fix + " " + again[0].fix), fixer=FIX_SEARCH) == []
 
 
 def test_library_error_names_plugin_off_in_the_form_the_config_needs():
@@ -340,10 +341,10 @@ def test_a_global_batch_fix_goes_to_the_nearest_batch_that_fits_and_names_it():
     changes; 2000 (M = 500 at DP 4) is nearer than 2016, where the fix went before."""
     cfg = seed_config(global_batch_size=2001)
     cfg.trainer.num_nodes = 2
-    v = only(find_violations(cfg))
+    v = only(find_violations(cfg, fixer=FIX_SEARCH))
     assert (v.key, v.fix) == ("model.global_batch_size", "model.global_batch_size=2000")
     assert "from 2001 to 2000" in v.expected and "changes the training recipe" in v.expected
-    assert find_violations(applied(cfg, v.fix)) == []
+    assert find_violations(applied(cfg, v.fix), fixer=FIX_SEARCH) == []
 
 
 def test_the_layout_search_reaches_a_vp_above_32_that_divides_the_layers():
@@ -392,10 +393,10 @@ def test_a_layer_count_fix_goes_to_the_nearest_count_either_way():
     went before (it only counted up; issue 25 item 3)."""
     cfg = seed_config(num_layers=17, account_for_embedding_in_pipeline_split=True,
                       account_for_loss_in_pipeline_split=True)
-    v = only(find_violations(cfg))
+    v = only(find_violations(cfg, fixer=FIX_SEARCH))
     assert (v.key, v.fix) == ("model.num_layers", "model.num_layers=14"), v
     assert "changes the model" in v.expected
-    assert find_violations(applied(cfg, v.fix)) == []
+    assert find_violations(applied(cfg, v.fix), fixer=FIX_SEARCH) == []
 
 
 def test_a_tensor_parallel_size_that_divides_no_world_of_this_size_is_the_fix():
@@ -405,12 +406,12 @@ def test_a_tensor_parallel_size_that_divides_no_world_of_this_size_is_the_fix():
     cfg = seed_config(tensor_model_parallel_size=4, num_attention_heads=32, hidden_size=4096,
                       num_layers=24, global_batch_size=18)
     cfg.trainer.devices = 6
-    v = only(find_violations(cfg))
+    v = only(find_violations(cfg, fixer=FIX_SEARCH))
     assert (v.key, v.fix) == ("model.tensor_model_parallel_size",
                               "model.tensor_model_parallel_size=2 "
                               "model.pipeline_model_parallel_size=3"), v
     assert "changes TP" in v.expected
-    assert find_violations(applied(cfg, v.fix)) == []
+    assert find_violations(applied(cfg, v.fix), fixer=FIX_SEARCH) == []
 
 
 def test_a_batch_fix_beside_the_pipeline_fixes_is_judged_at_the_layout_they_make():
@@ -453,7 +454,8 @@ def test_a_node_count_fix_keeps_the_layers_where_a_layout_fits_at_the_new_world_
 def test_the_nearest_global_batch_is_exact_above_2_to_the_53():
     """Issue 40: a huge global batch's "nearest that fits" was off by float rounding (the
     division gbs / per lost the units above 2**53). Checked against a search in integers."""
-    from nemo_fp8_align.config_check.batch_fix import nearest_batch, schedule_fits
+    from nemo_fp8_align.config_check.batch_fix import nearest_batch
+    from nemo_fp8_align.config_check.rules.batch import schedule_fits
 
     gbs = 3 * 10**18 + 22
     near = [k for k in range(gbs // 3 - 10, gbs // 3 + 10) if schedule_fits(2, 2, k, None)]

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from nemo_fp8_align.config_check.fix_search import FIX_SEARCH
 from nemo_fp8_align.config_check.megatron_lm_args import megatron_lm_violations
 from nemo_fp8_align.config_check.megatron_lm_parser import parse_megatron_lm_argv
 
@@ -31,8 +32,10 @@ def _without(argv, drop):
 
 
 def _found(extra=(), drop=(), world=4):
+    """The violations and the command line's fixes (its fix search) of GOOD changed."""
     argv = _without(GOOD, drop)
-    return megatron_lm_violations(parse_megatron_lm_argv(argv + list(extra)), world_size=world)
+    return megatron_lm_violations(parse_megatron_lm_argv(argv + list(extra)), world_size=world,
+                                  fixer=FIX_SEARCH)
 
 
 def test_a_valid_command_line_passes_and_other_arguments_are_ignored():
@@ -223,3 +226,19 @@ def test_upstream_example_scripts_use_only_megatron_lm_flags(script):
         assert vp_key in _keys(found)
     if script.startswith("train_gpt3"):  # both batch flags: Megatron-LM 0.19.2 raises
         assert "--global-batch-size" in _keys(found)
+
+
+def test_without_the_fix_search_the_world_size_and_schedule_fixes_need_none():
+    """Megatron-LM's check_args at attach has no fixer: a world size that TP * PP * CP does not
+    divide gets a multiple of it (the command line's nearest that fits the batch needs the
+    search), a step-schedule entry gets what it must be and the command that proposes one."""
+    args = parse_megatron_lm_argv(_without(GOOD, ["--pipeline-model-parallel-size"])
+                                  + ["--pipeline-model-parallel-size", "4"])
+    (world,) = [v for v in megatron_lm_violations(args, world_size=6) if v.key == "--world-size"]
+    assert world.fix == ("launch 12 processes (the world size, a multiple of TP * PP * CP) and "
+                         "check with --world-size 12")
+    args = parse_megatron_lm_argv(_without(GOOD, ["--global-batch-size"])
+                                  + ["--step-batch-size-schedule", "0:2 1000:16"])
+    (entry,) = megatron_lm_violations(args, world_size=4)
+    assert entry.key == "--step-batch-size-schedule"
+    assert "`nemo-fp8-align check --megatron-lm -- ARGS` proposes the nearest" in entry.fix

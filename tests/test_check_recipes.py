@@ -158,10 +158,10 @@ def test_nemo_mode_runs_the_same_rejections_on_its_keys(model, key, fix):
 
 
 def test_a_recipe_row_in_the_refusal_table_is_reported_once(monkeypatch):
-    """refusals.py may grow recipe rows (the runtime refusal at attach); the check
+    """support.py may grow recipe rows (the runtime refusal at attach); the check
     reports a setting the recipe table already named once, not twice with two fixes."""
     from nemo_fp8_align.config_check.rules import refused
-    from nemo_fp8_align.refusals import REFUSALS, Refusal
+    from nemo_fp8_align.support import REFUSALS, Refusal
 
     row = Refusal("custom_recipe", "TransformerConfig.fp8_recipe", "every version",
                   lambda s: getattr(s.config, "fp8_recipe", None) == "custom" or None,
@@ -184,12 +184,12 @@ _BLOCK_SCALED = {
 @pytest.mark.parametrize("name", sorted(_BLOCK_SCALED))
 def test_the_check_and_the_refusal_at_attach_agree_on_every_megatron_core(name, minor):
     """One "since" table: the check's verdict on a recipe at megatron-core 0.<minor> is the
-    runtime's (recipes.py) on that version's features, as
+    runtime's (support.py) on that version's features, as
     tests/test_recipe_support.py reads them from megatron-core 0.12.3 - 0.19.2 themselves
     (post-processing from 0.16, fp4_param_gather from 0.17, _post_param_sync from 0.18)."""
-    from nemo_fp8_align.recipes import RECIPE_KIND
+    from nemo_fp8_align.support import RECIPE_KIND
     from nemo_fp8_align.config_check.recipes import findings
-    from nemo_fp8_align.recipes import McoreFeatures, recipe_refusals
+    from nemo_fp8_align.support import McoreFeatures, recipe_refusals
 
     features = McoreFeatures(post_processes=minor >= 16, post_param_sync=minor >= 18,
                              version=f"0.{minor}", fp4_param_gather=minor >= 17)

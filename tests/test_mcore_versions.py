@@ -138,7 +138,7 @@ def test_nemos_mcore_optimizer_is_refused_where_the_optimizer_owns_the_gather():
     the fixes. The model is a holder of the one flag read (NeMo does not install with them)."""
     from types import SimpleNamespace
 
-    from nemo_fp8_align.integrations.nemo.session import refuse_owned_gather
+    from nemo_fp8_align.integrations.nemo.build import refuse_owned_gather
 
     model = SimpleNamespace(use_mcore_dist_optim=True)
     if not OPTIMIZER_OWNED:

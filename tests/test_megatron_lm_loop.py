@@ -116,7 +116,8 @@ def test_a_metrics_listener_failing_before_its_gather_on_one_rank_stops_every_ra
     """Issue 40: the metrics listener failing on one rank before its all_gather_object (after
     step 1's agreement) left that rank's pipeline peers in the gather and the rest in the next
     iteration's collectives until the launcher killed them. The failure now travels through the
-    gather: every rank holds it and raises at step 2's end, within seconds."""
+    gather, and the listeners run before the step end's agreement: every rank raises it at
+    step 1's end, within seconds."""
     opts = DemoOptions(pp=2, vp=2, dp=2, microbatches=4, steps=3, policy=Policy.ALIGNED,
                        fault="metrics_fail_on_one_rank", pg_timeout_s=120.0)
     with pytest.raises(DemoRankError) as info:
@@ -124,6 +125,7 @@ def test_a_metrics_listener_failing_before_its_gather_on_one_rank_stops_every_ra
     # The pipeline group of the faulty rank held it; the other group's ranks name it.
     check_every_rank_raised(info.value, opts.world_size, "MetricsError",
                             "rank 3: OSError: injected: this rank's step records could not be read")
+    assert "data-parallel rank 1, step 1): MetricsError" in info.value.reports[0]  # that step's
 
 
 def test_demo_loop_megatron_lm_fault_exits_1_with_every_ranks_message(capsys):
@@ -141,3 +143,21 @@ def test_demo_loop_megatron_lm_fault_exits_1_with_every_ranks_message(capsys):
         assert line.startswith(f"FAILED: rank {rank}: StepMismatchError: nemo_fp8_align: "), line
     assert "on pipeline rank 1 ran model chunk 0, but the interleaved schedule" in failed[3]
     assert all("found no problem of its own" in line for line in failed[:3]), failed
+
+
+@pytest.mark.parametrize("fault, where", [
+    ("telemetry_fails_at_the_last_step", "data-parallel rank 1, step 2)"),
+    ("detach_fails_on_one_rank", "detaching after step 2)")])
+def test_a_failure_at_the_runs_end_stops_every_rank_in_megatron_lm_loop(fault, where):
+    """Issue 40: the telemetry write failing (ENOSPC) on the last rank at the last iteration's
+    step end, or at the detach after train() returned, used to be logged only ("detached with
+    an error no step end reported") and every rank exited 0. The step end now flushes before its
+    agreement, and the loop detaches with ``detach(agree=True)``: every rank raises the plugin's
+    TelemetryError, within seconds, the others naming the faulty rank."""
+    opts = DemoOptions(pp=2, vp=2, dp=2, microbatches=4, steps=3, policy=Policy.ALIGNED,
+                       fault=fault, pg_timeout_s=120.0)
+    with pytest.raises(DemoRankError) as info:
+        run_megatron_lm_demo(opts)
+    check_every_rank_raised(info.value, opts.world_size, "TelemetryError",
+                            "No space left on device (injected)); free space there")
+    assert where in info.value.reports[0], info.value.reports[0]

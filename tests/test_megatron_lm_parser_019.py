@@ -40,7 +40,7 @@ def test_a_layout_string_fix_is_one_megatron_core_accepts(layers, pp, vp, mtp):
     """The check's layout-string fix (DeepSeek-V3's 61 layers, second trial): megatron-core's
     own class reads PP x VP stages with every layer, the MTP layers and the loss last, and
     stages that differ by at most one layer."""
-    from nemo_fp8_align.config_check.layout_string import layout_text
+    from nemo_fp8_align.config_check.megatron_lm_rules import layout_text
 
     layout = PipelineParallelLayerLayout(layout_text(layers, pp, vp, mtp), pp)
     assert layout.virtual_pipeline_model_parallel_size == vp

@@ -263,7 +263,7 @@ def bare_model(use_mcore):
     aligner = model.fp8_align_session.aligner = FakeAligner()
     hold = aligner.adapter = fake_adapter(model)
     hold.install(aligner.on_param_sync_launched, aligner.on_step_end)  # as aligner.attach does
-    aligner.detach = hold.restore
+    aligner.detach = lambda agree=False: hold.restore()
     model._fabric, model._jit_is_scripting = None, False
     model._trainer = trainer(1, global_step=7)
     return model
@@ -318,7 +318,7 @@ def test_detach_is_idempotent():
     model = bare_model(True)
     detached = []
     hold = model._fp8_align_session.aligner.adapter
-    model.fp8_aligner.detach = lambda: (detached.append(1), hold.restore())
+    model.fp8_aligner.detach = lambda agree=False: (detached.append(1), hold.restore())
     model.fp8_align_detach()
     model.fp8_align_detach()
     assert detached == [1] and model.fp8_aligner is None
@@ -409,7 +409,7 @@ def fake_te_api(float8_cls):
 def test_te_weights_are_the_float8_parameters_of_each_chunk(monkeypatch):
     from nemo_fp8_align.config import AlignConfig
     from nemo_fp8_align.backends import te as te_backend
-    from nemo_fp8_align.integrations.nemo import session as build
+    from nemo_fp8_align.integrations.nemo import build
 
     class Float8Tensor(torch.nn.Parameter):  # stands in for TE's class
         pass
@@ -425,7 +425,7 @@ def test_te_weights_are_the_float8_parameters_of_each_chunk(monkeypatch):
 def test_te_weights_without_te_say_how_to_fix(monkeypatch):
     from nemo_fp8_align.config import AlignConfig
     from nemo_fp8_align.backends import te as te_backend
-    from nemo_fp8_align.integrations.nemo import session as build
+    from nemo_fp8_align.integrations.nemo import build
 
     def no_te():
         raise ImportError("Transformer Engine is not importable here.")
@@ -469,7 +469,7 @@ def test_exception_inside_a_training_step_detaches(monkeypatch):
     model = bare_model(use_mcore=True)
     detached = []
     hold = model._fp8_align_session.aligner.adapter
-    model.fp8_aligner.detach = lambda: (detached.append(1), hold.restore())
+    model.fp8_aligner.detach = lambda agree=False: (detached.append(1), hold.restore())
     with pytest.raises(ValueError, match="boom"):
         model.fwd_bwd_step(iter([]), forward_only=False)
     assert detached == [1] and model.fp8_aligner is None
@@ -577,3 +577,16 @@ def test_mixin_has_log_every_n_steps_as_the_callback(monkeypatch):
         set_global_step(model.trainer, step + 1)
         model.on_train_batch_end(None, None, step)
     assert logged == [2, 4]  # not every step: the trainer's log_every_n_steps is 1
+
+
+def test_train_end_detaches_in_an_agreement_and_an_error_path_locally(monkeypatch):
+    """on_train_end runs on every rank after the last step: what the aligner still holds stops
+    every rank there (detach(agree=True)); teardown and an error's way out stay local."""
+    monkeypatch.setattr(MegatronGPTModel, "on_train_end", lambda self: None)
+    for end, expected in (("on_train_end", [True]), ("fp8_align_detach", [False])):
+        model = bare_model(True)
+        hold = model._fp8_align_session.aligner.adapter
+        agreed = []
+        model.fp8_aligner.detach = lambda agree=False: (agreed.append(agree), hold.restore())
+        getattr(model, end)()
+        assert agreed == expected and model.fp8_aligner is None

@@ -1,5 +1,5 @@
 """Which recipe's post-all-gather work can be aligned on the installed megatron-core
-(recipes.py), read from megatron-core's own module on every version in CI,
+(support.py), read from megatron-core's own module on every version in CI,
 and the refusal at attach: each recipe that cannot be aligned is named with the reason and the
 off switch, never a recipe change."""
 
@@ -9,10 +9,10 @@ pytest.importorskip("megatron.core")
 
 from packaging.version import Version  # noqa: E402
 
-from nemo_fp8_align.recipes import (COLUMNWISE, NVFP4_TRANSPOSE, REQUANTIZE,  # noqa: E402
+from nemo_fp8_align.support import (COLUMNWISE, NVFP4_TRANSPOSE, REQUANTIZE,  # noqa: E402
                                              TRANSPOSE, chunk_kind)
 from nemo_fp8_align.errors import UnsupportedSetupError  # noqa: E402
-from nemo_fp8_align.recipes import (mcore_features, recipe_refusals,  # noqa: E402
+from nemo_fp8_align.support import (mcore_features, recipe_refusals,  # noqa: E402
                                                         refuse_recipes, weights_with_work)
 
 from nemo_fp8_align.mcore_versions import installed_version  # noqa: E402

@@ -20,7 +20,7 @@ from support.demo_runs import demo  # noqa: E402
 
 import argparse  # noqa: E402
 
-from nemo_fp8_align.recipes import RECIPE_KIND  # noqa: E402
+from nemo_fp8_align.support import RECIPE_KIND  # noqa: E402
 from lab.demo.cli import recipe_problem  # noqa: E402
 from lab.demo.launch import alignment_problems, differences  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The refusal table (refusals.py) on megatron-core's own config classes, on every
+"""The refusal table (support.py) on megatron-core's own config classes, on every
 version in CI: each row fires for the setting built the way megatron-core accepts it on that
 version, and where megatron-core has no such setting, megatron-core itself rejects it."""
 
@@ -14,7 +14,7 @@ from megatron.core.transformer import TransformerConfig  # noqa: E402
 
 from nemo_fp8_align.errors import UnsupportedSetupError  # noqa: E402
 from nemo_fp8_align.integrations.megatron_core import align_fp8_transposes  # noqa: E402
-from nemo_fp8_align.refusals import REFUSALS, Setup, fired  # noqa: E402
+from nemo_fp8_align.support import REFUSALS, Setup, fired  # noqa: E402
 
 from nemo_fp8_align.mcore_versions import installed_version  # noqa: E402
 
@@ -92,18 +92,52 @@ def test_versions_without_the_settings_have_no_such_fields():
 
 @pytest.mark.parametrize("key,kwargs,accepts", CASES,
                          ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
-def test_align_fp8_transposes_refuses_before_anything_is_wrapped(key, kwargs, accepts):
+def test_align_fp8_transposes_refuses_before_anything_is_wrapped(key, kwargs, accepts,
+                                                                 monkeypatch):
+    """On real DDP chunks (the refusal is the DDP adapter's, before the aligner is built): the
+    row's message with its fix, and nothing wrapped, hooked or claimed."""
+    from support.ddp_chunks import MICROBATCHES, ddp_chunks
+
+    from nemo_fp8_align.core.aligner import holder_of
+
     if not accepts(MCORE):
         pytest.skip(_why_not_built(kwargs))
     config = TransformerConfig(**BASE, **kwargs)
-    config.param_sync_func = [print, print]
-    chunk = torch.nn.Linear(1, 1)
     row = next(r for r in REFUSALS if r.key == key)
-    with pytest.raises(UnsupportedSetupError, match=row.setting.replace(".", r"\.") + ".*Fix:"):
-        align_fp8_transposes([chunk, chunk], num_microbatches=4, backend=None,
-                             weights_of=lambda c: [], config=config)
-    assert config.param_sync_func == [print, print] and not chunk._forward_pre_hooks
+    with ddp_chunks(monkeypatch) as (chunks, chunk_config, backend):
+        config.param_sync_func = bound = list(chunk_config.param_sync_func)
+        if hasattr(config, "microbatch_group_size_per_vp_stage"):
+            config.microbatch_group_size_per_vp_stage = 2  # N = PP of the stand-in pipeline
+        hooks = [len(c._forward_pre_hooks) for c in chunks]
+        with pytest.raises(UnsupportedSetupError,
+                           match=row.setting.replace(".", r"\.") + ".*Fix:"):
+            align_fp8_transposes(chunks, num_microbatches=MICROBATCHES, backend=backend,
+                                 weights_of=lambda c: c.module.fp8_weights(), config=config)
+        assert config.param_sync_func == bound
+        assert [len(c._forward_pre_hooks) for c in chunks] == hooks
+        assert all("start_param_sync" not in vars(c) and holder_of(c) is None for c in chunks)
 
 
 def test_every_row_is_covered_by_a_case():
     assert {r.key for r in REFUSALS} == {c[0] for c in CASES}
+
+
+@pytest.mark.parametrize("key,kwargs,accepts", CASES[-1:], ids=[CASES[-1][0]])
+def test_policy_off_the_fix_every_row_names_attaches_nothing_and_refuses_nothing(
+        key, kwargs, accepts, monkeypatch):
+    from support.ddp_chunks import MICROBATCHES, ddp_chunks
+
+    from nemo_fp8_align.config import AlignConfig, Policy
+
+    if not accepts(MCORE):
+        pytest.skip(_why_not_built(kwargs))
+    config = TransformerConfig(**BASE, **kwargs)
+    with ddp_chunks(monkeypatch) as (chunks, chunk_config, backend):
+        config.param_sync_func = list(chunk_config.param_sync_func)
+        if hasattr(config, "microbatch_group_size_per_vp_stage"):
+            config.microbatch_group_size_per_vp_stage = 2
+        aligner = align_fp8_transposes(chunks, num_microbatches=MICROBATCHES, backend=backend,
+                                       weights_of=lambda c: c.module.fp8_weights(),
+                                       config=config, align_config=AlignConfig(policy=Policy.OFF))
+        assert not aligner.attached
+        assert all("start_param_sync" not in vars(c) for c in chunks)

@@ -105,3 +105,53 @@ def test_combined_messages_put_each_ranks_own_first():
     assert type(calm) is TransposeVerifyError  # the first failing rank's class
     assert str(calm).startswith("nemo_fp8_align: rank 0 (pipeline rank 0) found no problem")
     assert len(str(calm).splitlines()) == 3
+
+
+# --- issue 40: every failure of a step reaches that step's end; what is held at detach.
+
+def test_a_listener_error_is_raised_at_the_same_step_end_the_last_one_included():
+    """A step end's listeners (and its telemetry flush) run before its agreement: a failure
+    there is raised at that step's end, not held for a next one that the last step never
+    has. Every listener runs, whatever the others did."""
+    r = with_finalize()
+    ran = []
+
+    def failing():
+        ran.append("failing")
+        raise OSError("listener I/O")
+    r.aligner.step_end_listeners += [failing, lambda: ran.append("next")]
+    with pytest.raises(OSError, match="listener I/O"):
+        run_training_step(r)
+    assert ran == ["failing", "next"]
+    r.aligner.step_end_listeners.clear()
+    r.aligner.detach(agree=True)  # nothing held any more
+
+
+class _Watch:
+    def __init__(self, failures):
+        self.failures = failures
+
+    def take_failures(self):
+        failures, self.failures = self.failures, []
+        return failures
+
+
+def test_what_is_held_at_detach_raises_with_agree_and_is_logged_without(monkeypatch, caplog):
+    """A failure after the last step end (a forced all-gather's rebuild in a final evaluation):
+    ``detach(agree=True)``, where every rank detaches at the same point, raises it (on every
+    rank: tests/test_no_hang.py); the local ``detach()`` of an exception path only logs it."""
+    from nemo_fp8_align.errors import StaleFP8Error
+
+    for agree in (True, False):
+        r = with_finalize()
+        run_training_step(r)
+        watch = _Watch([StaleFP8Error("rebuild failed after the last step")])
+        monkeypatch.setattr(type(r.aligner), "forced_syncs", property(lambda self: watch))
+        if agree:
+            with pytest.raises(StaleFP8Error, match="rebuild failed after the last step"):
+                r.aligner.detach(agree=True)
+        else:
+            r.aligner.detach()
+            assert "detached with an error no step end reported" in caplog.text
+        assert not r.aligner.attached  # detached either way
+        monkeypatch.undo()

@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
-from typing import Any, List, Optional
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator, List, Optional
 
 from nemo_fp8_align.config import Policy
 from nemo_fp8_align.cli.common import missing_dependency
 
-__all__ = ["EXIT_BAD_INPUT", "PROG", "build_parser", "demo_input_problem", "main",
-           "telemetry_path_problem"]
+__all__ = ["EXIT_BAD_INPUT", "INTERRUPTED", "LIMITS", "PROG", "TERMINATED", "Terminated",
+           "build_parser", "demo_input_problem", "main", "telemetry_path_problem"]
 
 EXIT_BAD_INPUT = 2
 #: The command as a user types it, for usage and error lines.
@@ -31,14 +34,46 @@ LOOPS = ("schedule", "megatron-lm")
 RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8", "nvfp4")
 
 
+#: Exit statuses of a run ended by Ctrl-C or SIGTERM (128 + the signal, as a shell reports it).
+INTERRUPTED, TERMINATED = 130, 143
+
+
+class Terminated(BaseException):
+    """SIGTERM reached the demo: raised where it was, so that the launcher stops its ranks and
+    the run's temporary folder is removed on the way out."""
+
+
+@contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers belong to the main thread
+        return
+
+    def terminate(signum: int, frame: Any) -> None:
+        raise Terminated()
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    """Parse the demo's flags, run it, and return its exit status (0 OK, 1 a check failed,
-    2 a bad flag)."""
+    """Parse the demo's flags, run it, and return its exit status (0 OK, 1 a check failed or
+    the records could not be written, 2 a bad flag, 130 Ctrl-C, 143 SIGTERM: one line each, the
+    ranks stopped and the temporary folder removed)."""
     args = build_parser().parse_args(argv)
     from nemo_fp8_align.cli.common import closed_pipes_discarded
 
-    with closed_pipes_discarded():  # `... | head -1`: the demo's own status, no traceback
-        return args.func(args)
+    try:
+        with closed_pipes_discarded(), _sigterm_raises():  # `| head -1`: no traceback
+            return args.func(args)
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return INTERRUPTED
+    except Terminated:
+        print(f"{PROG}: terminated", file=sys.stderr)
+        return TERMINATED
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,6 +140,9 @@ def demo_input_problem(args: argparse.Namespace) -> Optional[str]:
     """
     pp, vp, dp, m, n, steps = (args.pp, args.vp, args.dp, args.microbatches, args.group_size,
                                args.steps)
+    problem = _size_problem(args)
+    if problem is not None:
+        return problem
     if pp < 2:
         return f"--pp {pp}: the interleaved schedule needs at least 2 pipeline ranks; pass --pp 2"
     if vp < 2:
@@ -137,9 +175,7 @@ def demo_input_problem(args: argparse.Namespace) -> Optional[str]:
     if fault is not None:
         from lab.demo import faults  # imports torch: only once a fault is asked for
 
-        names = sorted({**faults.FAULTS, **faults.HARMLESS, **faults.RANK_ERRORS,
-                        **faults.STARTUP_ERRORS, **faults.BETWEEN_STEPS_ERRORS})
-        in_megatron_lm = {**faults.RANK_ERRORS, **faults.STARTUP_ERRORS}
+        names, in_megatron_lm = sorted(faults.ALL), faults.IN_MEGATRON_LM
         if fault not in names:
             return f"--fault {fault}: not a known fault; pass one of " + ", ".join(names)
         if getattr(args, "loop", None) == "megatron-lm" and fault not in in_megatron_lm:
@@ -162,6 +198,39 @@ def demo_input_problem(args: argparse.Namespace) -> Optional[str]:
         return ("--manual-post-processing: the installed megatron-core has no FP8 post-all-gather "
                 "processing to model (megatron-core >= 0.16 has); leave the flag out")
     return recipe_problem(args) or telemetry_path_problem(args.telemetry)
+
+
+#: The largest value of each size flag the CPU demo takes (flag, attribute, limit, example):
+#: every rank is a process on this machine and every microbatch a CPU forward and backward, so
+#: a larger value is a typo (``--microbatches 100000000000000000000`` overflowed inside the
+#: ranks after they had started).
+LIMITS = (("--pp", "pp", 16, 2), ("--vp", "vp", 16, 2), ("--dp", "dp", 16, 1),
+          ("--microbatches", "microbatches", 4096, 4), ("--group-size", "group_size", 4096, 2),
+          ("--steps", "steps", 10000, 3), ("--dist-opt-instances", "dist_opt_instances", 16, 1),
+          ("--resume-at", "resume_at", 10000, 1))
+#: The most processes (--pp x --dp) the demo starts.
+MAX_RANKS = 32
+#: The longest --timeout, in seconds (a day; torch's own default is 30 minutes).
+MAX_TIMEOUT_S = 86400.0
+
+
+def _size_problem(args: argparse.Namespace) -> Optional[str]:
+    """A size flag beyond what the CPU demo can run (checked first: no later rule, and no rank,
+    ever sees an absurd number)."""
+    for flag, name, limit, example in LIMITS:
+        value = getattr(args, name, None)
+        if value is not None and value > limit:
+            return (f"{flag} {value}: the CPU demo takes at most {limit}; pass a small value, "
+                    f"e.g. {flag} {example}")
+    ranks = args.pp * args.dp
+    if ranks > MAX_RANKS:
+        return (f"--pp {args.pp} --dp {args.dp}: {ranks} processes, the CPU demo starts at most "
+                f"{MAX_RANKS} (--pp x --dp); pass e.g. --pp 2 --dp 2")
+    timeout = getattr(args, "timeout", None)
+    if timeout is not None and timeout > MAX_TIMEOUT_S:  # inf too (nan: the rule below)
+        return (f"--timeout {timeout}: at most {MAX_TIMEOUT_S:.0f} seconds (a day); pass e.g. "
+                "--timeout 600, or leave it out (torch's 30 minutes)")
+    return None
 
 
 def _instances_problem(dp: int, n: int) -> Optional[str]:
@@ -189,8 +258,8 @@ def recipe_problem(args: argparse.Namespace) -> Optional[str]:
     if getattr(args, "loop", LOOPS[0]) != LOOPS[0]:
         return f"--recipe {recipe}: runs in the demo's own loop only; pass --loop schedule"
     try:
-        from nemo_fp8_align.recipes import mcore_features, recipe_refusals
-        from nemo_fp8_align.recipes import RECIPE_KIND
+        from nemo_fp8_align.support import mcore_features, recipe_refusals
+        from nemo_fp8_align.support import RECIPE_KIND
         refused = recipe_refusals([RECIPE_KIND[recipe]], mcore_features())
         from megatron.core.distributed import param_and_grad_buffer as pgb
     except ImportError:
@@ -319,7 +388,7 @@ def run_demo_command(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"{PROG}: error: {problem}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    from lab.demo.launch import alignment_problems, format_report, run_demo
+    from lab.demo.launch import DemoTelemetryError, alignment_problems, format_report, run_demo
     from lab.demo.train import DemoOptions
     from lab.demo.ranks import DemoRankError
 
@@ -344,6 +413,9 @@ def run_demo_command(args: argparse.Namespace) -> int:
     except DemoRankError as err:
         for text in err.reports.values():
             print(f"FAILED: {text}", file=sys.stderr)
+        return 1
+    except DemoTelemetryError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
         return 1
     if opts.device == "cuda":
         return _gpu_report(opts, result)

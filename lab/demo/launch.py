@@ -15,7 +15,8 @@ from lab.demo.train import DemoOptions, run_rank
 from nemo_fp8_align.core.schedule import InterleavedSchedule
 from nemo_fp8_align.core.telemetry import record_problems
 
-__all__ = ["DemoRankError", "DemoResult", "run_demo", "alignment_problems", "differences", "format_report"]
+__all__ = ["DemoRankError", "DemoResult", "DemoTelemetryError", "run_demo", "alignment_problems",
+           "differences", "format_report"]
 
 
 @dataclass
@@ -61,10 +62,20 @@ def demo_result(opts: DemoOptions, ranks: List[Dict[str, Any]],
     records = sorted((rec for r in ranks for rec in r.get("records", [])),
                      key=lambda x: (x["step"], x["chunk"], x["pp_rank"], x["dp_rank"]))
     if telemetry_path:
-        with open(telemetry_path, "w", encoding="utf-8") as f:
-            for rec in records:
-                f.write(json.dumps(rec, sort_keys=True) + "\n")
+        try:
+            with open(telemetry_path, "w", encoding="utf-8") as f:
+                for rec in records:
+                    f.write(json.dumps(rec, sort_keys=True) + "\n")
+        except OSError as err:  # a full disk, a lost mount: found only now
+            raise DemoTelemetryError(
+                f"--telemetry {telemetry_path}: could not write the run's records "
+                f"({err.strerror or err}); free space there or pass another path") from err
     return DemoResult(opts, ranks, records)
+
+
+class DemoTelemetryError(OSError):
+    """The run's records could not be written to ``--telemetry`` (one line: the path, why, the
+    fix)."""
 
 
 def alignment_problems(result: DemoResult) -> List[str]:

@@ -322,9 +322,11 @@ def train_gpu(opts: Any, phase: Dict[str, Any], book: GpuBook, *, attach_plugin:
                                    for s, cs in (book.probe.valid.items()
                                                  if book.probe is not None else [])},
                   unlaunched_forwards=0 if aligner is None else aligner.unlaunched_forwards)
-    if aligner is not None:
-        aligner.detach()
-    book.close()
+    try:
+        if aligner is not None:  # every rank, the same point: what is held stops every rank
+            aligner.detach(agree=True)
+    finally:
+        book.close()
     return result
 
 

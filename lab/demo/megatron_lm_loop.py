@@ -228,7 +228,7 @@ def _train(opts: Any, phase: Dict[str, Any], telemetry_path: Optional[str]) -> D
                   bucket_groups=[len(c.bucket_groups) for c in book.chunks],
                   optimizer_instances=optimizer_instances(book.chunks))
     book.evidence.close()
-    aligner.detach()
+    aligner.detach(agree=True)  # every rank, the same point: what is held stops every rank
     return result
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import time
 import traceback
@@ -88,22 +89,27 @@ def spawn_and_wait(target: Callable[..., None], world_size: int, args: Sequence[
     port, env, cwd = free_port(), dict(os.environ), os.getcwd()
     procs = [ctx.Process(target=_as_called, args=(env, cwd, target, rank, world_size, port, *args))
              for rank in range(world_size)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + (timeout_s or DEFAULT_PG_TIMEOUT_S) + WAIT_BEYOND_TIMEOUT_S
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    codes = [p.exitcode for p in procs]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + (timeout_s or DEFAULT_PG_TIMEOUT_S) + WAIT_BEYOND_TIMEOUT_S
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        codes = [p.exitcode for p in procs]
+    finally:  # also on Ctrl-C or SIGTERM in the launcher: no rank outlives it
+        for p in procs:
+            if p.pid is not None and p.is_alive():
+                p.kill()
+                p.join()
     return codes
 
 
 def _as_called(env: Dict[str, str], cwd: str, target: Callable[..., None], *args: Any) -> None:
     """A forked rank: the environment and working directory of the ``spawn_and_wait`` call (the
-    fork server's are those of its start), then the target."""
+    fork server's are those of its start), then the target. Ctrl-C is the launcher's: a
+    terminal sends it to every process of the job, and each rank would print a
+    KeyboardInterrupt traceback; the launcher stops the ranks itself."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)

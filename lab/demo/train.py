@@ -177,6 +177,12 @@ class PipelineRun:
         hidden = opts.model.hidden_size
         self.probe = torch.nn.Linear(hidden, hidden, device=opts.device) \
             if opts.foreign_forwards else None
+        self._stale = HeldStaleReads(self.weights) if opts.check_provenance else None
+
+    def _agree_on_stale_reads(self, step: int) -> None:
+        if self._stale is not None:
+            self._stale.agree(f"rank {dist.get_rank()} (pipeline rank {self.pp_rank}, "
+                              f"data-parallel rank {self.dp_rank}, step {step})")
 
     def _run(self, step: int, forward_only: bool) -> List[Dict[str, torch.Tensor]]:
         data = [{k: v.to(self.opts.device) for k, v in b.items()}
@@ -194,6 +200,7 @@ class PipelineRun:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         out = self._run(step, forward_only=False)
+        self._agree_on_stale_reads(step)
         return float(torch.stack([o["lm loss"] for o in out]).mean()) if out else None
 
     def optimizer_step(self) -> bool:
@@ -210,13 +217,52 @@ class PipelineRun:
                 chunk.disable_forward_pre_hook()  # param_sync=True: forced synchronous all-gather
         with torch.no_grad():
             self._run(step, forward_only=True)
+        self._agree_on_stale_reads(step)
         if self.opts.eval_forced_sync:
             for chunk in self.chunks:
                 chunk.enable_forward_pre_hook()
 
     def close(self) -> None:
-        self.aligner.detach()
-        self._undo_post_processing()
+        """Detach, at the same point on every rank (the end of the run, or before a resume):
+        what a rank still holds (a failure after the last step end, the final telemetry flush)
+        stops every rank with the plugin's error, none left in the teardown's barrier."""
+        try:
+            self.aligner.detach(agree=True)
+        finally:
+            self._undo_post_processing()
+
+
+class HeldStaleReads:
+    """The demo GEMMs' stale-byte check (each reference FP8 weight's ``check_provenance``), held
+    to the end of the schedule instead of raised inside it.
+
+    Raised where the GEMM runs, on one pipeline rank, it left that rank's pipeline peers in
+    their p2p receives: they died with gloo's "Connection closed by peer" and never showed the
+    cause (``demo --dp 2 --fault no_wait``: ranks 2 and 3). Held, the step runs to its end on
+    the stale bytes (as a real GPU run would, silently), and every rank then agrees on the first
+    stale read with the plugin's own step-end agreement: every rank raises ``StaleFP8Error``,
+    the others naming the rank that read stale bytes and what it read."""
+
+    def __init__(self, weights: List[Any]) -> None:
+        self.first: Optional[Exception] = None
+        for weight in weights:
+            weight.check_provenance = partial(self._check, weight.check_provenance)
+
+    def _check(self, check: Any, use: str) -> None:
+        from nemo_fp8_align.errors import StaleFP8Error
+
+        try:
+            check(use)
+        except StaleFP8Error as err:
+            if self.first is None:
+                self.first = err
+
+    def agree(self, label: str) -> None:
+        """Every rank, at the same point (after the schedule returned)."""
+        from nemo_fp8_align.core.step_end import agree
+
+        found, self.first = self.first, None
+        agree(found, label=label)
 
 
 def _manual_post_processing(run: PipelineRun):

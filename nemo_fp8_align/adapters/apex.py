@@ -46,6 +46,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set
 
 import torch
 
+from nemo_fp8_align import support
 from nemo_fp8_align.core.adapter import is_launch
 
 __all__ = ["ApexAdapter"]
@@ -95,6 +96,17 @@ class ApexAdapter:
         #: bucket had never been launched (0 when the schedule launched everything in time).
         self.blocking_all_gathers: List[int] = [0] * len(self.chunk_params)
         self._warned = False
+
+    def weights_to_align(self, weights: Sequence[Sequence[Any]], *, backend: Any,
+                         config: Any) -> List[List[Any]]:
+        """The refused setups of ``config`` raise, and so does every block-scaled recipe: no
+        megatron-core post-processing runs on Apex's path, and the plugin never byte-transposes
+        block-scaled data. Every weight is kept otherwise."""
+        support.refuse_unsupported(support.Setup(config=config))
+        kept = [list(w) for w in weights]
+        support.refuse_recipes(list(support.kinds_of(kept, backend)), None,
+                               path="NeMo's Apex distributed_fused_adam")
+        return kept
 
     # ------------------------------------------------------------------ bucket state
     def _bucket_ids(self, params: Sequence[Any]) -> Set[int]:

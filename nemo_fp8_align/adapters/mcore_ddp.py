@@ -57,7 +57,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from nemo_fp8_align import errors
+from nemo_fp8_align import errors, support
 from nemo_fp8_align.core.adapter import is_launch
 
 __all__ = ["ForcedSyncWatch", "GradSyncStepEnd", "McoreDDPAdapter", "param_of",
@@ -94,25 +94,40 @@ class McoreDDPAdapter:
             training pass from a forward-only one, and is checked for functions the adapter
             does not see); None: not read (NeMo binds it inside its own step).
         owns_step_end: report the step end at chunk 0's ``finish_grad_sync``.
-        forced_sync: ``(weights, backend)`` for the forced-all-gather watch, per chunk its FP8
-            weights and the backend that builds them (None: no watch).
+
+    The forced-all-gather watch rebuilds the weights :meth:`weights_to_align` returned (none
+    before it is asked: no watch).
     """
 
     launched_before_loop = 2  #: the schedule's pre-loop calls (chunks 0 and 1)
 
-    def __init__(self, chunks: Sequence[Any], config: Any = None, *, owns_step_end: bool = True,
-                 forced_sync: Optional[Tuple[Sequence[Sequence[Any]], Any]] = None) -> None:
+    def __init__(self, chunks: Sequence[Any], config: Any = None, *,
+                 owns_step_end: bool = True) -> None:
         for i, chunk in enumerate(chunks):
             self._check_chunk(i, chunk)
         self._end = GradSyncStepEnd(chunks) if owns_step_end else None
         self.chunks = list(chunks)
         self.config = config
         self.owns_step_end = owns_step_end
-        self._forced_sync = forced_sync
+        #: ``(weights per chunk, backend)`` for the forced-all-gather watch (None: no watch).
+        self._forced_sync: Optional[Tuple[Sequence[Sequence[Any]], Any]] = None
         self._originals: List[Any] = []
         self._wrapped: List[Any] = []
         self._watch: Any = None
         self._rebound: Optional[tuple] = None  # (the list a loop had bound, ours in its place)
+
+    def weights_to_align(self, weights: Sequence[Sequence[Any]], *, backend: Any,
+                         config: Any) -> List[List[Any]]:
+        """The refused setups of ``config`` and the recipes the installed megatron-core cannot
+        post-process raise; MXFP8 weights that megatron-core does not re-quantize after the
+        all-gather (the chunk's ``ddp_config.reuse_grad_buf_for_mxfp8_param_ag`` off) carry no
+        work and are left out. The rest are also what the forced-all-gather watch rebuilds."""
+        support.refuse_unsupported(support.Setup(config=config))
+        kept = [support.weights_with_work(list(w), backend, requantized=_requantizes_mxfp8(chunk))
+                for w, chunk in zip(weights, self.chunks)]
+        support.refuse_recipes(list(support.kinds_of(kept, backend)), support.mcore_features())
+        self._forced_sync = (kept, backend)
+        return kept
 
     @staticmethod
     def _check_chunk(i: int, chunk: Any) -> None:
@@ -262,6 +277,12 @@ def _launch_then(chunk: int, fn: Callable[..., Any],
             on_launch(chunk)
         return out
     return start_param_sync
+
+
+def _requantizes_mxfp8(chunk: Any) -> bool:
+    """Whether megatron-core re-quantizes the chunk's MXFP8 parameters after the all-gather."""
+    ddp_config = getattr(chunk, "ddp_config", None)
+    return bool(getattr(ddp_config, "reuse_grad_buf_for_mxfp8_param_ag", False))
 
 
 class GradSyncStepEnd:

@@ -36,7 +36,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from nemo_fp8_align.adapters.mcore_ddp import GradSyncStepEnd
+from nemo_fp8_align import mcore_versions, support
+from nemo_fp8_align.adapters.mcore_ddp import GradSyncStepEnd, param_of
 from nemo_fp8_align.core.adapter import is_launch
 from nemo_fp8_align.errors import UnsupportedSetupError
 
@@ -91,6 +92,19 @@ class McoreOptimizerAdapter:
         self.chunks = list(chunks)
         self.owns_step_end = owns_step_end
         self._wrapped: List[Tuple[Any, Any]] = []  # (optimizer, its wrapper)
+
+    def weights_to_align(self, weights: Sequence[Sequence[Any]], *, backend: Any,
+                         config: Any) -> List[List[Any]]:
+        """The refused setups of ``config`` and the recipes megatron-core 0.7/0.8 cannot
+        post-process raise, and so do Transformer Engine FP8 parameters: this DDP never
+        gathers into them. Every weight is kept otherwise."""
+        support.refuse_unsupported(support.Setup(config=config))
+        kept = [list(w) for w in weights]
+        support.refuse_recipes(list(support.kinds_of(kept, backend)), support.mcore_features())
+        problem = mcore_versions.fp8_parameter_problem([param_of(w) for w in sum(kept, [])])
+        if problem is not None:
+            raise UnsupportedSetupError(problem)
+        return kept
 
     # ------------------------------------------------------------------ finishing a chunk
     def record(self, k: int, index: int) -> Optional[int]:

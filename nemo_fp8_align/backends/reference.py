@@ -33,7 +33,7 @@ def bytes_digest(t: torch.Tensor) -> bytes:
 class ReferenceFP8Weight:
     """FP8 (e4m3) copy of a 2-D high-precision parameter, plus its cached transpose.
 
-    ``kind`` names its post-all-gather work (:mod:`~nemo_fp8_align.recipes`); the
+    ``kind`` names its post-all-gather work (:mod:`~nemo_fp8_align.support`); the
     block-scaled reference weights of :mod:`~nemo_fp8_align.backends.reference_blocks` derive
     from this class.
 

@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from nemo_fp8_align.recipes import COLUMNWISE, NVFP4_TRANSPOSE, REQUANTIZE
+from nemo_fp8_align.support import COLUMNWISE, NVFP4_TRANSPOSE, REQUANTIZE
 from nemo_fp8_align.backends.reference import FP8_E4M3_MAX, ReferenceFP8Weight, bytes_digest
 from nemo_fp8_align.errors import StaleFP8Error
 

@@ -28,7 +28,7 @@ processing the count is 0, which makes a second transpose visible in telemetry.
 datacenter Blackwell and newer); TE 1.x always transposes. MXFP8, blockwise-FP8 and NVFP4
 tensors are never byte-transposed by this backend: their scales run along one axis, so their
 column-wise copy is TE's or megatron-core's work (:mod:`nemo_fp8_align.backends.te_blocks`,
-kinds in :mod:`nemo_fp8_align.recipes`); the backend lists them, reads whether the
+kinds in :mod:`nemo_fp8_align.support`); the backend lists them, reads whether the
 copy is present and, where one is missing, asks TE's own ``post_all_gather_processing``.
 
 Optional, off by default (``te_kernel_writes_transpose``): our multi-tensor kernel writes a
@@ -50,7 +50,7 @@ from nemo_fp8_align.backends.te_api import (BUILD_CALLS, FP8_ATTR_KEYS, FP8_ATTR
                                              TE_INSTALL_HINT, api_generation, load_te_api,
                                              parse_te_version)
 from nemo_fp8_align.backends import te_blocks
-from nemo_fp8_align.recipes import TRANSPOSE
+from nemo_fp8_align.support import TRANSPOSE
 from nemo_fp8_align.kernels import multi_transpose_
 
 __all__ = ["TEBackend", "make_backend", "load_te_api", "parse_te_version", "api_generation",
@@ -178,7 +178,7 @@ class TEBackend:
         return out
 
     def kind_of(self, weight: Any) -> str:
-        """The weight's post-all-gather work (:mod:`~nemo_fp8_align.recipes`)."""
+        """The weight's post-all-gather work (:mod:`~nemo_fp8_align.support`)."""
         return te_blocks.block_kind(self.api, weight) or TRANSPOSE
 
     # ------------------------------------------------------------------ protocol

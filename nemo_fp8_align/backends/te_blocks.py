@@ -19,7 +19,7 @@ from typing import Any, Callable, List, Optional
 
 import torch
 
-from nemo_fp8_align.recipes import COLUMNWISE, NVFP4_TRANSPOSE, TE_BLOCK_CLASSES
+from nemo_fp8_align.support import COLUMNWISE, NVFP4_TRANSPOSE, TE_BLOCK_CLASSES
 
 __all__ = ["block_kind", "block_classes", "columnwise_present", "build_columnwise",
            "columnwise_mismatch"]

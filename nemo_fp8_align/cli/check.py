@@ -174,6 +174,11 @@ def _mode_problem(args: argparse.Namespace) -> Optional[str]:
                     f"with overrides (e.g. trainer.num_nodes=...) or pass {DP_FLAG} instead")
         return None
     config = args.config or ""
+    if not config and not list(getattr(args, "overrides", None) or []):
+        # Checked against nothing, every Megatron-LM default would be listed as a violation.
+        return ("--megatron-lm: no Megatron-LM arguments given; pass the training script's "
+                "arguments after --: check --megatron-lm [--world-size N] -- "
+                "--pipeline-model-parallel-size 2 ... (the whole command line)")
     if config.endswith((".yaml", ".yml")):
         return (f"--megatron-lm checks the Megatron-LM argument list after --, but {config} is "
                 f"a config file: leave out --megatron-lm to check it (check {config}), or pass "

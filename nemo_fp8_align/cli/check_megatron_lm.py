@@ -51,8 +51,10 @@ def run_megatron_lm_check(args: argparse.Namespace, argv: List[str], out: TextIO
         note.append(f"Megatron-LM's validate_args: {verdict}")
     host = {"flags_read_by": source.kind, "flags_version": source.version,
             "megatron_lm_validate_args": verdict}
+    from nemo_fp8_align.config_check.fix_search import FIX_SEARCH
+
     violations = megatron_lm_violations(parse_megatron_lm_argv(argv), world_size=world,
-                                        mcore=mcore)
+                                        mcore=mcore, fixer=FIX_SEARCH)
     if not violations:
         state = "OK" if world is not None else ("OK (microbatch checks skipped: world size "
                                                 "unknown, pass --world-size)")
@@ -76,6 +78,7 @@ def run_megatron_lm_check(args: argparse.Namespace, argv: List[str], out: TextIO
 def _fix_line(violations: List[Any], argv: List[str], world: Optional[int],
               mcore: Any = None) -> Any:
     """(the re-checked fix line, the argument list and world size it gives)."""
+    from nemo_fp8_align.config_check.fix_search import FIX_SEARCH
     from nemo_fp8_align.config_check.fixes import fix_line
     from nemo_fp8_align.config_check.megatron_lm_args import megatron_lm_violations
     from nemo_fp8_align.config_check.megatron_lm_parser import parse_megatron_lm_argv
@@ -85,7 +88,7 @@ def _fix_line(violations: List[Any], argv: List[str], world: Optional[int],
         # exactly what the printed line asks for: the edited list, parsed and checked again
         new_argv, new_world = apply_edits(argv, edits, world)
         return megatron_lm_violations(parse_megatron_lm_argv(new_argv), world_size=new_world,
-                                      mcore=mcore)
+                                      mcore=mcore, fixer=FIX_SEARCH)
 
     line = fix_line(violations, recheck, lambda key: True, MEGATRON_LM)
     return (line, *apply_edits(argv, line.overrides, world))

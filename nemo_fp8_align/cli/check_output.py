@@ -72,12 +72,14 @@ class Report:
 
     # ------------------------------------------------------------------ the check itself
     def find(self, cfg: Any) -> List[Violation]:
+        """The violations, each fix the fix search's (:data:`~.fix_search.FIX_SEARCH`)."""
         from nemo_fp8_align.config_check.check import find_violations
+        from nemo_fp8_align.config_check.fix_search import FIX_SEARCH
 
         return find_violations(cfg, data_parallel_size=self.args.data_parallel_size,
                                data_parallel_name=DP_FLAG,
                                require_block=not getattr(self.args, "mixin", False),
-                               mcore=getattr(self.args, "mcore_rules", None))
+                               mcore=getattr(self.args, "mcore_rules", None), fixer=FIX_SEARCH)
 
     def recheck(self, extra: List[str]) -> List[Violation]:
         """The violations of the same command line with ``extra`` appended as printed."""

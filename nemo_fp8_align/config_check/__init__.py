@@ -3,6 +3,9 @@
 
 Import-light on purpose: nothing here imports NeMo or megatron-core, and the names below are
 loaded on first use (``from nemo_fp8_align.config_check import check_config`` imports only OmegaConf).
+The rules (:mod:`.rules`) are the plugin's preconditions, which the runtime's startup check runs;
+the fix search (:mod:`.fix_search`: the layout solver, layout strings, batch and split fixes) is
+the command line's, passed to the rules as their fixer, and never loaded at runtime.
 """
 
 from __future__ import annotations

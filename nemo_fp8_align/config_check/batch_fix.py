@@ -6,8 +6,9 @@ optimizer step) stays what the user chose; it only splits the step into more, sm
 microbatches. A larger one is not offered: it needs more activation memory, which the check
 cannot judge. Only where no smaller micro batch fits does the global batch change, to the count
 of microbatches nearest the one given (either way: 2001 samples become 2000, not 2016), and the
-message names both values. Pure arithmetic over the interleaved schedule's own rule
-(:class:`~nemo_fp8_align.core.schedule.InterleavedSchedule`).
+message names both values. Pure arithmetic over the microbatch rule's verdict
+(:func:`~.rules.batch.schedule_fits`); only the command line's fix search (:mod:`.fix_search`)
+runs it.
 """
 
 from __future__ import annotations
@@ -16,29 +17,9 @@ import math
 from fractions import Fraction
 from typing import Optional, Tuple, Union
 
-from nemo_fp8_align.core.schedule import InterleavedSchedule, ScheduleError
+from nemo_fp8_align.config_check.rules.batch import schedule_fits
 
-__all__ = ["micro_batch_fix", "nearest_batch", "nearest_microbatches", "schedule_error",
-           "schedule_fits"]
-
-
-def schedule_error(pp: int, vp: Optional[int], m: int, n: Optional[int],
-                   legacy: bool = False) -> Optional[str]:
-    """Why M microbatches do not fit megatron-core's interleaved schedule (PP <= N <= M, not
-    0 < M mod N < PP; ``legacy``, before 0.10: no N, M a multiple of PP), as the schedule says
-    it; None when they fit. The rule does not depend on VP; an unknown VP is checked as 2."""
-    try:
-        InterleavedSchedule(pp=pp, vp=vp or 2, microbatches=m,
-                            group_size=None if legacy else n, legacy_order=legacy)
-    except ScheduleError as err:
-        return str(err)
-    return None
-
-
-def schedule_fits(pp: int, vp: Optional[int], m: int, n: Optional[int],
-                  legacy: bool = False) -> bool:
-    """Whether M microbatches fit the schedule (:func:`schedule_error` says none, M >= 1)."""
-    return m >= 1 and schedule_error(pp, vp, m, n, legacy) is None
+__all__ = ["micro_batch_fix", "nearest_batch", "nearest_microbatches"]
 
 
 def _span(pp: int, n: Optional[int]) -> int:

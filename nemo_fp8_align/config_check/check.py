@@ -10,9 +10,13 @@ import) and reports *every* setting that stops the plugin, or that NeMo 2.3.3 / 
 
 The rules are data: :data:`RULES` (:mod:`nemo_fp8_align.config_check.rules`) lists one small
 function per rule (``rule(ctx) -> None``); every rule runs whatever the others found, so no
-violation hides another. Fixes for the layer split, the world size and the microbatches change
-the parallel layout (:mod:`nemo_fp8_align.config_check.layout`), not the model, the batch or the
-node count, unless no layout is found (the message then names the trade-off). A rule that
+violation hides another. The fixes of the layer split, the world size and the microbatches are
+a search: the command line passes its fixer (:class:`~.fix_search.FixSearch`), whose fixes
+change the parallel layout (:mod:`nemo_fp8_align.config_check.layout`), not the model, the
+batch or the node count, unless no layout is found (the message then names the trade-off).
+Without a fixer (the runtime's startup check, and :func:`check_config`) those rules give the
+fix they can name without the search (:class:`~.context.FixRequest`), and the search is never
+imported. A rule that
 needs a value another rule found invalid (a layer split without a valid PP) does not run: the
 invalid value is what is reported. Two gates: the plugin's own block (with ``enabled:
 false`` or ``policy: off`` the plugin is inactive and only errors inside that block are
@@ -53,7 +57,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from nemo_fp8_align.config import AlignConfig, Policy
-from nemo_fp8_align.config_check.context import CheckContext
+from nemo_fp8_align.config_check.context import CheckContext, Fixer
 from nemo_fp8_align.config_check.reader import (ABSENT, UNRESOLVED, Reader, Violation, show_value,
                                                with_typo_hints)
 from nemo_fp8_align.config_check.resolvers import upstream_resolvers
@@ -96,7 +100,8 @@ def check_config(cfg: Any, *, data_parallel_size: Optional[int] = None) -> None:
 
     Judged by the importable megatron-core's rules (its recipes, schedule and options), as the
     plugin's own check at attach and ``nemo-fp8-align check`` judge; the newest rules where
-    none is importable.
+    none is importable. The fixes are the startup check's: where the command line's is a
+    search (a layout that fits), the rule's own, which names the command.
     """
     from nemo_fp8_align.mcore_versions import importable_rules
 
@@ -124,7 +129,8 @@ def plugin_off_override(cfg: Any) -> str:
 def find_violations(cfg: Any, *, data_parallel_size: Any = None,
                     data_parallel_name: str = "data_parallel_size",
                     require_block: bool = False, dialect: str = "nemo",
-                    mcore: Optional[VersionRules] = None) -> List[Violation]:
+                    mcore: Optional[VersionRules] = None,
+                    fixer: Optional[Fixer] = None) -> List[Violation]:
     """Every violation in ``cfg``, in :data:`RULES` order; empty when valid, and when the plugin
     block turns the plugin off (errors inside the block itself are still listed).
 
@@ -134,7 +140,8 @@ def find_violations(cfg: Any, *, data_parallel_size: Any = None,
     ``dialect``: ``megatron_lm`` for Megatron-LM's arguments mapped onto the keys (NeMo's own
     assertions left out; :mod:`.megatron_lm_args`). ``mcore``: the megatron-core version to
     check against (its own schedule rules and options, :mod:`.rules.version`); None: the
-    newest rules.
+    newest rules. ``fixer``: the fix search (the command line's
+    :data:`~.fix_search.FIX_SEARCH`); None: each rule's fix without the search.
     """
     with upstream_resolvers():
         model, trainer, problems = config_nodes(cfg)
@@ -144,7 +151,8 @@ def find_violations(cfg: Any, *, data_parallel_size: Any = None,
         ctx = CheckContext(Reader(model, "model.", found),
                            None if trainer is None else Reader(trainer, "trainer.", found),
                            data_parallel_size, data_parallel_name, found,
-                           require_block=require_block, dialect=dialect, mcore=mcore)
+                           require_block=require_block, dialect=dialect, mcore=mcore,
+                           fixer=fixer)
         align = _read_block(ctx.model)
         # a model the plugin does not drive is named alone: the GPT rules' fixes would rewrite it
         if align.active and not other_model_refused(ctx):

@@ -4,19 +4,62 @@ them (parallel sizes, world size, data-parallel size).
 A derived size is None whenever a value it needs is missing or invalid; the rule that owns that
 value reports it, so the rules built on the size simply do not run (and cannot report a
 consequence of a value that is already reported as wrong).
+
+A rule whose best fix is a search (the layer split, the world size, the microbatches: the
+nearest parallel layout that fits) reports a :class:`FixRequest`: the violation with the fix the
+rule can give without the search, and the values the search starts from. The command line puts
+its fixer on the context (:class:`~.fix_search.FixSearch`), which records the searched fix
+instead; the runtime's startup check has none, so it never loads the search and records the
+rule's own fix (a value to use, or the settings that must change, the rule they must satisfy,
+and the command that proposes them).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Mapping, Optional, Protocol
 
 from omegaconf import ListConfig
 
 from nemo_fp8_align.config_check.reader import ABSENT, Reader, Violation
 from nemo_fp8_align.mcore_versions import VersionRules
 
-__all__ = ["CheckContext", "device_count"]
+__all__ = ["CheckContext", "FixRequest", "Fixer", "device_count"]
+
+
+@dataclass(frozen=True)
+class FixRequest:
+    """A violation whose best fix needs the fix search.
+
+    Attributes:
+        rule: which rule asks (its name without ``rule_``); the fixer's method of that name
+            answers it.
+        violation: what the rule records without the search (its fix one a user can act on);
+            None where the rule records its own violation when the search has no better fix.
+        why: what must hold, as the rule says it (the searched fix's message builds on it).
+        values: the rule's own values the search starts from.
+    """
+
+    rule: str
+    violation: Optional[Violation]
+    why: str = ""
+    values: Mapping[str, Any] = field(default_factory=dict)
+
+
+class Fixer(Protocol):
+    """Turns fix requests into the fixes ``nemo-fp8-align check`` prints
+    (:class:`~.fix_search.FixSearch`), and searches Megatron-LM's world size and step-schedule
+    batches (:mod:`.megatron_lm_args`, :mod:`.megatron_lm_rules`)."""
+
+    def fix(self, ctx: "CheckContext", request: FixRequest) -> bool:
+        """Record the searched fix of ``request`` on ``ctx``; False: none better than the
+        rule's own (the rule records that)."""
+
+    def nearest_world(self, args: Mapping[str, Any], world: int) -> Optional[int]:
+        """The process count nearest ``world`` that fits the model parallelism and the batch."""
+
+    def nearest_batch(self, pp: int, vp: int, batch: int, per: int, n: Optional[int]) -> int:
+        """The batch nearest ``batch`` (a multiple of ``per``) whose M fits."""
 
 
 @dataclass
@@ -38,7 +81,7 @@ class CheckContext:
     violations: List[Violation] = field(default_factory=list)
     #: Whether an absent plugin block is a violation (the entry-point callback stays inert).
     require_block: bool = False
-    #: Values computed once per check (the layout search).
+    #: Values computed once per check (the fixer's layout search).
     cache: Dict[str, Any] = field(default_factory=dict)
     #: Whose spelling the config is: ``nemo`` (NeMo 2.3.3 builds the model, and its own checks
     #: apply) or ``megatron_lm`` (Megatron-LM's arguments mapped onto the same keys: NeMo's
@@ -47,10 +90,30 @@ class CheckContext:
     #: The megatron-core version checked against (its own schedule rules and options); None:
     #: none named, the newest rules (megatron-core >= 0.12).
     mcore: Optional[VersionRules] = None
+    #: The fix search of the command line (None: each rule's fix without the search).
+    fixer: Optional[Fixer] = None
 
     @property
     def nemo(self) -> bool:
         return self.dialect == "nemo"
+
+    # --- fixes that need the search -------------------------------------------------------
+
+    def searched(self, request: FixRequest) -> bool:
+        """Whether the fixer recorded a fix for ``request`` (False without a fixer)."""
+        return self.fixer is not None and self.fixer.fix(self, request)
+
+    def request_fix(self, request: FixRequest) -> None:
+        """The fixer's fix of ``request``, else the rule's own (``request.violation``)."""
+        if self.searched(request) or request.violation is None:
+            return
+        if request.violation not in self.violations:
+            self.violations.append(request.violation)
+
+    def search_command(self) -> str:
+        """The command that runs the fix search on this config, in its dialect."""
+        return ("`nemo-fp8-align check CONFIG.yaml`" if self.nemo
+                else "`nemo-fp8-align check --megatron-lm -- ARGS`")
 
     def legacy(self) -> bool:
         """megatron-core before 0.10: no N, M a multiple of PP with interleaving."""

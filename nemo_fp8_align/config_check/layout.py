@@ -1,5 +1,6 @@
 """The smallest change of the parallel layout that makes a config's layer split, world size and
-microbatches fit, holding the model, the batch and the cluster fixed.
+microbatches fit, holding the model, the batch and the cluster fixed: the layout solver of the
+command line's fix search (:mod:`.fix_search`), never loaded by the runtime's startup check.
 
 A fix the startup check proposes for these rules changes only the layout: the pipeline size PP,
 the model chunks per rank VP, the first/last stage split and the group size N. The model's
@@ -20,10 +21,10 @@ import itertools
 from dataclasses import dataclass, replace
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from nemo_fp8_align.config_check.batch_fix import schedule_error
 from nemo_fp8_align.config_check.context import CheckContext
 from nemo_fp8_align.config_check.reader import ABSENT
-from nemo_fp8_align.config_check.split_math import layer_split_error
+from nemo_fp8_align.config_check.rules.batch import schedule_error
+from nemo_fp8_align.config_check.rules.split import layer_split_error
 
 __all__ = ["FIXED_WHY", "KEYS", "Fixed", "Layout", "fixed_why", "layout_fix", "layout_inputs",
            "layout_overrides", "layout_problem", "micro_batch_layout_fix",

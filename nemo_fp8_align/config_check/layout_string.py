@@ -5,7 +5,8 @@ layout string places any number of layers in each stage, so the split can keep t
 a hybrid pattern) of one stage per rank keeps its own stages where a smaller PP fits
 (:func:`kept_string_fix`), and one of PP x VP stages regroups them at another PP where the
 given one does not fit (:func:`regrouped_string_fix`). NeMo mode has no such fix (megatron-core
-0.12.3 has no layout string).
+0.12.3 has no layout string). Part of the command line's fix search (:mod:`.fix_search`); the
+string itself is written by :func:`~.megatron_lm_rules.layout_text`.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from typing import Any, Dict, List, Optional
 
 from nemo_fp8_align.config_check.context import CheckContext
 from nemo_fp8_align.config_check.layout import KEYS, Fixed, Layout, layout_inputs, search
+from nemo_fp8_align.config_check.megatron_lm_rules import layout_text
 from nemo_fp8_align.config_check.reader import ABSENT
 
-__all__ = ["kept_string_fix", "layout_string_fix", "layout_text", "regrouped_string_fix"]
+__all__ = ["kept_string_fix", "layout_string_fix", "regrouped_string_fix"]
 
 
 def layout_string_fix(ctx: CheckContext) -> Optional[Dict[str, Any]]:
@@ -52,27 +54,6 @@ def layout_string_fix(ctx: CheckContext) -> Optional[Dict[str, Any]]:
         if ctx.model.get(key) is True:
             change[key] = False
     return change
-
-
-def layout_text(layers: int, pp: int, vp: int, mtp: int = 0) -> str:
-    """A ``--pipeline-model-parallel-layout`` of ``pp * vp`` stages holding ``layers`` decoder
-    layers (``t``), as even as can be: the layers left over go to the middle stages first (the
-    first holds the embedding ``E``, the last the MTP layers ``m`` and the loss ``L``, as
-    megatron-core's PipelineParallelLayerLayout asks)."""
-    stages = pp * vp
-    counts = [layers // stages] * stages
-    order = list(range(1, stages - 1)) + [0, stages - 1]
-    for i in order[:layers % stages]:
-        counts[i] += 1
-    parts = []
-    for i, count in enumerate(counts):
-        text = "t" if count == 1 else (f"t*{count}" if count else "")
-        if i == 0:
-            text = "E" + text
-        if i == stages - 1:
-            text += "m" * mtp + "L"
-        parts.append(text)
-    return "|".join(parts)
 
 
 def kept_string_fix(ctx: CheckContext) -> Optional[Dict[str, Any]]:

@@ -15,7 +15,9 @@ filled in so those rules hold; what only Megatron-LM has (FSDP instead of DDP) i
 The refusal table's rows (whole-step CUDA graphs, the combined 1F1B schedule) run on the flags
 of the same names. Nothing here imports megatron-core, nor reads a command line: the runtime's
 check of Megatron-LM's parsed arguments loads no parser or flag table
-(:mod:`.megatron_lm_parser` reads command lines, for the check command).
+(:mod:`.megatron_lm_parser` reads command lines, for the check command), and no fix search:
+the check command passes its fixer (:data:`~.fix_search.FIX_SEARCH`), without which each rule
+gives the fix it names without a search.
 """
 
 from __future__ import annotations
@@ -24,12 +26,13 @@ import re
 import shlex
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional
 
+from nemo_fp8_align.config_check.context import Fixer
 from nemo_fp8_align.config_check.megatron_lm_hybrid import (HYBRID, hybrid_layers,
                                                             hybrid_pattern, hybrid_segments)
 from nemo_fp8_align.config_check.megatron_lm_refusals import encoder_decoder
 from nemo_fp8_align.config_check.megatron_lm_rules import (
     _VP_DESTS, LAYOUT, PARSE_PROBLEMS, implicit_global_batch, layout_stages, megatron_lm_only,
-    nearest_world, step_schedule, vp_flag, vp_of, vp_spelling)
+    step_schedule, vp_flag, vp_of, vp_spelling)
 from nemo_fp8_align.config_check.reader import Violation
 
 __all__ = ["FLAGS", "READ_DESTS", "megatron_lm_config", "megatron_lm_violations",
@@ -90,7 +93,7 @@ FLAGS: Dict[str, Flag] = {
     "microbatch_group_size_per_vp_stage": Flag(
         "microbatch_group_size_per_vp_stage",
         "--microbatch-group-size-per-virtual-pipeline-stage", VALUE, None),
-    # Rows of the refusal table (refusals.py), which the check runs on these.
+    # Rows of the refusal table (support.py), which the check runs on these.
     "cuda_graph_impl": Flag("cuda_graph_impl", "--cuda-graph-impl", VALUE, "none"),
     "overlap_moe_expert_parallel_comm": Flag("overlap_moe_expert_parallel_comm",
                                              "--overlap-moe-expert-parallel-comm", STORE_TRUE,
@@ -197,37 +200,41 @@ def _put(node: Dict[str, Any], key: str, value: Any) -> None:
 
 
 def megatron_lm_violations(args: Mapping[str, Any], world_size: Optional[int] = None,
-                           mcore: Any = None) -> List[Violation]:
+                           mcore: Any = None, fixer: Optional[Fixer] = None
+                           ) -> List[Violation]:
     """Every violation, keyed and fixed in Megatron-LM's flags; empty when valid. ``mcore``:
-    the megatron-core version's rules to check against (None: the newest)."""
+    the megatron-core version's rules to check against (None: the newest). ``fixer``: the
+    command line's fix search (:data:`~.fix_search.FIX_SEARCH`); None (the runtime's check of
+    the parsed arguments): each rule's fix without the search, which is then not loaded."""
     from nemo_fp8_align.config_check.check import find_violations
 
     out: List[Violation] = list(args.get(PARSE_PROBLEMS, ()))
     refused = encoder_decoder(args)
     if refused:  # T5: named alone, the GPT rules' fixes would rewrite it
         return out + refused
-    out += megatron_lm_only(args, world_size, mcore)
+    out += megatron_lm_only(args, world_size, mcore, fixer)
     cfg = megatron_lm_config(args, world_size)
     # Layers per virtual stage without --num-layers give no VP: the --num-layers violation is
     # the one to fix (a VP fix would guess the model's layer count).
     vp_unknown = (args.get("num_layers") is None
                   and args.get("num_layers_per_virtual_pipeline_stage") is not None)
-    for v in find_violations(cfg, dialect="megatron_lm", mcore=mcore):
+    for v in find_violations(cfg, dialect="megatron_lm", mcore=mcore, fixer=fixer):
         if step_schedule(args) is not None and v.key == "model.global_batch_size":
             continue  # every entry of the schedule is checked by megatron_lm_rules
         if vp_unknown and v.key == "model.virtual_pipeline_model_parallel_size":
             continue
-        v = _translate(args, v, world_size)
+        v = _translate(args, v, world_size, fixer)
         if not any(v.key == o.key and v.fix == o.fix for o in out):  # fp8 and its format
             out.append(v)
     return out
 
 
-def _translate(args: Mapping[str, Any], v: Violation, world: Optional[int]) -> Violation:
+def _translate(args: Mapping[str, Any], v: Violation, world: Optional[int],
+               fixer: Optional[Fixer] = None) -> Violation:
     v = Violation(v.key, v.found, _megatron_terms(v.expected), v.fix)
     key = v.key[len("model."):] if v.key.startswith("model.") else v.key
     if key == "trainer.num_nodes" and world is not None:
-        return _world_size(args, v, world)
+        return _world_size(args, v, world, fixer)
     if key in FLAGS:
         flag = FLAGS[key].flag
     elif key == "virtual_pipeline_model_parallel_size":
@@ -260,11 +267,13 @@ def _translate(args: Mapping[str, Any], v: Violation, world: Optional[int]) -> V
     return Violation(flag, v.found, v.expected, translate_fix(args, v.fix))
 
 
-def _world_size(args: Mapping[str, Any], v: Violation, world: int) -> Violation:
+def _world_size(args: Mapping[str, Any], v: Violation, world: int,
+                fixer: Optional[Fixer] = None) -> Violation:
     """The world-size fix of a Megatron-LM job: the nearest process count that TP * PP * CP
-    divides and with which the batch fits (NeMo's rule keeps the devices per node and changes
-    the node count, a multiple of the world given; a launcher starts any count)."""
-    fixed = nearest_world(args, world)
+    divides and with which the batch fits (the fixer's search; NeMo's rule keeps the devices
+    per node and changes the node count, a multiple of the world given, which is the fix where
+    there is no fixer or it finds none; a launcher starts any count)."""
+    fixed = fixer.nearest_world(args, world) if fixer is not None else None
     if fixed is None:
         nodes = re.search(r"num_nodes=(\d+)", v.fix)
         fixed = world * int(nodes.group(1)) if nodes else None

@@ -4,7 +4,9 @@ the three ways of giving the virtual-pipeline size (at most one), the batch ramp
 ``--step-batch-size-schedule`` (every entry; not with ``--global-batch-size``), FP4, the
 interleaved schedule's PP > 2 without ``--overlap-p2p-comm``, the hierarchical CP sizes; the
 plugin's refusals that only Megatron-LM has are in :mod:`.megatron_lm_refusals`. The rules shared
-with NeMo run in :mod:`.megatron_lm_args`. Pure functions of ``vars(args)``; nothing here imports Megatron-LM.
+with NeMo run in :mod:`.megatron_lm_args`; :func:`layout_text` writes the layout string a VP fix
+gives (the inverse of :func:`layout_stages`). Pure functions of ``vars(args)``; nothing here
+imports Megatron-LM, nor the command line's fix search (the fixer passed in searches).
 """
 
 from __future__ import annotations
@@ -12,19 +14,18 @@ from __future__ import annotations
 import math
 import re
 import shlex
-from fractions import Fraction
 from typing import Any, List, Mapping, Optional, Tuple, Union
 
+from nemo_fp8_align.config_check.context import Fixer
 from nemo_fp8_align.config_check.reader import Violation
-from nemo_fp8_align.config_check.batch_fix import nearest_microbatches, schedule_fits
+from nemo_fp8_align.config_check.rules.batch import schedule_fits
 from nemo_fp8_align.config_check.megatron_lm_hybrid import (HYBRID, hybrid_pattern,
                                                             hybrid_segments, with_segments)
 from nemo_fp8_align.config_check.megatron_lm_refusals import (emerging_optimizer, fsdp_only,
                                                               plugin_refusals)
 
-__all__ = ["PARSE_PROBLEMS", "implicit_global_batch", "layout_stages",
-           "megatron_lm_only", "nearest_world", "step_schedule", "vp_flag", "vp_of",
-           "vp_spelling"]
+__all__ = ["PARSE_PROBLEMS", "implicit_global_batch", "layout_stages", "layout_text",
+           "megatron_lm_only", "step_schedule", "vp_flag", "vp_of", "vp_spelling"]
 
 #: Key of :func:`parse_megatron_lm_argv`'s result holding what Megatron-LM's parser stops on.
 PARSE_PROBLEMS = "_nemo_fp8_align_parse_problems"
@@ -61,6 +62,27 @@ def layout_stages(layout: str) -> Tuple[int, int]:
         text = expanded
     text = re.sub(r"(.)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), text)
     return text.count("|") + 1, text.count("t")
+
+
+def layout_text(layers: int, pp: int, vp: int, mtp: int = 0) -> str:
+    """A ``--pipeline-model-parallel-layout`` of ``pp * vp`` stages holding ``layers`` decoder
+    layers (``t``), as even as can be: the layers left over go to the middle stages first (the
+    first holds the embedding ``E``, the last the MTP layers ``m`` and the loss ``L``, as
+    megatron-core's PipelineParallelLayerLayout asks)."""
+    stages = pp * vp
+    counts = [layers // stages] * stages
+    order = list(range(1, stages - 1)) + [0, stages - 1]
+    for i in order[:layers % stages]:
+        counts[i] += 1
+    parts = []
+    for i, count in enumerate(counts):
+        text = "t" if count == 1 else (f"t*{count}" if count else "")
+        if i == 0:
+            text = "E" + text
+        if i == stages - 1:
+            text += "m" * mtp + "L"
+        parts.append(text)
+    return "|".join(parts)
 
 
 def vp_of(args: Mapping[str, Any]) -> Any:
@@ -124,8 +146,6 @@ def vp_spelling(args: Mapping[str, Any], pp: Optional[int], vp: Any) -> List[str
         layers = _int(args.get("num_layers"))
         if layers is None or layers < pp * vp:
             return [f"<a {LAYOUT} of PP x VP = {pp * vp} stages>"]
-        from nemo_fp8_align.config_check.layout_string import layout_text
-
         # the layers spread evenly over the stages (the given string's own placement is the
         # user's to redo by hand; this one is a valid start, named as such by the rule)
         return [f"{LAYOUT} "
@@ -171,44 +191,12 @@ def implicit_global_batch(args: Mapping[str, Any], world: int) -> Optional[int]:
     return mbs * (world // mp) if mbs and world % mp == 0 else None
 
 
-def _batch_fits(args: Mapping[str, Any], world: int, mp: int) -> bool:
-    """Whether the global batch (every step-schedule entry) fits ``world`` processes."""
-    mbs = _int(args.get("micro_batch_size")) or 1
-    pp = _int(args.get("pipeline_model_parallel_size"))
-    vp, n = vp_of(args), _int(args.get("microbatch_group_size_per_vp_stage"))
-    entries = step_schedule(args)
-    batches = ([b for _, b, _ in entries] if isinstance(entries, list)
-               else [_int(args.get("global_batch_size"))])
-    per = mbs * (world // mp)
-    for batch in batches:
-        if batch is None:
-            continue  # M = 1 then (Megatron-LM's default): the schedule rule reports it
-        if batch % per or (type(vp) is int and vp > 1 and pp and pp > 1
-                           and not schedule_fits(pp, vp, batch // per, n)):
-            return False
-    return True
-
-
-def nearest_world(args: Mapping[str, Any], world: int) -> Optional[int]:
-    """The process count nearest ``world`` (fewer first on a tie) that TP * PP * CP and expert
-    TP * EP * PP divide and with which the batch fits; None: none within 64 model-parallel
-    groups of it."""
-    sizes = {d: _int(args.get(d)) or 1 for d in (
-        "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-        "expert_model_parallel_size")}
-    tp, pp, cp, ep = sizes.values()
-    etp = _int(args.get("expert_tensor_parallel_size")) or tp
-    mp = tp * pp * cp
-    candidates = sorted((k * mp for k in range(1, world // mp + 64)),
-                        key=lambda w: (abs(w - world), w))
-    return next((w for w in candidates if w != world and w % (etp * ep * pp) == 0
-                 and _batch_fits(args, w, mp)), None)
-
-
 def megatron_lm_only(args: Mapping[str, Any], world: Optional[int],
-                     mcore: Any = None) -> List[Violation]:
+                     mcore: Any = None, fixer: Optional[Fixer] = None) -> List[Violation]:
     """Every Megatron-LM-only violation, in the order Megatron-LM validates (the recipe
-    verdict by megatron-core ``mcore``'s rules; None: the newest)."""
+    verdict by megatron-core ``mcore``'s rules; None: the newest). ``fixer``: the command
+    line's fix search (:class:`~.fix_search.FixSearch`), which proposes the nearest batch for a
+    step-schedule entry; None: the fix names what must hold."""
     out: List[Violation] = []
     given = [(flag, dest) for flag, dest in _VP_DESTS if args.get(dest) is not None]
     if len(given) > 1:
@@ -239,7 +227,7 @@ def megatron_lm_only(args: Mapping[str, Any], world: Optional[int],
         out.append(Violation("--no-overlap-p2p-communication", "set", "PP > 2 without overlapped "
                              f"P2P communication when interleaving (PP = {pp}; Megatron-LM "
                              "asserts it)", "drop --no-overlap-p2p-communication"))
-    out += _batch_schedule(args, world, vp, pp) + _optimizer_instances(args, world, pp)
+    out += _batch_schedule(args, world, vp, pp, fixer) + _optimizer_instances(args, world, pp)
     out += [v for v in plugin_refusals(args, mcore) if v not in out]
     return out + fsdp_only(args) + _hierarchical_cp(args) + emerging_optimizer(args)
 
@@ -298,9 +286,10 @@ def keep_dest(flag: str) -> str:
 
 
 def _batch_schedule(args: Mapping[str, Any], world: Optional[int], vp: Any,
-                    pp: int) -> List[Violation]:
+                    pp: int, fixer: Optional[Fixer] = None) -> List[Violation]:
     """``--step-batch-size-schedule``: not with ``--global-batch-size``; every entry's M fits
-    the interleaved schedule (the plugin follows M as it changes)."""
+    the interleaved schedule (the plugin follows M as it changes). The fix of an entry is the
+    nearest batch that fits (the fixer's search); without a fixer, what the entries must be."""
     flag = "--step-batch-size-schedule"
     entries = step_schedule(args)
     if entries is None:
@@ -327,18 +316,15 @@ def _batch_schedule(args: Mapping[str, Any], world: Optional[int], vp: Any,
         ok = batch % per == 0 and schedule_fits(pp, vp, batch // per, n)
         if not ok:
             bad.append(f"{written}:{batch} (M = {batch / per:g})")
-        fixed.append(f"{written}:{batch if ok else _nearest(pp, vp, batch, per, n)}")
+        if fixer is not None:
+            fixed.append(f"{written}:{batch if ok else fixer.nearest_batch(pp, vp, batch, per, n)}")
     if bad:
+        fix = (f"{flag} '{' '.join(fixed)}'" if fixer is not None else
+               f"{flag} with those entries' batch sizes changed to such multiples: "
+               "`nemo-fp8-align check --megatron-lm -- ARGS` proposes the nearest")
         out.append(Violation(flag, ", ".join(bad), f"every entry a multiple of micro batch * DP "
                              f"= {per} whose M fits the interleaved schedule (PP = {pp} <= N <= "
                              "M, not 0 < M mod N < PP; N = --microbatch-group-size-per-virtual-"
                              "pipeline-stage, default PP); the fix changes those entries' batch "
-                             "sizes, which changes the batch ramp of the training recipe",
-                             f"{flag} '{' '.join(fixed)}'"))
+                             "sizes, which changes the batch ramp of the training recipe", fix))
     return out
-
-
-def _nearest(pp: int, vp: int, batch: int, per: int, n: Optional[int]) -> int:
-    """The batch nearest ``batch`` (a multiple of ``per``) whose M fits, as NeMo mode's fix."""
-    exact = Fraction(batch, per)  # a float loses the units of a batch above 2**53
-    return (nearest_microbatches(pp, vp, exact, n) or max(round(exact), 1)) * per

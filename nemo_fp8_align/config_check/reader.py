@@ -155,13 +155,19 @@ class Reader:
             fix: Optional[str] = None) -> None:
         """Record a violation; the fix sets ``key`` to ``value`` unless ``fix`` is given.
         An exact repeat of a recorded violation is dropped."""
+        violation = self.violation(key, found, expected, value, fix=fix)
+        if violation is not None and violation not in self.violations:
+            self.violations.append(violation)
+
+    def violation(self, key: str, found: Any, expected: str, value: Any = None, *,
+                  fix: Optional[str] = None) -> Optional[Violation]:
+        """The violation :meth:`add` records, not recorded (None for an unreadable value,
+        already reported by :meth:`get`)."""
         if found is UNRESOLVED:
-            return  # already reported by get()
+            return None
         if fix is None:
             fix = self.override(key, value, present=found is not ABSENT)
-        violation = Violation(self.prefix + key, show_value(found), expected, fix)
-        if violation not in self.violations:
-            self.violations.append(violation)
+        return Violation(self.prefix + key, show_value(found), expected, fix)
 
     def require_true(self, key: str, why: str) -> bool:
         value = self.get(key)

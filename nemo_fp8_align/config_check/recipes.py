@@ -7,7 +7,7 @@ What the plugin aligns per recipe is docs/guarantees.md's and docs/design.md's s
 recipes' transposes on every version; blockwise FP8 (columnwise copy), NVFP4 (its transpose) and
 MXFP8 (the requantize of grad-buffer reuse; nothing without it) from the megatron-core whose
 post-processing places them: the runtime's own table, ``SINCE`` of
-:mod:`nemo_fp8_align.recipes` (0.16, 0.17 and 0.18), read here rather than
+:mod:`nemo_fp8_align.support` (0.16, 0.17 and 0.18), read here rather than
 repeated, so the check and the refusal at attach cannot disagree. The verdict is the version's
 the check runs against (:func:`judged_at`: ``--megatron-core``, else the installed one, the
 version the command's note names; NeMo 2.3.3 runs 0.12.3). A recipe is never a fix: a recipe the plugin does not
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import Any, List, Mapping, NamedTuple, Optional, Tuple
 
 from nemo_fp8_align.mcore_versions import NEWEST, VersionRules, parse_version
-from nemo_fp8_align.recipes import RECIPE_KIND
-from nemo_fp8_align.recipes import SINCE
+from nemo_fp8_align.support import RECIPE_KIND
+from nemo_fp8_align.support import SINCE
 
 __all__ = ["MCORE_NEMO", "RECIPES", "SETTINGS", "Finding", "Recipe",
            "Setting", "findings", "judged_at", "recipe_of", "rejected"]

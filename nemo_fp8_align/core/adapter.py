@@ -21,13 +21,14 @@ with gradients enabled (evaluation and validation loops run under ``no_grad``/in
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Mapping, Protocol, runtime_checkable
+from typing import Any, Callable, List, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 
 __all__ = ["Adapter", "Listener", "is_launch", "run_listeners"]
 
-#: Called once per step after the step-end agreement passed, at the same point on every rank.
+#: Called once per step at the step end, on every rank at the same point, whatever the step's
+#: outcome, just before the step end's agreement (which reports the listener's own error too).
 Listener = Callable[[], None]
 
 
@@ -59,6 +60,14 @@ class Adapter(Protocol):
     #: last of them the aligner handles the slot-0 chunks on every rank.
     launched_before_loop: int
 
+    def weights_to_align(self, weights: Sequence[Sequence[Any]], *, backend: Any,
+                         config: Any) -> List[List[Any]]:
+        """This path's refusals, then its work: raise
+        :class:`~nemo_fp8_align.errors.UnsupportedSetupError` naming every setup of ``config``
+        (the ``TransformerConfig`` the schedule reads) and every recipe of ``weights`` (per
+        chunk, FP8 weights as ``backend`` finds them) that this optimizer's path cannot align;
+        else return, per chunk, the weights whose post-all-gather work is left to place."""
+
     def install(self, on_launch: Callable[[int], None], on_end: Callable[[], None]) -> None:
         """Start reporting launches (``on_launch(chunk)``) and, if :attr:`owns_step_end`, the
         step end (``on_end()``). Leaves nothing behind when it raises."""
@@ -87,6 +96,6 @@ def run_listeners(listeners: List[Listener]) -> List[BaseException]:
     for listener in listeners:
         try:
             listener()
-        except Exception as err:  # rank-local (I/O): held for the next agreement
+        except Exception as err:  # rank-local (I/O): reported by the step end's agreement
             errors.append(err)
     return errors

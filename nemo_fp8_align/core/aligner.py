@@ -11,9 +11,12 @@ microbatches, and at chunk c's trigger it finishes c's all-gather and builds its
 
 It hears launches and step ends through its :class:`~nemo_fp8_align.core.adapter.Adapter`; a
 step end never heard is taken at the next step's first launch (the same point on every rank). An
-error inside a step, or a rank-local failure (telemetry I/O, a listener), is kept, the rest of
-the step runs without the plugin, and every rank of the model raises at the step end
-(:mod:`~nemo_fp8_align.core.step_end`). ``num_microbatches`` may be a function, asked at each
+error inside a step is kept, the rest of the step runs without the plugin, and every rank of the
+model raises at the step end (:mod:`~nemo_fp8_align.core.step_end`); the step end's own
+rank-local work (the telemetry flush, the listeners) runs before that agreement, so its
+failures reach the same step's agreement, the last step's included. What is still held when the
+run ends (a forced all-gather's rebuild after the last step end, the final flush) is agreed on
+by ``detach(agree=True)``. ``num_microbatches`` may be a function, asked at each
 step's start, so a step of another size is re-planned instead of misaligned.
 
 Policy ``lazy`` only observes where transposes get built (first use), for A/B runs. Attach is
@@ -148,14 +151,14 @@ class TransposeAligner:
         self._num_microbatches = num_microbatches
         self._error_group = error_group
         self._failure: Optional[Exception] = None  # this rank's first error of the open step
-        self._deferred: List[Exception] = []  # failures after an agreement: for the next one
         self._spans = GpuSpans(enabled=torch.cuda.is_available())  # GPU times at the step end
         self._extras = RecordExtras(dp_size)  # shape, sizes and (telemetry on) observed builds
         self._plan(schedule)
         self._handles: List[Any] = []
         self._hold: Optional[Adapter] = None  # the adapter while installed (attach)
-        #: Run after each step end's agreement, on every rank (e.g. a logger gathering the
-        #: step's records); a listener's error reaches the next agreement.
+        #: Run at each step end on every rank, whatever the step's outcome, just before the
+        #: step end's agreement (e.g. a logger gathering the step's records: a collective every
+        #: rank enters); a listener's error reaches that same agreement.
         self.step_end_listeners: List[Listener] = []
         self._step = -1
         self._vmid: Optional[int] = None  # forwards run in the open training step; None: closed
@@ -217,19 +220,51 @@ class TransposeAligner:
             if hold is not None:
                 hold.restore()
 
-    def detach(self) -> None:
-        """Undo :meth:`attach`, flush and close the telemetry (idempotent). A failure still held
-        (no step end followed it) is logged: no step end is left to agree on it."""
-        held = ([self._failure] if self._failure is not None else []) + self._deferred
+    def detach(self, *, agree: bool = False) -> None:
+        """Undo :meth:`attach`, flush and close the telemetry (idempotent).
+
+        ``agree=True``: every rank of the error group calls it at the same point (the end of a
+        training run: the demo loops, the Bridge and NeMo 2 callbacks' ``on_train_end``). What
+        this rank still holds (an error no step end reported, e.g. a forced all-gather's rebuild
+        failing in a final evaluation or save after the last step end) and what fails here (the
+        final telemetry flush, its close) then go through one agreement after the detach is
+        complete: every rank raises the plugin's error, none is left in a later collective
+        (the teardown barrier) waiting for a rank that raised alone.
+
+        ``agree=False`` (the default): local, never a collective, never raises for what is
+        held, which is logged. For the paths where the ranks do not detach at the same point:
+        an exception on its way out (Lightning's ``on_exception``, NeMo's session close on an
+        error), where a collective could wait for ranks that never come and a raise would hide
+        the error already in flight. A failure of the final flush still raises here, locally.
+        """
+        watch = self.forced_syncs  # read before the adapter is restored
+        held = ([self._failure] if self._failure is not None else []) + (
+            watch.take_failures() if watch is not None else [])
+        own: List[Exception] = []  # what fails in this detach
         self._undo_attach()
-        self._vmid, self._failure, self._deferred = None, None, []
+        self._vmid, self._failure = None, None
         try:
-            self._flush()
-        finally:
-            if self.telemetry is not None:
-                self.telemetry.close()
+            try:
+                self._flush()
+            finally:
+                if self.telemetry is not None:
+                    self.telemetry.close()
+        except Exception as err:
+            if not agree:
+                raise
+            own.append(err)
+        if agree:
+            from nemo_fp8_align.core.step_end import agree as agree_all
+
+            found = held + own
+            agree_all(found[0] if found else None, group=self._error_group,
+                      label=f"rank {self.rank} (pipeline rank {self.pp_rank}, data-parallel "
+                            f"rank {self.dp_rank}, detaching after step {self._step})")
+            return
         for err in held:
-            logger.error("nemo_fp8_align: detached with an error no step end reported: %s", err)
+            logger.error("nemo_fp8_align: detached with an error no step end reported (call "
+                         "detach(agree=True) where every rank detaches at the same point, to "
+                         "stop every rank with it): %s", err)
 
     def on_param_sync_launched(self, chunk: int) -> None:
         """The schedule has just launched ``chunk``'s all-gather. Chunk 0's opens a training
@@ -275,14 +310,16 @@ class TransposeAligner:
 
     def on_step_end(self) -> None:
         """The step's forwards and backwards are over (every rank of the model, same point).
-        Raises on every rank if any rank found an error in the step or held a rank-local
-        failure; then writes the telemetry and runs the listeners (failures: next step end)."""
+        Writes the telemetry and runs the listeners (on every rank, whatever the step's
+        outcome: a listener may be a collective), then agrees: raises on every rank if any rank
+        found an error in the step, held one from between steps, or failed writing or in a
+        listener here. So every failure of a step is reported at that step's end, the last
+        step's included."""
         if not self.attached:
             return
         failure, self._failure = self._failure, None
-        deferred, self._deferred = self._deferred, []
         watch = self.forced_syncs  # failures it held between steps (evaluation, saves)
-        deferred += watch.take_failures() if watch is not None else []
+        held = watch.take_failures() if watch is not None else []
         if self._vmid is not None:
             ran, self._vmid = self._vmid, None
             if failure is None and (ran != self.schedule.total or self._pending):
@@ -290,14 +327,14 @@ class TransposeAligner:
                     f"ran {ran} forwards" + (f", chunks {sorted(self._pending)} never ran"
                                              if self._pending else "")))
         self._pending = {}
-        agree(failure or (deferred[0] if deferred else None), group=self._error_group,
+        try:
+            self._flush()  # rank-local I/O: before the agreement, so that it reports it
+        except Exception as err:
+            held.append(err)
+        held += run_listeners(self.step_end_listeners)
+        agree(failure or (held[0] if held else None), group=self._error_group,
               label=f"rank {self.rank} (pipeline rank {self.pp_rank}, data-parallel rank "
                     f"{self.dp_rank}, step {self._step})")
-        try:
-            self._flush()  # after the agreement: its I/O can fail on one rank alone
-        except Exception as err:
-            self._deferred.append(err)
-        self._deferred += run_listeners(self.step_end_listeners)
 
     def _open_step(self) -> None:
         self._vmid = 0  # open (before anything can fail): a failure ends it at the step end

@@ -211,7 +211,7 @@ class RecordExtras:
     def kind(self, aligner: Any, chunk: int) -> str:
         """The chunk's post-all-gather work (read once: a chunk's weights do not change)."""
         if chunk not in self._kinds:
-            from nemo_fp8_align.recipes import chunk_kind, kind_of
+            from nemo_fp8_align.support import chunk_kind, kind_of
 
             self._kinds[chunk] = chunk_kind(kind_of(aligner.backend, w)
                                             for w in aligner.weights[chunk])

@@ -9,6 +9,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from nemo_fp8_align.core.observe import observed_problems, schedule_of
+from nemo_fp8_align.errors import TelemetryError
 from typing import IO, Any, Iterable, List, Mapping, Optional
 
 __all__ = ["TransposeRecord", "TelemetryWriter", "read_records", "record_problems"]
@@ -52,7 +53,7 @@ class TransposeRecord:
     finished forwards of this rank, inside a running one or not), ``obs_slot`` the slot of the
     first (``None``: not observed).
 
-    ``kind`` is the chunk's post-all-gather work (:mod:`~nemo_fp8_align.recipes`):
+    ``kind`` is the chunk's post-all-gather work (:mod:`~nemo_fp8_align.support`):
     ``transpose`` (per-tensor FP8; records written before the field existed read as it),
     ``columnwise`` (blockwise FP8), ``requantize`` (MXFP8 with grad-buffer reuse),
     ``nvfp4-transpose``, or several joined with ``+``. ``transposed``, ``valid`` and
@@ -112,10 +113,21 @@ class TelemetryWriter:
         self.path = path
         self._file: Optional[IO[str]] = None
 
+    def _failed(self, err: OSError, what: str) -> TelemetryError:
+        """A write, flush or close that failed (a full disk, a lost mount), as the plugin's
+        error naming the file and the fix."""
+        return TelemetryError(
+            f"nemo_fp8_align: telemetry_path={self.path}: could not {what} it ({err}); free "
+            "space there or pass a writable telemetry_path, or leave telemetry_path unset to "
+            "train without telemetry")
+
     def write(self, record: TransposeRecord) -> None:
-        if self._file is None:
-            self._file = open(self.path, "a", encoding="utf-8")
-        self._file.write(record.to_json() + "\n")
+        try:
+            if self._file is None:
+                self._file = open(self.path, "a", encoding="utf-8")
+            self._file.write(record.to_json() + "\n")
+        except OSError as err:
+            raise self._failed(err, "write") from err
 
     def write_all(self, records: Iterable[TransposeRecord]) -> None:
         """Write ``records`` and flush (a step's end)."""
@@ -125,12 +137,18 @@ class TelemetryWriter:
 
     def flush(self) -> None:
         if self._file is not None:
-            self._file.flush()
+            try:
+                self._file.flush()
+            except OSError as err:
+                raise self._failed(err, "write") from err
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            file, self._file = self._file, None
+            try:
+                file.close()
+            except OSError as err:
+                raise self._failed(err, "write") from err
 
 
 def read_records(paths: Iterable[str]) -> List[dict]:

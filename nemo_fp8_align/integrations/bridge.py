@@ -29,6 +29,7 @@ from types import SimpleNamespace
 from typing import Any, List, Optional
 
 from nemo_fp8_align.config import AlignConfig
+from nemo_fp8_align.integrations import megatron_lm
 
 __all__ = ["FP8TransposeAlignCallback", "bridge_args"]
 
@@ -90,8 +91,6 @@ class FP8TransposeAlignCallback:
         self._chunks: List[Any] = []
 
     def on_train_start(self, context: Any) -> None:
-        from nemo_fp8_align.integrations import megatron_lm
-
         model = list(context.model)
         if self.aligner is not None:
             if _same(model, self._chunks):
@@ -110,8 +109,11 @@ class FP8TransposeAlignCallback:
 
     def on_train_end(self, context: Any) -> None:
         if self.aligner is not None:
-            self.aligner.detach()
+            aligner, chunks = self.aligner, self._chunks
             self.aligner, self._chunks = None, []
+            # train()'s end on every rank (the context's model is ours): what a rank still holds
+            # stops every rank; on_train_start's restart call (another model) stays local.
+            aligner.detach(agree=_same(list(getattr(context, "model", None) or []), chunks))
 
 
 def _same(model: List[Any], chunks: List[Any]) -> bool:

@@ -94,7 +94,7 @@ def attach(model: Sequence[Any], *, backend: Any = None,
             aligner.step_number = step_number
         elif _megatron_args() is not None:  # numbered by Megatron-LM's iteration (resumes go on)
             aligner.step_number = _current_iteration
-        if writer is not None and aligner.attached:  # after each step end's agreement
+        if writer is not None and aligner.attached:  # at each step end, before its agreement
             aligner.step_end_listeners.append(partial(writer, aligner))
     except BaseException:
         aligner.detach()  # all or nothing

@@ -234,7 +234,11 @@ class FP8TransposeAlignNeMo2(Callback):
 
     @override
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        self._detach()
+        # Lightning ends fit here on every rank: what a rank still holds stops every rank
+        # (on_exception and teardown detach locally).
+        aligner, self.aligner = self.aligner, None
+        if aligner is not None:
+            aligner.detach(agree=True)
 
     @override
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:

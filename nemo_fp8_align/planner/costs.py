@@ -77,7 +77,7 @@ class GpuProfile:
     transpose_tbps: float  #: per-tensor FP8 transpose, (read + write) TB/s
     needs_transpose: Tuple[bool, str]  #: whether per-tensor FP8 GEMMs need the TN layout, why
     source: str  #: where tflops and transpose_tbps come from
-    #: other post-all-gather kinds (recipes.py): kind -> (read + write TB/s, where it comes from)
+    #: other post-all-gather kinds (support.py): kind -> (read + write TB/s, where it comes from)
     rates: Tuple[Tuple[str, float, str], ...] = ()
 
     def rate(self, kind: str) -> Tuple[float, str]:

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from nemo_fp8_align.errors import PlanInputError
-from nemo_fp8_align.recipes import RECIPE_KIND, TRANSPOSE
+from nemo_fp8_align.support import RECIPE_KIND, TRANSPOSE
 
 __all__ = ["RECIPES", "PER_TENSOR", "PostProcessing", "post_processing"]
 
-#: The recipes megatron-core trains with, from the one recipe table (:mod:`nemo_fp8_align.recipes`).
+#: The recipes megatron-core trains with, from the one recipe table (:mod:`nemo_fp8_align.support`).
 RECIPES = tuple(RECIPE_KIND)
 PER_TENSOR = tuple(recipe for recipe, kind in RECIPE_KIND.items() if kind == TRANSPOSE)
 _BLACKWELL_ONLY = {"mxfp8": "MXFP8 needs datacenter Blackwell (Transformer Engine: sm_100 to "

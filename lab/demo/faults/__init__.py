@@ -11,12 +11,16 @@ off, the GEMMs' stale-byte checks) to fail. A fault nothing catches is a missing
 
 :data:`RANK_ERRORS` are not engine faults: each makes the plugin find an error on one rank only
 (the job's last rank, in step 1), the way a real job meets it, so that ``tests/test_no_hang.py``
-can show every rank stopping at that step's end with its own message instead of hanging.
+can show every rank stopping at that step's end with its own message instead of hanging;
+:data:`END_ERRORS` do the same at the run's end (the last step's telemetry write, the detach),
+where an error used to be only logged and the job exited 0.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
+import os
 from typing import Any, Callable, Dict
 
 import torch
@@ -28,8 +32,8 @@ from nemo_fp8_align.core.schedule import AT_START, InterleavedSchedule
 from nemo_fp8_align.backends.reference import ReferenceBackend
 from lab.demo import train
 
-__all__ = ["BETWEEN_STEPS_ERRORS", "FAULTS", "HARMLESS", "RANK_ERRORS", "STARTUP_ERRORS",
-           "inject"]
+__all__ = ["ALL", "BETWEEN_STEPS_ERRORS", "END_ERRORS", "FAULTS", "HARMLESS", "IN_MEGATRON_LM",
+           "RANK_ERRORS", "STARTUP_ERRORS", "inject"]
 
 Undo = Callable[[], None]
 
@@ -342,9 +346,9 @@ def rebuild_fails_on_one_rank(loop: str = "schedule") -> Undo:
 
 
 def metrics_fail_on_one_rank(loop: str = "megatron-lm") -> Undo:
-    """The metrics listener fails on one rank before its gather (reading step 1's records),
-    after step 1's agreement: every rank must stop at the next step's end with the plugin's
-    error, none left in the listener's all_gather_object."""
+    """The metrics listener fails on one rank before its gather (reading step 1's records), at
+    step 1's end: every rank must stop with the plugin's error, none left in the listener's
+    all_gather_object."""
     from nemo_fp8_align.core import metrics
 
     original = metrics.__dict__["_compact"]
@@ -354,6 +358,79 @@ def metrics_fail_on_one_rank(loop: str = "megatron-lm") -> Undo:
             raise OSError("injected: this rank's step records could not be read")
         return original(record)
     return _patch(metrics, "_compact", compact)
+
+
+LAST_STEP = 2  #: the last step of a 3-step run (the demo's default --steps 3)
+
+
+class _FullDisk:
+    """A telemetry file on a full disk: every write and flush fails with ENOSPC."""
+
+    def __init__(self, file: Any) -> None:
+        self._file = file
+
+    def _full(self, *args: Any) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + " (injected)")
+
+    write = flush = _full
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _disk_full_at(when: Callable[[TransposeAligner], bool]) -> Undo:
+    """On the faulty rank, the aligner's telemetry file fills up when ``when(aligner)`` holds
+    at a flush (the step end's, or the detach's): the real writer meets ENOSPC."""
+    original = TransposeAligner._flush
+
+    def flush(self: TransposeAligner) -> None:
+        writer = self.telemetry
+        if writer is not None and _the_faulty_rank() and when(self):
+            if writer._file is None:
+                writer._file = open(writer.path, "a", encoding="utf-8")
+            if not isinstance(writer._file, _FullDisk):
+                writer._file = _FullDisk(writer._file)
+        original(self)
+    return _patch(TransposeAligner, "_flush", flush)
+
+
+def telemetry_fails_at_the_last_step(loop: str = "schedule") -> Undo:
+    """The telemetry write fails (disk full) on one rank at the last step's end (step 2 of a
+    3-step run): every rank must stop there with the plugin's error, not exit 0 after a log
+    line (no later step end is left to report it)."""
+    return _disk_full_at(lambda aligner: aligner.attached and aligner._step == LAST_STEP)
+
+
+def detach_fails_on_one_rank(loop: str = "schedule") -> Undo:
+    """The final telemetry flush fails (disk full) on one rank while the aligner detaches at the
+    end of the run: every rank must stop with the plugin's error, none left in the teardown's
+    barrier."""
+    return _disk_full_at(lambda aligner: not aligner.attached)
+
+
+def rebuild_fails_after_the_last_step(loop: str = "schedule") -> Undo:
+    """On one rank the forced-sync watch's rebuild fails in the evaluation after the last step
+    (step 2 of a 3-step run, ``--eval-between-steps``): no step end follows, so the failure is
+    held to the detach, where every rank must stop with the plugin's error."""
+    from nemo_fp8_align.adapters.mcore_ddp import ForcedSyncWatch
+    from nemo_fp8_align.errors import StaleFP8Error
+
+    current: Dict[str, int] = {}
+    original, evaluate = ForcedSyncWatch.__dict__["_rebuild"], train.PipelineRun.evaluate
+
+    def rebuild(self: Any, weights: Any) -> None:
+        if _the_faulty_rank() and current.get("step") == LAST_STEP:
+            raise StaleFP8Error("nemo_fp8_align (injected): the transposes could not be "
+                                "rebuilt after the last evaluation's forced all-gather on this "
+                                "rank only")
+        original(self, weights)
+
+    def evaluate_step(self: Any, step: int) -> None:
+        current["step"] = step
+        evaluate(self, step)
+    undo_rebuild = _patch(ForcedSyncWatch, "_rebuild", rebuild)
+    undo_eval = _patch(train.PipelineRun, "evaluate", evaluate_step)
+    return lambda: (undo_eval(), undo_rebuild())
 
 
 FAULTS: Dict[str, Callable[[], Undo]] = {f.__name__: f for f in (
@@ -367,29 +444,36 @@ RANK_ERRORS: Dict[str, Callable[[], Undo]] = {f.__name__: f for f in (
     mismatch_on_one_rank, extra_forward_on_one_rank, capture_on_one_rank,
     verify_fails_on_one_rank)}
 #: Errors one rank meets between steps (a forced all-gather's rebuild): every rank must stop at
-#: the next step's end.
+#: the next step's end, or (after the last step) at the detach. The demo's own loop only.
 BETWEEN_STEPS_ERRORS: Dict[str, Callable[[], Undo]] = {f.__name__: f for f in (
-    rebuild_fails_on_one_rank,)}
+    rebuild_fails_on_one_rank, rebuild_fails_after_the_last_step)}
 #: Errors one rank meets at attach, in Megatron-LM's loop: every rank must stop at the attach.
 STARTUP_ERRORS: Dict[str, Callable[[str], Undo]] = {f.__name__: f for f in (
     args_check_fails_on_one_rank, metrics_fail_on_one_rank)}
+#: Errors one rank meets at the run's end (the last step's telemetry write, the detach), in
+#: either loop: every rank must stop with the plugin's error and exit nonzero.
+END_ERRORS: Dict[str, Callable[[str], Undo]] = {f.__name__: f for f in (
+    telemetry_fails_at_the_last_step, detach_fails_on_one_rank)}
+#: Every name ``--fault`` takes; those Megatron-LM's loop (``--loop megatron-lm``) takes.
+ALL: Dict[str, Callable[..., Undo]] = {**FAULTS, **HARMLESS, **RANK_ERRORS, **STARTUP_ERRORS,
+                                       **BETWEEN_STEPS_ERRORS, **END_ERRORS}
+IN_MEGATRON_LM: Dict[str, Callable[[str], Undo]] = {**RANK_ERRORS, **STARTUP_ERRORS,
+                                                    **END_ERRORS}
 
 
 def inject(name: str, loop: str = "schedule") -> Undo:
     """Apply the named fault (or harmless variation) in this process; returns its undo.
 
-    ``loop="megatron-lm"`` (``demo --loop megatron-lm``) takes the :data:`RANK_ERRORS` only: the
+    ``loop="megatron-lm"`` (``demo --loop megatron-lm``) takes :data:`IN_MEGATRON_LM` only: the
     engine faults are judged by the demo loop's own evidence."""
-    known = {**FAULTS, **HARMLESS, **RANK_ERRORS, **STARTUP_ERRORS, **BETWEEN_STEPS_ERRORS}
-    if name not in known:
+    if name not in ALL:
         raise ValueError(f"fault={name!r} is not a known fault; choose one of: "
-                         + ", ".join(sorted(known)))
-    in_megatron_lm = {**RANK_ERRORS, **STARTUP_ERRORS}
+                         + ", ".join(sorted(ALL)))
     if loop == "megatron-lm":
-        if name not in in_megatron_lm:
+        if name not in IN_MEGATRON_LM:
             raise ValueError(f"fault={name!r} runs in the demo's own loop only; in Megatron-LM's "
-                             "loop choose one of: " + ", ".join(sorted(in_megatron_lm)))
-        return in_megatron_lm[name](loop)
+                             "loop choose one of: " + ", ".join(sorted(IN_MEGATRON_LM)))
+        return IN_MEGATRON_LM[name](loop)
     if name in STARTUP_ERRORS:
         raise ValueError(f"fault={name!r} runs in Megatron-LM's loop only (--loop megatron-lm)")
-    return known[name]()
+    return ALL[name]()

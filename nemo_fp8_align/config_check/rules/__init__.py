@@ -3,7 +3,9 @@ read: :mod:`.parallel` (sizes, precision, experts), :mod:`.split` (the layer spl
 (FP8 and the optimizer), :mod:`.batch` (world size, data-parallel size, microbatches) and
 :mod:`.model` (the model NeMo builds, the plugin block) and :mod:`.version` (the megatron-core
 version checked against). :data:`RULES` is the list, in report
-order; every rule runs whatever the others found.
+order; every rule runs whatever the others found. A rule whose best fix is a search reports a
+fix request (:class:`~..context.FixRequest`) that the command line's fixer answers; no rule
+imports the search.
 """
 
 from __future__ import annotations

@@ -5,28 +5,32 @@ The data-parallel size is ``trainer.devices * trainer.num_nodes / (TP * PP * CP)
 megatron-core's ``initialize_model_parallel`` computes), or the caller's value
 (``--data-parallel-size``); when both are known they must agree. Without either, the microbatch
 rules do not run (the CLI says so on its OK line).
+
+The world size, the expert world size and the microbatches are violations with fix requests
+(:class:`~..context.FixRequest`): the command line's fixer searches the layout that fits, then
+a smaller micro batch, then the global batch (:mod:`..fix_search`). Without it (the runtime's
+startup check) each gives the fix it can name without a search: the node count that fits, the
+expert-parallel size that divides, or the settings that make M fit and the command that
+proposes them. :func:`schedule_error` is the microbatch rule's verdict (the layout search asks
+it too).
 """
 
 from __future__ import annotations
 
 from math import gcd
-from typing import Optional
+from typing import Optional, Tuple
 
 from omegaconf import DictConfig
 
-from nemo_fp8_align.config_check.batch_fix import (micro_batch_fix, nearest_batch,
-                                                   schedule_error)
-from nemo_fp8_align.config_check.context import CheckContext
-from nemo_fp8_align.config_check.layout import (fixed_why, layout_fix, layout_overrides,
-                                                smaller_micro_batch_layout)
-from nemo_fp8_align.config_check.layout_string import kept_string_fix, regrouped_string_fix
+from nemo_fp8_align.config_check.context import CheckContext, FixRequest
 from nemo_fp8_align.config_check.reader import ABSENT, Violation, show_value
 from nemo_fp8_align.config_check.rules.parallel import expert_parallel_fix
+from nemo_fp8_align.core.schedule import InterleavedSchedule, ScheduleError
 
-__all__ = ["rule_batch_sizes", "rule_data_parallel_agrees", "rule_data_parallel_value",
-           "rule_expert_world_size", "rule_fixed_microbatches", "rule_group_size",
-           "rule_microbatches", "rule_telemetry_path", "rule_trainer_devices",
-           "rule_world_size"]
+__all__ = ["node_multiple", "rule_batch_sizes", "rule_data_parallel_agrees",
+           "rule_data_parallel_value", "rule_expert_world_size", "rule_fixed_microbatches",
+           "rule_group_size", "rule_microbatches", "rule_telemetry_path", "rule_trainer_devices",
+           "rule_world_size", "schedule_error", "schedule_fits"]
 
 
 def rule_trainer_devices(ctx: CheckContext) -> None:
@@ -43,9 +47,11 @@ def rule_trainer_devices(ctx: CheckContext) -> None:
 
 
 def rule_world_size(ctx: CheckContext) -> None:
-    """megatron-core raises 'world_size (W) is not divisible by TP*PP*CP'. The fix changes the
-    pipeline size (the devices per node are the hardware's, the node count the user's); only
-    when no PP fits does it change the node count, and says so."""
+    """megatron-core raises 'world_size (W) is not divisible by TP*PP*CP'. The command line's fix
+    changes the pipeline size (the devices per node are the hardware's, the node count the
+    user's); only when no PP fits does it change the node count, and says so. Without the search
+    the fix is the node count (the layout kept), and the message names the command that
+    proposes a layout for these GPUs."""
     devices, nodes, mp = ctx.devices(), ctx.num_nodes(), ctx.model_parallel()
     if devices is None or nodes is None or mp is None or (devices * nodes) % mp == 0:
         return
@@ -53,37 +59,25 @@ def rule_world_size(ctx: CheckContext) -> None:
            f"to be a multiple of tensor_model_parallel_size * pipeline_model_parallel_size * "
            f"context_parallel_size = {ctx.tp()} * {ctx.pp()} * {ctx.cp()} = {mp} (megatron-core "
            f"raises 'world_size ({devices * nodes}) is not divisible by {mp}')")
-    change = layout_fix(ctx)
-    if change:
-        cause = next((k for k in ("tensor_model_parallel_size", "context_parallel_size")
-                      if k in change), None)
-        if cause is not None:  # TP * CP divides no world of this size: name the trade-off
-            short = "TP" if cause.startswith("tensor") else "CP"
-            why += (f"; no pipeline size fits a world of this size with this {short}, so the "
-                    f"fix changes {short}, which changes the memory per GPU")
-        key = cause or ("pipeline_model_parallel_size" if "pipeline_model_parallel_size"
-                        in change else next(iter(change)))
-        ctx.model.add(key, ctx.model.get(key), why, fix=layout_overrides(ctx, change))
-        return
-    smaller_layout = smaller_micro_batch_layout(ctx)
-    if smaller_layout is not None:  # before the node count: the cluster and the batch kept
-        mbs, change = smaller_layout
-        fix = " ".join([ctx.model.override("micro_batch_size", mbs, present=True),
-                        layout_overrides(ctx, change)])
-        ctx.model.add("pipeline_model_parallel_size", ctx.pp(), f"{why}; {fixed_why(ctx)}, so "
-                      f"the fix lowers micro_batch_size to {mbs} with the layout that then "
-                      "fits, which keeps the node count and the global batch (in more, "
-                      "smaller microbatches)", fix=fix)
-        return
-    step = mp // gcd(devices, mp)  # num_nodes must be a multiple of this
-    fixed = -(-nodes // step) * step
-    ctx.trainer.add("num_nodes", ctx.trainer.get("num_nodes"), (
-        f"{why}; {fixed_why(ctx)}, so the fix changes the node count (a multiple of {step}): or "
-        "change TP or CP yourself"), fixed)
+    step, fixed = node_multiple(devices, nodes, mp)
+    unsearched = ctx.trainer.violation("num_nodes", ctx.trainer.get("num_nodes"), (
+        f"{why}; the fix changes the node count (a multiple of {step}), which keeps the layout: "
+        f"or keep the GPUs and change PP, TP or CP ({ctx.search_command()} proposes a layout "
+        "that fits them)"), fixed)
+    ctx.request_fix(FixRequest("world_size", unsearched, why))
+
+
+def node_multiple(devices: int, nodes: int, model_parallel: int) -> Tuple[int, int]:
+    """(step, node count): the node count must be a multiple of ``step`` for TP * PP * CP to
+    divide the GPUs; the node count is the nearest such at or above ``nodes``."""
+    step = model_parallel // gcd(devices, model_parallel)
+    return step, -(-nodes // step) * step
 
 
 def rule_expert_world_size(ctx: CheckContext) -> None:
-    """megatron-core 0.12.3 raises unless expert TP * EP * PP divides the world size."""
+    """megatron-core 0.12.3 raises unless expert TP * EP * PP divides the world size. The fix
+    without the search is the largest EP that divides; the command line's keeps EP where a
+    layout fits with it."""
     world, ep, etp, pp = ctx.world(), ctx.ep(), ctx.etp(), ctx.pp()
     if world is None or ep is None or etp is None or pp is None or ep == 1:
         return
@@ -92,20 +86,8 @@ def rule_expert_world_size(ctx: CheckContext) -> None:
     why = (f"expert TP * EP * PP = {etp} * {ep} * {pp} to divide the world size {world} "
            "(megatron-core raises 'decoder world_size ... is not divisible by "
            "expert_tensor_model_pipeline_parallel size')")
-    # The layout search holds EP and finds the PP it divides with: where it does, that layout
-    # is the fix and EP stays (an EP worked out at the given PP was changed needlessly: EP 8
-    # -> 4 beside the PP 4 at which EP 8 fits). A layout string kept at a smaller PP is the VP
-    # rule's fix for it, so its PP is tried first (Bridge's DeepSeek-V3 on 512 GPUs: PP 16 ->
-    # 8 keeps EP 64, which the line lowered to 32 beside it); a string of PP x VP stages is
-    # regrouped at another PP (the layout search moves no PP under a string: the proxy's 8
-    # stages with EP 16 on 32 GPUs got EP 8 where PP 2 keeps EP 16)
-    change = kept_string_fix(ctx) or regrouped_string_fix(ctx) or layout_fix(ctx)
-    new_pp = (change or {}).get("pipeline_model_parallel_size")
-    if type(new_pp) is int and world % (etp * ep * new_pp) == 0:
-        ctx.model.add("expert_model_parallel_size", ep, f"{why}; the layout fix keeps EP "
-                      f"(PP {new_pp})", fix=layout_overrides(ctx, change))
-        return
-    ctx.model.add("expert_model_parallel_size", ep, why, expert_parallel_fix(ctx))
+    ctx.request_fix(FixRequest("expert_world_size", ctx.model.violation(
+        "expert_model_parallel_size", ep, why, expert_parallel_fix(ctx)), why))
 
 
 def rule_data_parallel_value(ctx: CheckContext) -> None:
@@ -181,9 +163,10 @@ def rule_fixed_microbatches(ctx: CheckContext) -> None:
 def rule_microbatches(ctx: CheckContext) -> None:
     """M = global_batch_size / (micro_batch_size * DP) must be whole (megatron-core's
     microbatch calculator; checked whatever PP and VP are) and fit the interleaved schedule
-    (PP <= N <= M, not 0 < M mod N < PP), which :class:`InterleavedSchedule` decides. The fix
-    changes the layout (N, PP, VP); where no layout fits, a smaller micro batch, and only then
-    the nearest global batch (:mod:`..batch_fix`), each said so."""
+    (PP <= N <= M, not 0 < M mod N < PP), which :class:`InterleavedSchedule` decides. The
+    command line's fix changes the layout (N, PP, VP); where no layout fits, a smaller micro
+    batch, and only then the nearest global batch (:mod:`..batch_fix`), each said so. Without
+    the search the fix names what may change and the command that proposes it."""
     pp, vp, dp = ctx.pp(), ctx.vp(), ctx.data_parallel()
     mbs, gbs = ctx.model.peek_int("micro_batch_size"), ctx.model.peek_int("global_batch_size")
     raw_n = ctx.model.get("microbatch_group_size_per_vp_stage")
@@ -198,6 +181,7 @@ def rule_microbatches(ctx: CheckContext) -> None:
         error = (f"a multiple of micro_batch_size * DP = {mbs} * {dp} = {per_microbatch}, DP "
                  "being trainer.devices * trainer.num_nodes / (TP * PP * CP) "
                  "(megatron-core's microbatch calculator requires it)")
+        fits = "the global batch is a multiple of micro_batch_size * DP and M fits"
     elif pp >= 2 and vp is not None:
         error = schedule_error(pp, vp, m, n, ctx.legacy())
         if error is None:
@@ -210,77 +194,31 @@ def rule_microbatches(ctx: CheckContext) -> None:
         else:
             error += (f" (M = global_batch_size / (micro_batch_size * DP), N = "
                       "microbatch_group_size_per_vp_stage, PP = pipeline_model_parallel_size)")
+        fits = "M fits"
     else:
         return  # the schedule needs a valid PP and VP: reported by their rules
     found = f"{gbs} (M = {gbs} / ({mbs} * DP {dp}) = {gbs / per_microbatch:g})"
-    change = layout_fix(ctx)
-    if change and gbs % per_microbatch:  # the batch is right; the layout gives the wrong DP
-        ctx.violations.append(Violation("model.global_batch_size", found, f"{error}; the fix "
-                                        "changes the layout, and so DP",
-                                        layout_overrides(ctx, change)))
-        return
-    if change:
-        key = next(iter(change))
-        ctx.model.add(key, ctx.model.get(key), f"{error}; global_batch_size = {found}",
-                      fix=layout_overrides(ctx, change))
-        return
-    _batch_fallback(ctx, error, found, (pp, vp, dp, mbs, gbs, n))
+    unsearched = Violation("model.global_batch_size", found, error, (
+        f"a group size N, PP, VP or a smaller micro batch with which {fits}: "
+        f"{ctx.search_command()} proposes the nearest, the global batch kept where one fits"))
+    ctx.request_fix(FixRequest("microbatches", unsearched, error, {
+        "found": found, "sizes": (pp, vp, dp, mbs, gbs, n)}))
 
 
-def _batch_fallback(ctx: CheckContext, error: str, found: str, sizes: tuple) -> None:
-    """No layout fits: a smaller micro batch where one does (the global batch, the recipe,
-    kept), else the nearest global batch that fits, each trade-off named."""
-    pp, vp, dp, mbs, gbs, n = sizes
-    judged = ""
-    if pp < 2 and _data_parallel_at(ctx, 2) is not None:
-        # the plugin's own fix makes PP 2 (and VP 2): the batch is fixed for that layout, not
-        # for PP 1, whose DP the line changes anyway
-        pp, dp = 2, _data_parallel_at(ctx, 2)
-        judged = f" (judged at PP 2, which the plugin needs: DP {dp})"
-    interleaved = pp >= 2
-    smaller = micro_batch_fix(pp, vp, dp, mbs, gbs, n, ctx.legacy()) if interleaved else None
-    if smaller is None and _micro_batch_with_layout(ctx, error, found, mbs):
-        return
-    if smaller is not None:
-        ctx.model.add("micro_batch_size", mbs, f"{error}; global_batch_size = {found}; "
-                      f"{fixed_why(ctx)}, so the fix lowers micro_batch_size from {mbs} to "
-                      f"{smaller}{judged}, which keeps the global batch (the training recipe) "
-                      "in more, smaller microbatches", smaller)
-        return
-    micro, fixed = nearest_batch(pp, vp, dp, mbs, gbs, n, ctx.legacy())
-    also = ("" if micro == mbs else f" with micro_batch_size {micro} (was {mbs}, which "
-            "makes the batch's steps finer)")
-    fix = " ".join(([ctx.model.override("micro_batch_size", micro, present=True)]
-                    if micro != mbs else []) + [f"model.global_batch_size={fixed}"])
-    ctx.violations.append(Violation(
-        "model.global_batch_size", found, f"{error}; {fixed_why(ctx)}, and no smaller "
-        f"micro_batch_size fits, so the fix changes the global batch from {gbs} to {fixed}"
-        f"{also}{judged} (the nearest that fits, {abs(fixed - gbs)} samples per step "
-        f"{'fewer' if fixed < gbs else 'more'}), which changes the training recipe: or train "
-        "on fewer nodes", fix))
+def schedule_error(pp: int, vp: Optional[int], m: int, n: Optional[int],
+                   legacy: bool = False) -> Optional[str]:
+    """Why M microbatches do not fit megatron-core's interleaved schedule (PP <= N <= M, not
+    0 < M mod N < PP; ``legacy``, before 0.10: no N, M a multiple of PP), as the schedule says
+    it; None when they fit. The rule does not depend on VP; an unknown VP is checked as 2."""
+    try:
+        InterleavedSchedule(pp=pp, vp=vp or 2, microbatches=m,
+                            group_size=None if legacy else n, legacy_order=legacy)
+    except ScheduleError as err:
+        return str(err)
+    return None
 
 
-def _micro_batch_with_layout(ctx: CheckContext, error: str, found: str, mbs: int) -> bool:
-    """A smaller micro batch together with another layout (the global batch kept), tried
-    before the global batch changes (:func:`~..layout.smaller_micro_batch_layout`). Whether
-    one was found (and recorded)."""
-    smaller_layout = smaller_micro_batch_layout(ctx)
-    if smaller_layout is None:
-        return False
-    smaller, change = smaller_layout
-    fix = " ".join([ctx.model.override("micro_batch_size", smaller, present=True),
-                    layout_overrides(ctx, change)]).strip()
-    ctx.violations.append(Violation(
-        "model.micro_batch_size", str(mbs), f"{error}; global_batch_size = {found}; "
-        f"{fixed_why(ctx)}, so the fix lowers micro_batch_size from {mbs} to {smaller} with the "
-        "layout that then fits, which keeps the global batch (the training recipe) in "
-        "more, smaller microbatches", fix))
-    return True
-
-
-def _data_parallel_at(ctx: CheckContext, pp: int) -> Optional[int]:
-    """DP with pipeline size ``pp`` (the world's when known, else the caller's)."""
-    world, tp, cp = ctx.world(), ctx.tp(), ctx.cp()
-    if world is None or tp is None or cp is None:
-        return ctx.given_data_parallel()
-    return world // (tp * pp * cp) if world % (tp * pp * cp) == 0 else None
+def schedule_fits(pp: int, vp: Optional[int], m: int, n: Optional[int],
+                  legacy: bool = False) -> bool:
+    """Whether M microbatches fit the schedule (:func:`schedule_error` says none, M >= 1)."""
+    return m >= 1 and schedule_error(pp, vp, m, n, legacy) is None

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 from typing import Any, List, Optional, Tuple
 
-from nemo_fp8_align.config_check.context import CheckContext
-from nemo_fp8_align.config_check.layout import layout_fix, layout_overrides
-from nemo_fp8_align.config_check.layout_string import kept_string_fix
+from nemo_fp8_align.config_check.context import CheckContext, FixRequest
 from nemo_fp8_align.config_check.reader import ABSENT, UNRESOLVED, Reader
 from nemo_fp8_align.config_check.rules.split import divisors, layer_split_error
 
@@ -32,28 +30,14 @@ def rule_pipeline_size(ctx: CheckContext) -> None:
 
 
 def rule_virtual_pipeline_size(ctx: CheckContext) -> None:
-    """Interleaving: VP >= 2 (NeMo turns 1 into None, no interleaving). A Megatron-LM layout
-    string (or hybrid pattern) of one stage per rank keeps its stages at a smaller PP where
-    one fits (layout_string.kept_string_fix)."""
+    """Interleaving: VP >= 2 (NeMo turns 1 into None, no interleaving); the fix without the
+    search is VP 2. The command line's fixer may give a layout instead: a Megatron-LM layout
+    string (or hybrid pattern) of one stage per rank kept at a smaller PP, or the VP above 2 the
+    layout search picks (:mod:`..fix_search`)."""
     why = "model chunks per pipeline rank; 1 or null turns interleaving off"
-    kept = kept_string_fix(ctx)
-    if kept is not None:
-        key = "virtual_pipeline_model_parallel_size"
-        ctx.model.add(key, ctx.model.get(key), f"an int >= 2 ({why})",
-                      fix=layout_overrides(ctx, kept))
+    if ctx.searched(FixRequest("virtual_pipeline_size", None, why)):
         return
-    key = "virtual_pipeline_model_parallel_size"
-    value = ctx.model.get(key)
-    if value is ABSENT or value is None or (type(value) is int and value < 2):
-        # Where the layout search picks a VP other than 2 (an even split: 12 layers at PP 4
-        # get VP 3, one layer a chunk), that layout is the fix, not VP 2 and then a first
-        # stage of 6 layers that the split rule adds to make VP 2 fit
-        change = layout_fix(ctx)
-        if change and type(change.get(key)) is int and change[key] > 2:
-            ctx.model.add(key, value, f"an int >= 2 ({why})",
-                          fix=layout_overrides(ctx, change))
-            return
-    ctx.model.int_at_least(key, 2, why)
+    ctx.model.int_at_least("virtual_pipeline_model_parallel_size", 2, why)
 
 
 def rule_cpu_offloading(ctx: CheckContext) -> None:

@@ -2,7 +2,7 @@
 which NeMo passes through to ``TransformerConfig`` under the same names.
 
 No rule is written here: every row of the one table,
-:data:`nemo_fp8_align.refusals.REFUSALS`, runs on the model config as it runs on
+:data:`nemo_fp8_align.support.REFUSALS`, runs on the model config as it runs on
 ``TransformerConfig`` at attach (the row reads ``model.<field>`` where it reads the config's
 attribute), and reports the row's reason and fix."""
 
@@ -14,7 +14,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from nemo_fp8_align.config_check.context import CheckContext
 from nemo_fp8_align.config_check.reader import ABSENT, UNRESOLVED, Reader
-from nemo_fp8_align.refusals import REFUSALS, Setup
+from nemo_fp8_align.support import REFUSALS, Setup
 
 __all__ = ["rule_refusals"]
 

@@ -1,30 +1,29 @@
 """Startup-check rules on how the layers split over the pipeline: megatron-core's split (the same
 in 0.12.3 and 0.16.1) under every split option (even, ``num_layers_in_first/last_pipeline_stage``,
-``account_for_embedding/loss_in_pipeline_split``) and NeMo 2.3.3's own chunk assertion. A fix
-changes the layout (PP, VP, the first/last split: :mod:`nemo_fp8_align.config_check.layout`),
-never ``num_layers`` unless no layout fits (then the message says so), and not while the world
-size changes: the layout is then found at the new world size.
+``account_for_embedding/loss_in_pipeline_split``) and NeMo 2.3.3's own chunk assertion
+(:func:`layer_split_error`, the verdict, which the layout search also asks).
+
+A split that fails is a violation and a fix request (:class:`~..context.FixRequest`): the fix
+that keeps the model is a search over the parallel layout, which only the command line's fixer
+runs (:mod:`..fix_search`: PP, VP, the first/last split, never ``num_layers`` unless no layout
+fits, and not while the world size changes). Without it (the runtime's startup check) the fix
+names the settings that make the split hold and the command that proposes a layout.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
-from nemo_fp8_align.config_check.context import CheckContext
-from nemo_fp8_align.config_check.layout import (fixed_why, layout_fix, layout_overrides,
-                                                smaller_micro_batch_layout)
-from nemo_fp8_align.config_check.layout_string import layout_string_fix
+from nemo_fp8_align.config_check.context import CheckContext, FixRequest
 from nemo_fp8_align.config_check.reader import ABSENT
-from nemo_fp8_align.config_check.split_math import _FIRST, _LAST, divisors, layer_split_error
 
-__all__ = ["divisors", "layer_split_error", "rule_layer_split", "rule_num_layers",
-           "rule_split_option_values", "rule_split_options_exclusive"]
+__all__ = ["divisors", "layer_split_error", "rule_layer_split",
+           "rule_num_layers", "rule_split_option_values", "rule_split_options_exclusive"]
 
+_FIRST, _LAST = "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"
 _EMB, _LOSS = "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"
-#: The split's fix where the world size changes too: a sentence (no edit), so the fix line
-#: sets the world first and its re-check finds the layout at the new world.
-WORLD_FIRST = ("the layout that fits at the world size the world-size fix gives, which keeps "
-               "the layers where one fits (the fix line is re-checked there)")
+
+
 # ---------------------------------------------------------------------------------------------
 # Layer splits
 
@@ -84,93 +83,27 @@ def rule_layer_split(ctx: CheckContext) -> None:
     layers, pp, vp, first, last, emb, loss = split
     if (first is not None or last is not None) and (emb or loss):
         return  # rule_split_options_exclusive
-    change = None
     for key, value in ((_FIRST, first), (_LAST, last)):
         if value is not None and vp is not None and value % vp:
-            change = _layout_change(ctx)
-            ctx.model.add(key, value, f"a multiple of VP = {vp} ({key} with "
-                          "virtual_pipeline_model_parallel_size: megatron-core builds every "
-                          "model chunk of that stage with the same number of layers)",
-                          -(-value // vp) * vp, fix=change)
+            # without the search: the count rounded up to a multiple of VP
+            ctx.request_fix(FixRequest("stage_multiple", ctx.model.violation(
+                key, value, f"a multiple of VP = {vp} ({key} with "
+                "virtual_pipeline_model_parallel_size: megatron-core builds every model chunk of "
+                "that stage with the same number of layers)", -(-value // vp) * vp)))
     error = layer_split_error(layers, pp, vp, first, last, emb, loss, ctx.nemo)
     if error is None:
         return
     key, why = error
-    change = _layout_change(ctx)
-    if change is not None:
-        blamed = {"vp": "virtual_pipeline_model_parallel_size", _LAST: _LAST}.get(key,
-                                                                                "num_layers")
-        ctx.model.add(blamed, ctx.model.get(blamed), why, fix=change)
-        return
-    _no_layout_fits(ctx, key, why, (layers, pp, vp, first, last, emb, loss))
-
-
-def _layout_change(ctx: CheckContext) -> Optional[str]:
-    """The nearest layout that fits, as overrides; None when no layout change fits."""
-    change = layout_fix(ctx)
-    return layout_overrides(ctx, change) if change else None
-
-
-def _no_layout_fits(ctx: CheckContext, key: str, why: str, split: Tuple[Any, ...]) -> None:
-    """The fallbacks: VP, the last stage's count, then the layer count (a model change, said)."""
-    layers, pp, vp, first, last, emb, loss = split
-    vp_fix = _vp_fix(*split, ctx.nemo) if key == "vp" else None
-    if key == _LAST:
-        ctx.model.add(_LAST, last, why, None)
-        return
-    if vp_fix is not None:
-        ctx.model.add("virtual_pipeline_model_parallel_size", vp, why, vp_fix)
-        return
-    uneven = layout_string_fix(ctx)
-    if uneven is not None:  # Megatron-LM: a layout string keeps the model and the batch
-        ctx.model.add("num_layers", layers, f"{why}; {fixed_why(ctx)}, so the fix gives the split "
-                      "as a pipeline layout string (stages of unequal size, by a layer), "
-                      "which keeps the model and the batch", fix=_with_layout(ctx, uneven))
-        return
-    smaller_layout = smaller_micro_batch_layout(ctx)
-    if smaller_layout is not None:  # the model kept: a smaller micro batch with a layout
-        mbs, change = smaller_layout
-        fix = " ".join([ctx.model.override("micro_batch_size", mbs, present=True),
-                        layout_overrides(ctx, change)])
-        ctx.model.add("num_layers", layers, f"{why}; {fixed_why(ctx)}, so the fix lowers "
-                      f"micro_batch_size to {mbs} with the layout that then fits, which keeps "
-                      "the model and the global batch (in more, smaller microbatches)",
-                      fix=fix)
-        return
-    world, mp = ctx.world(), ctx.model_parallel()
-    if world is not None and mp is not None and world % mp:
-        # The world size rule changes the world (no layout fits this one); at the new world a
-        # layout may fit with every layer kept (9 layers on 5 processes: none; on 4, PP 2 with
-        # a first stage of 3 and VP 3). The line re-checks at the new world, where this rule
-        # then finds that layout, or changes the layers only if none fits there either.
-        ctx.model.add("num_layers", layers, f"{why}; no layout fits the world size as given, "
-                      "which the world-size fix changes", fix=WORLD_FIRST)
-        return
-    fix = _num_layers_fix(*split, ctx.nemo)
-    if fix is None and vp and emb != loss and ctx.nemo:
-        # num_layers + 1 = k * PP * VP makes (num_layers // PP) % VP = VP - 1, always: NeMo
-        # 2.3.3 rejects every layer count with exactly one account_for_* flag and VP >= 2.
-        on, off = (_EMB, _LOSS) if emb else (_LOSS, _EMB)
-        why += (f"; with only {on} set and VP >= 2 no num_layers passes both megatron-core's "
-                f"split and NeMo's assertion: set {on}=False, or also {off}=True (then "
-                "num_layers + 2 a multiple of PP * VP)")
-        ctx.model.add(on, True, why, False)
-        return
-    if key == "vp":
-        why = why.replace("a divisor of", f"layers where VP = {vp} divides", 1)
-    why += (f"; {fixed_why(ctx)}, so the fix changes num_layers, which changes the model: "
-            "or choose another PP / VP yourself")
-    ctx.model.add("num_layers", layers, why, fix, fix=None if fix is not None
-                  else "<a num_layers that splits evenly>")
-
-
-def _with_layout(ctx: CheckContext, change: Dict[str, Any]) -> str:
-    """The change as overrides, the layout string unquoted (Megatron-LM's spelling of the fix
-    quotes it for the shell; only Megatron-LM mode has one)."""
-    change = dict(change)
-    layout = change.pop("pipeline_model_parallel_layout")
-    rest = layout_overrides(ctx, change) if change else ""
-    return " ".join(p for p in (f"model.pipeline_model_parallel_layout={layout}", rest) if p)
+    blamed = {"vp": "virtual_pipeline_model_parallel_size", _LAST: _LAST}.get(key, "num_layers")
+    if key == _LAST:  # no middle stage: without the search, the last stage's count dropped
+        unsearched = ctx.model.violation(_LAST, last, why, None)
+    else:
+        unsearched = ctx.model.violation(blamed, ctx.model.get(blamed), why, fix=(
+            "PP, VP or the first/last stage's layer counts such that every pipeline stage, and "
+            f"every model chunk on it, holds the same number of layers: {ctx.search_command()} "
+            "proposes a layout that fits, the model and the batch kept"))
+    ctx.request_fix(FixRequest("layer_split", unsearched, why,
+                               {"key": key, "blamed": blamed, "split": split}))
 
 
 def _split(ctx: CheckContext) -> Optional[Tuple[Any, ...]]:
@@ -197,29 +130,49 @@ def _split(ctx: CheckContext) -> Optional[Tuple[Any, ...]]:
     return (layers, pp, vp, *values)
 
 
-def _num_layers_fix(layers: int, pp: int, vp: Optional[int], *rest: Any) -> Any:
-    """The layer count nearest ``layers``, fewer or more (more on a tie), that splits: the
-    smallest change of the model (78 layers, not 98, where 80 do not split)."""
-    span = min(4 * pp * (vp or 1), 5_000)  # a huge PP or VP must not become a huge list
-    nearest = sorted(range(max(layers - span, 1), layers + span + 1),
-                     key=lambda n: (abs(n - layers), -n))
-    return _first_valid([n for n in nearest if n != layers],
-                        lambda n: layer_split_error(n, pp, vp, *rest) is None, None)
+def layer_split_error(layers: int, pp: int, vp: Optional[int], first: Optional[int],
+                      last: Optional[int], emb: bool, loss: bool, nemo: bool = True
+                      ) -> Optional[Tuple[str, str]]:
+    """(key to blame, why) for the first split rule that fails, or None when NeMo 2.3.3 and
+    megatron-core accept the split (``nemo=False``: megatron-core alone, as under Megatron-LM).
+    First/last counts not divisible by VP are left to the caller."""
+    chunks = vp or 1
+    if first is not None or last is not None:
+        middle_stages = pp - (first is not None) - (last is not None)
+        middle = layers - (first or 0) - (last or 0)
+        if middle_stages <= 0:
+            return _LAST, (f"null: with pipeline_model_parallel_size (PP) = {pp} and "
+                           f"{_FIRST} / {_LAST} both set no middle pipeline stage is left, and "
+                           "NeMo 2.3.3 divides the remaining layers by the middle stage count "
+                           "(ZeroDivisionError)")
+        if middle <= 0 or middle % (middle_stages * chunks):
+            return "num_layers", (
+                f"num_layers - {_FIRST} - {_LAST} = {layers} - {first or 0} - {last or 0} = "
+                f"{middle} > 0 and a multiple of the middle stages (PP {pp} - "
+                f"{pp - middle_stages}) = {middle_stages}"
+                + (f" * virtual_pipeline_model_parallel_size (VP) {vp}" if vp else "")
+                + " (megatron-core and NeMo: every middle stage, and every chunk on it, holds "
+                "the same number)")
+    else:
+        total = layers + emb + loss
+        counted = " + 1 (embedding)" * emb + " + 1 (loss)" * loss
+        if total % pp:
+            return "num_layers", (f"num_layers{counted} = {total} divisible by "
+                                  f"pipeline_model_parallel_size (PP) = {pp} (megatron-core "
+                                  "asserts it)")
+        if vp and (total // pp) % vp:
+            return "vp", (f"a divisor of the layers per pipeline rank, num_layers{counted} "
+                          f"// pipeline_model_parallel_size (PP) = {total} // {pp} = "
+                          f"{total // pp} (megatron-core and NeMo: every model chunk holds the "
+                          "same number of layers)")
+    if nemo and vp and not (emb and loss) and (layers // pp) % vp:
+        return "vp", (f"a divisor of num_layers // pipeline_model_parallel_size (PP) = "
+                      f"{layers} // {pp} = {layers // pp}: NeMo "
+                      "2.3.3 asserts it ('the number of model chunks is the same across all "
+                      "pipeline stages') unless both account_for_* flags are set")
+    return None
 
 
-def _vp_fix(layers: int, pp: int, vp: Optional[int], *rest: Any) -> Optional[int]:
-    """The VP >= 2 nearest the current one that splits these layers, or None."""
-    per_rank = max(layers // pp, 1)
-    candidates = sorted(divisors(per_rank), key=lambda d: (abs(d - (vp or 2)), d))
-    found = _first_valid([d for d in candidates if d >= 2],
-                         lambda d: layer_split_error(layers, pp, d, *rest) is None, None)
-    return found
-
-
-def _first_valid(candidates: Any, ok: Callable[[Any], bool], otherwise: Any) -> Any:
-    for count, candidate in enumerate(candidates):
-        if count >= 10_000:
-            break  # huge sizes: do not search forever for a suggestion
-        if ok(candidate):
-            return candidate
-    return otherwise
+def divisors(n: int) -> List[int]:
+    small = [d for d in range(1, min(int(n ** 0.5), 10_000) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nemo_fp8_align.config_check.context import CheckContext
-from nemo_fp8_align.config_check.layout import layout_fix, layout_overrides
+from nemo_fp8_align.config_check.context import CheckContext, FixRequest
 from nemo_fp8_align.config_check.reader import ABSENT, UNRESOLVED
 from nemo_fp8_align.config_check.rules.fp8 import APEX_OPTIM, MCORE_OPTIM, RECIPE_NODES
 from nemo_fp8_align.mcore_versions import FP8_PARAMS_WHY, nemo_optimizer_owned_problem
@@ -25,23 +24,21 @@ def _given(value: Any) -> bool:
 
 
 def rule_interleaved_pipeline_size(ctx: CheckContext) -> None:
-    """megatron-core 0.7.0's ``initialize_model_parallel``: interleaving needs PP > 2. The fix
-    is the nearest layout with such a PP (the model, the batch and the nodes kept)."""
+    """megatron-core 0.7.0's ``initialize_model_parallel``: interleaving needs PP > 2. The
+    command line's fix is the nearest layout with such a PP (the model, the batch and the nodes
+    kept); without the search, the rule it must satisfy."""
     pp, vp = ctx.pp(), ctx.vp()
     if ctx.mcore is None or pp is None or pp < 2 or vp is None:
         return
     rule = ctx.mcore.interleaved_pp_rule(pp)
     if rule is None:
         return
-    change = layout_fix(ctx)
     least = ctx.mcore.min_interleaved_pp
-    if change and change.get("pipeline_model_parallel_size", pp) >= least:
-        fix = layout_overrides(ctx, change)
-    else:
-        fix = (f"none found that keeps the model, the batch and the node count: a PP >= {least} "
-               "that divides the layers and the world, or megatron-core >= 0.8.0")
-    ctx.model.add("pipeline_model_parallel_size", pp, f"PP >= {least} with "
-                  f"virtual_pipeline_model_parallel_size={vp}: {rule}", fix=fix)
+    why = f"PP >= {least} with virtual_pipeline_model_parallel_size={vp}: {rule}"
+    ctx.request_fix(FixRequest("interleaved_pipeline_size", ctx.model.violation(
+        "pipeline_model_parallel_size", pp, why, fix=(
+            f"a PP >= {least} that divides the layers and the world ({ctx.search_command()} "
+            "proposes a layout that fits), or megatron-core >= 0.8.0")), why))
 
 
 def rule_version_options(ctx: CheckContext) -> None:

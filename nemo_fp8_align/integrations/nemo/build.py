@@ -1,9 +1,9 @@
-"""What the NeMo mixin and callback check and read before the aligner is built: the startup
-check of a NeMo ``MegatronGPTModel``'s config, the telemetry path, which FP8 weights the model
-holds and where its chunks are (the session builds the aligner from them).
+"""Building a NeMo ``MegatronGPTModel``'s aligner: the startup check of its config, the telemetry
+path, which FP8 weights the model holds, where its chunks are, and :func:`build_aligner`, which
+hands them to the one assembler (:func:`~nemo_fp8_align.assemble.assemble`).
 
-Functions of the model and the config: the session (:mod:`.session`) builds the aligner with
-them, the mixin and the callback run the startup check with them.
+Functions of the model and the config: the mixin and the callback run the startup check with
+them, the session (:mod:`.session`) calls :func:`build_aligner` at attach.
 
 FP8 weights: ``model.fp8_params=True`` means Transformer Engine ``Float8Tensor`` parameters
 (:attr:`FP8Weights.TE`, backend ``nemo_fp8_align.backends.te``). Where TE is absent (the CPU
@@ -19,14 +19,14 @@ Optimizer: ``optim.name=distributed_fused_adam`` gives
 from __future__ import annotations
 
 import enum
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
 from nemo_fp8_align.config import AlignConfig
 
-__all__ = ["FP8Weights", "check_telemetry_path", "detect_weights",
-           "model_chunks", "reference_weights_of", "startup_check"]
+__all__ = ["FP8Weights", "build_aligner", "check_telemetry_path", "detect_weights",
+           "model_chunks", "reference_weights_of", "refuse_owned_gather", "startup_check"]
 
 #: Config keys that only make sense with Transformer Engine FP8 weights; not required when the
 #: model uses reference FP8 shadows (TE absent).
@@ -116,3 +116,65 @@ def model_chunks(model: Any) -> List[torch.nn.Module]:
     """The modules NeMo's schedule calls: ``model.model`` as a list (one per virtual stage)."""
     chunks = model.model
     return list(chunks) if isinstance(chunks, (list, tuple, torch.nn.ModuleList)) else [chunks]
+
+
+def build_aligner(model: Any, config: AlignConfig, *, weights: FP8Weights = FP8Weights.TE,
+                  entry: str = "mixin") -> Any:
+    """The rank's :class:`TransposeAligner` for a set-up NeMo GPT model, attached (inactive:
+    ``attached`` False); every rank calls it at the same point (one agreement).
+
+    Call after the optimizer exists and before the first optimizer step (Apex's pre-forward
+    hooks are still disarmed then, so collecting parameters touches none). NeMo closes each
+    step itself (the session calls ``on_step_end``).
+    """
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+    from megatron.core.utils import get_model_config
+
+    from nemo_fp8_align.assemble import assemble
+
+    chunks = model_chunks(model)
+    mcore_optimizer = getattr(model, "use_mcore_dist_optim", False)
+    refuse_owned_gather(model)
+    backend, weights_of = _backend_and_weights_of(config, weights)
+    # The chunks' own DDP groups where megatron-core keeps them (>= 0.14), else parallel_state.
+    return assemble(chunks, num_microbatches=get_num_microbatches(),
+                    config=get_model_config(chunks[0]), backend=backend, weights_of=weights_of,
+                    align_config=config,
+                    apex_optimizer=None if mcore_optimizer else model._optimizer,
+                    owns_step_end=False, with_context_parallel=True, error_group=None,
+                    label=f"attaching nemo_fp8_align, {entry}",
+                    telemetry_key="model.fp8_transpose_align.telemetry_path")
+
+
+def refuse_owned_gather(model: Any) -> None:
+    """NeMo's ``mcore_distributed_optim`` holds the DDP chunks' launches; on megatron-core
+    0.7/0.8, whose DistributedOptimizer owns the all-gather, it is refused with the version and
+    the fixes."""
+    from nemo_fp8_align.mcore_versions import nemo_optimizer_owned_problem, optimizer_owns_gather
+
+    if getattr(model, "use_mcore_dist_optim", False) and optimizer_owns_gather():
+        from nemo_fp8_align.errors import UnsupportedSetupError
+
+        raise UnsupportedSetupError(nemo_optimizer_owned_problem())
+
+
+def _backend_and_weights_of(config: AlignConfig, weights: FP8Weights) -> Tuple[Any, Any]:
+    if weights is FP8Weights.REFERENCE:
+        from nemo_fp8_align.backends.reference import ReferenceBackend
+
+        return ReferenceBackend(use_triton_kernel=config.use_triton_kernel), reference_weights_of
+    backend = _te_backend(config)
+    # By type() only: isinstance() on a parameter could fire an armed Apex hook.
+    return backend, backend.weights_of
+
+
+def _te_backend(config: AlignConfig) -> Any:
+    """The Transformer Engine backend (:mod:`nemo_fp8_align.backends.te`)."""
+    from nemo_fp8_align.backends import te as te_backend
+
+    try:
+        return te_backend.make_backend(config)
+    except ImportError as err:
+        raise RuntimeError(
+            "model.fp8_params=True: the plugin transposes Transformer Engine FP8 weights, but "
+            f"{err} Or turn the plugin off with model.fp8_transpose_align.enabled=False.") from err

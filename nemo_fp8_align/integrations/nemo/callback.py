@@ -197,6 +197,11 @@ class FP8TransposeAlignment(Callback):
             self.steps += 1
 
     @override
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        # Every rank, after the last step: what the aligner still holds stops every rank.
+        self._close_session(agree=True)
+
+    @override
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         # Lightning may not reach teardown's hooks after an exception: leave NeMo as it was.
         self.teardown(trainer, pl_module, "fit")
@@ -205,10 +210,10 @@ class FP8TransposeAlignment(Callback):
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._close_session()
 
-    def _close_session(self) -> None:
+    def _close_session(self, *, agree: bool = False) -> None:
         session, self._session = self._session, None
         if session is not None:
-            session.close()
+            session.close(agree=agree)
 
     # ------------------------------------------------------------------ checkpointing
     @override

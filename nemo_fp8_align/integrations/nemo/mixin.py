@@ -104,7 +104,7 @@ class FP8TransposeAlignMixin:
         self._fp8_align_session.log_metrics(self.trainer)
 
     def on_train_end(self) -> None:
-        self.fp8_align_detach()
+        self._fp8_align_session.close(agree=True)  # every rank, after the last step
         super().on_train_end()
 
     def teardown(self, stage: str) -> None:

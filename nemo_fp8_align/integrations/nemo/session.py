@@ -6,8 +6,8 @@ everything that touches NeMo at run time is here, once:
 * the megatron-core DDP setup (:meth:`~NeMoSession.setup_ddp`): megatron-core 0.12.3's
   shared-embedding bucket workaround around NeMo's ``setup_mcore_distributed_parallel`` and the
   bucket check after it (:mod:`.bucket_workaround`);
-* :meth:`~NeMoSession.attach`: the rank's aligner built for the model (:mod:`.build`), its hooks
-  registered, one log line (global rank 0);
+* :meth:`~NeMoSession.attach`: the rank's aligner built for the model
+  (:func:`~.build.build_aligner`), attached, one log line (global rank 0);
 * the launches: NeMo re-binds ``config.param_sync_func`` inside every ``fwd_bwd_step``, from the
   chunks' ``start_param_sync`` (megatron-core DDP: the aligner's
   :class:`~nemo_fp8_align.adapters.mcore_ddp.McoreDDPAdapter` wraps them on the instances, as
@@ -41,13 +41,13 @@ from __future__ import annotations
 
 import logging
 from functools import partial
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from nemo_fp8_align.config import AlignConfig
 from nemo_fp8_align.integrations.nemo.bucket_workaround import (check_buckets,
                                                                shared_embedding_bucket_workaround)
 from nemo_fp8_align.adapters.groups import data_parallel, pipeline_group
-from nemo_fp8_align.integrations.nemo.build import FP8Weights, model_chunks, reference_weights_of
+from nemo_fp8_align.integrations.nemo.build import FP8Weights, build_aligner, model_chunks
 from nemo_fp8_align.core.metrics import gather_step_metrics, last_step_records
 
 __all__ = ["NeMoSession", "check_log_every_n_steps"]
@@ -213,9 +213,10 @@ class NeMoSession:
         return None
 
     def log_metrics(self, trainer: Any) -> List[Any]:
-        """After each training batch, on every rank (the gather over the pipeline ranks is a
-        collective; rank 0 logs): the newest step's metrics, each step once. Returns that
-        step's records ([] when the batch brought none)."""
+        """After each training batch, on every rank (the gather over the pipeline ranks and the
+        agreement on its outcome are collectives; rank 0 logs): the newest step's metrics, each
+        step once. Returns that step's records ([] when the batch brought none). A failure on
+        one rank (reading its records, rank 0's ``log_dict``) raises on every rank."""
         aligner = self.aligner
         if aligner is None:
             return []
@@ -226,7 +227,8 @@ class NeMoSession:
         else:
             self._logged_step = new[-1].step
         try:
-            log_step_metrics(self.module, trainer, new, every_n_steps=self.log_every_n_steps)
+            log_step_metrics(self.module, trainer, new, every_n_steps=self.log_every_n_steps,
+                             error_group=getattr(aligner, "_error_group", None))
         except BaseException:
             self.close()
             raise
@@ -242,89 +244,55 @@ class NeMoSession:
                 "plugin saw no launch and aligned nothing", type(self.module).__name__)
 
     # ------------------------------------------------------------------ end
-    def close(self) -> None:
-        """Remove the aligner's hooks and chunk claim and every shadow (idempotent)."""
+    def close(self, *, agree: bool = False) -> None:
+        """Remove the aligner's hooks and chunk claim and every shadow (idempotent).
+        ``agree=True`` where every rank closes at the same point (Lightning's ``on_train_end``,
+        after the last step): what the aligner still holds then stops every rank
+        (:meth:`~nemo_fp8_align.core.aligner.TransposeAligner.detach`); on an error's way out
+        the close stays local."""
         aligner, self.aligner = self.aligner, None
         self.in_training_step = False
         try:
             self._shadows.restore()
         finally:
             if aligner is not None:
-                aligner.detach()
-
-
-def build_aligner(model: Any, config: AlignConfig, *, weights: FP8Weights = FP8Weights.TE,
-                  entry: str = "mixin") -> Any:
-    """The rank's :class:`TransposeAligner` for a set-up NeMo GPT model, attached (inactive:
-    ``attached`` False); every rank calls it at the same point (one agreement).
-
-    Call after the optimizer exists and before the first optimizer step (Apex's pre-forward
-    hooks are still disarmed then, so collecting parameters touches none). NeMo closes each
-    step itself (the session calls ``on_step_end``).
-    """
-    from megatron.core.num_microbatches_calculator import get_num_microbatches
-    from megatron.core.utils import get_model_config
-
-    from nemo_fp8_align.assemble import assemble
-
-    chunks = model_chunks(model)
-    mcore_optimizer = getattr(model, "use_mcore_dist_optim", False)
-    refuse_owned_gather(model)
-    backend, weights_of = _backend_and_weights_of(config, weights)
-    # The chunks' own DDP groups where megatron-core keeps them (>= 0.14), else parallel_state.
-    return assemble(chunks, num_microbatches=get_num_microbatches(),
-                    config=get_model_config(chunks[0]), backend=backend, weights_of=weights_of,
-                    align_config=config,
-                    apex_optimizer=None if mcore_optimizer else model._optimizer,
-                    owns_step_end=False, with_context_parallel=True, error_group=None,
-                    label=f"attaching nemo_fp8_align, {entry}",
-                    telemetry_key="model.fp8_transpose_align.telemetry_path")
-
-
-def refuse_owned_gather(model: Any) -> None:
-    """NeMo's ``mcore_distributed_optim`` holds the DDP chunks' launches; on megatron-core
-    0.7/0.8, whose DistributedOptimizer owns the all-gather, it is refused with the version and
-    the fixes."""
-    from nemo_fp8_align.mcore_versions import nemo_optimizer_owned_problem, optimizer_owns_gather
-
-    if getattr(model, "use_mcore_dist_optim", False) and optimizer_owns_gather():
-        from nemo_fp8_align.errors import UnsupportedSetupError
-
-        raise UnsupportedSetupError(nemo_optimizer_owned_problem())
-
-
-def _backend_and_weights_of(config: AlignConfig, weights: FP8Weights) -> Tuple[Any, Any]:
-    if weights is FP8Weights.REFERENCE:
-        from nemo_fp8_align.backends.reference import ReferenceBackend
-
-        return ReferenceBackend(use_triton_kernel=config.use_triton_kernel), reference_weights_of
-    backend = _te_backend(config)
-    # By type() only: isinstance() on a parameter could fire an armed Apex hook.
-    return backend, backend.weights_of
-
-
-def _te_backend(config: AlignConfig) -> Any:
-    """The Transformer Engine backend (:mod:`nemo_fp8_align.backends.te`)."""
-    from nemo_fp8_align.backends import te as te_backend
-
-    try:
-        return te_backend.make_backend(config)
-    except ImportError as err:
-        raise RuntimeError(
-            "model.fp8_params=True: the plugin transposes Transformer Engine FP8 weights, but "
-            f"{err} Or turn the plugin off with model.fp8_transpose_align.enabled=False.") from err
+                aligner.detach(agree=agree)
 
 
 def log_step_metrics(module: Any, trainer: Any, records: Sequence[Any], *,
-                     every_n_steps: Optional[int] = None) -> Dict[str, float]:
+                     every_n_steps: Optional[int] = None,
+                     error_group: Any = None) -> Dict[str, float]:
     """Gather the finished step's records over the pipeline ranks and log them once (global
-    rank 0) through ``module.log_dict``, on the logger step of NeMo's own metrics. Every rank
-    calls it after every training batch (the gather is a collective); returns the metrics."""
+    rank 0) through ``module.log_dict``, on the logger step of NeMo's own metrics. Every rank of
+    ``error_group`` (None: the job's) calls it after every training batch (the gather is a
+    collective); returns the metrics.
+
+    Rank 0's ``log_dict`` runs on rank 0 alone, after the gather: a logger failing there would
+    leave the other ranks training on into collectives rank 0 never reaches. So the gather and
+    the log are agreed on (one 4-byte all-reduce on each logging step, the same steps on every
+    rank): a failure on any rank raises :class:`~nemo_fp8_align.errors.MetricsError` on every
+    rank."""
+    from nemo_fp8_align.core.step_end import agreed
+    from nemo_fp8_align.errors import MetricsError
+
     every = every_n_steps or getattr(trainer, "log_every_n_steps", 1) or 1
     if trainer.global_step % every:  # global_step counts this step already: the same on all ranks
         return {}
+    import torch
+
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     chunks = model_chunks(module) if hasattr(module, "model") else []
-    metrics = gather_step_metrics(records, group=pipeline_group(chunks))
-    if trainer.is_global_zero and metrics:
-        module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1, rank_zero_only=True)
+    with agreed(label=f"rank {rank} (logging the plugin's metrics at global step "
+                      f"{trainer.global_step})", group=error_group):
+        metrics = gather_step_metrics(records, group=pipeline_group(chunks))
+        if trainer.is_global_zero and metrics:
+            try:
+                module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1,
+                                rank_zero_only=True)
+            except Exception as err:
+                raise MetricsError(
+                    f"nemo_fp8_align: global rank {rank} could not log the plugin's step "
+                    f"metrics: {type(module).__name__}.log_dict raised {type(err).__name__}: "
+                    f"{err}; fix the trainer's logger (trainer.logger), then resume from the last "
+                    "checkpoint") from err
     return metrics
