@@ -192,5 +192,5 @@ def test_an_engine_fault_in_megatron_lm_loop_is_refused_not_ignored(capsys):
     _one_line_error(err)
     assert "--fault no_wait: runs in the demo's own loop only (pass --loop schedule); in " \
            "Megatron-LM's loop pass one of args_check_fails_on_one_rank, capture_on_one_rank, " \
-           "extra_forward_on_one_rank, metrics_fail_on_one_rank, mismatch_on_one_rank, " \
-           "verify_fails_on_one_rank" in err
+           "detach_fails_on_one_rank, extra_forward_on_one_rank, metrics_fail_on_one_rank, " \
+           "mismatch_on_one_rank, telemetry_fails_at_the_last_step, verify_fails_on_one_rank" in err

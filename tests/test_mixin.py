@@ -221,6 +221,9 @@ class FakeDDPChunk(torch.nn.Module):
     def start_param_sync(self, *unused, force_sync=False):
         self.started += 1
 
+    def finish_grad_sync(self):
+        self.grad_synced = getattr(self, "grad_synced", 0) + 1
+
 
 class FinishedMcore(McoreDDPAdapter):
     """megatron-core's adapter (its launch wrappers: the real code) whose chunks' all-gathers
@@ -245,10 +248,11 @@ class FinishedApex(ApexAdapter):
 
 
 def fake_adapter(model):
-    """The adapter NeMo's path picks (assemble.pick_adapter) over the fake chunks: megatron-core's
-    (NeMo closes the step), or Apex's over the stand-in of its optimizer."""
+    """The adapter NeMo's path picks (build_aligner, assemble.pick_adapter) over the fake chunks:
+    megatron-core's (its step end: chunk 0's finish_grad_sync, which NeMo's finalize_model_grads
+    calls), or Apex's over the stand-in of its optimizer (the session closes the step)."""
     if model.use_mcore_dist_optim:
-        return FinishedMcore(model.model, None, owns_step_end=False)
+        return FinishedMcore(model.model, None, owns_step_end=True)
     optimizer = StandInDistributedFusedAdam([list(c.parameters()) for c in model.model])
     return FinishedApex(optimizer, model.model)
 
@@ -280,6 +284,8 @@ def nemo_like_fwd_bwd_step(self, dataloader_iter, forward_only, first_val_step=N
         funcs[1](self.model[1].parameters())
         if self.use_mcore_dist_optim:  # a keyword-only caller is not a schedule launch
             self.model[0].start_param_sync(force_sync=True)
+            for chunk in self.model:  # megatron-core's finalize_model_grads, NeMo's mcore path
+                chunk.finish_grad_sync()
     return "loss"
 
 
@@ -293,7 +299,8 @@ def test_training_step_launches_reach_the_aligner_and_nothing_is_left_behind(
     model = bare_model(use_mcore)
     assert model.fwd_bwd_step(iter([]), forward_only=False) == "loss"
     assert model.fp8_aligner.launched == [0, 1]
-    # Numbered by the trainer's global_step (resume-proof), and closed when fwd_bwd returns.
+    # Numbered by the trainer's global_step (resume-proof), and closed once: by megatron-core's
+    # finalize_model_grads inside fwd_bwd (mcore), or when fwd_bwd returns (Apex).
     assert model.fp8_aligner.steps == [7] and model.fp8_aligner.step_ends == 1
     if use_mcore:
         assert [c.started for c in model.model] == [2, 1]

@@ -81,4 +81,5 @@ def test_a_logger_failing_on_rank_0_stops_every_rank(tmp_path):
                             "log_dict raised OSError: injected: the experiment logger's disk")
     assert "fix the trainer's logger" in ranks[0]["raised"][0]
     # every rank closed its session (a local detach, on the error's way out)
-    assert all(r["detached"] == [{}] and not r["attached_after"] for r in ranks), ranks
+    assert all(r["detached"] == [{"agree": False}] and not r["attached_after"]
+               for r in ranks), ranks

@@ -334,14 +334,20 @@ def judge(argv: List[str]) -> int:
                     text += open(p, errors="replace").read()
             texts[r] = text
         problems = []
+        summary = f"nemo_fp8_align stopped this training step on all {nproc} ranks"
+        firsts = {}
         for r, text in texts.items():
-            if rc.get(str(r), rc.get(r)) in (0, "timeout"):
-                problems.append(f"rank {r} exit {rc.get(str(r), rc.get(r))}")
-            if "nemo_fp8_align" not in text:
-                problems.append(f"rank {r}: no plugin error in its log")
-        firsts = {r: next((ln for ln in t.splitlines() if "nemo_fp8_align" in ln and
-                           ("Error" in ln or "error" in ln)), "")[:300]
-                  for r, t in texts.items()}
+            code = rc.get(str(r), rc.get(r))
+            if code in (0, "timeout", None):
+                problems.append(f"rank {r} exit {code}")
+            lines = text.splitlines()
+            at = next((i for i, ln in enumerate(lines) if summary in ln), None)
+            if at is None:
+                problems.append(f"rank {r}: no '{summary}' in its log")
+                firsts[r] = ""
+            else:  # the exception line: the plugin's class and the message's first line
+                firsts[r] = next((ln for ln in reversed(lines[:at]) if "Error: " in ln),
+                                 lines[at])[:260]
         check(f"fault: every rank stopped with the plugin's error ({rc}; {firsts})", problems)
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(checks, f, indent=1)

@@ -15,24 +15,34 @@
 #
 # Usage (repo root, .h200 carried): bash validation/run_frameworks_gpu.sh [WHAT...]
 #   WHAT: probe (imports only), b, a, c (default: probe b a c); logs and results under $OUT.
-# Carry: .h200 (about 55 MiB), made on the CPU machine (.git/info/exclude has /.h200/):
+# Carry: .h200 (about 54 MiB), made on the CPU machine (.git/info/exclude has /.h200/):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 ...
 #   tecore/  transformer-engine-cu13 2.20.2 minus libtransformer_engine.so (zip -d), whose sm_90-only
 #            copy (validation/strip_fatbin.py --keep-sm 90) is libte_sm90.so.gz (+ .sha256);
 #   transformer_engine-2.20.2-py3-none-any.whl, transformer_engine_torch-2.20.2.tar.gz (source,
 #     built here; or te_torch_ext.so.gz, a build an earlier call left in $OUT);
-#   pyd/     pydantic, pydantic-core, annotated-types, typing-inspection; spare/typing_extensions;
-#   apex-src.tar.gz + apex_setup_min.py (../shared/gpu; or apex_ext.tar.gz from an earlier call);
+#   spare/typing_extensions (used only where the image's is too old for pydantic);
+#   apex-src.tar.gz + apex_setup_min.py (../shared/gpu: built here, 2-3 minutes; its extensions
+#     are over the 16 MiB a file that $OUT returns, so every call that runs (a) builds them);
 #   mcore/   megatron_core-0.12.3.tar.gz (no Python 3.12 wheel exists: built here) + pybind11 wheel;
-#   nemo/    nemo_toolkit 2.3.3, lightning 2.4.0 + lightning-fabric 2.4.0 (NeMo 2.3.3 does not
-#            import with the image's 2.6.6), hydra-core 1.3.2, omegaconf 2.3.0, antlr4 4.9.3, wget,
-#            fiddle, libcst, graphviz, nvidia-resiliency-ext, defusedxml (what nemo.lightning needs
-#            beyond the image, whose package list is ../.library/device/KINDS.md);
-#   nemo1/   what NeMo 1.x's NLP collection imports beyond that: opencc, pangu, rouge-score, nltk,
-#            webdataset, braceexpand, ijson (jieba, an 18 MB source package, is NOT carried: an
-#            import-only stand-in takes its place, frameworks_gpu.py standins);
-#   bridge/  megatron_bridge-0.6.2 and megatron_core-0.19.2 wheels.
+#   pyd.tar.xz, nemo.tar.xz, nemo1.tar.xz, bridge.tar.xz: Python 3.12 wheels installed on the CPU
+#     machine with `pip install --no-deps --only-binary=:all: --python-version 3.12 --target DIR`
+#     (bridge: unzipped) and packed with `tar cf - DIR | xz -6` (xz takes the Python sources to
+#     about 40% of the wheels' size; the four are 19 MB against 47 MB of wheels):
+#     pyd/    pydantic, pydantic-core, annotated-types, typing-inspection (TE's recipes);
+#     nemo/   nemo_toolkit 2.3.3, lightning 2.4.0 + lightning-fabric 2.4.0 (NeMo 2.3.3 does not
+#             import with the image's lightning 2.6.6), hydra-core 1.3.2, omegaconf 2.3.0,
+#             antlr4 4.9.3, wget 3.2, fiddle 0.3.1, libcst, graphviz, nvidia-resiliency-ext 0.4.1,
+#             defusedxml (what nemo.lightning imports beyond the image, whose package list is
+#             ../.library/device/KINDS.md);
+#     nemo1/  transformers 4.51.3, tokenizers 0.21.4, huggingface-hub 0.36.2 (the image's
+#             transformers 5.17.0 has no BasicTokenizer, which nemo.collections.nlp imports, and
+#             NeMo 2's MegatronParallel.forward imports nemo.collections.nlp), opencc, pangu,
+#             rouge-score, nltk, webdataset, braceexpand, ijson. jieba (a 37 MB package, 17 MB
+#             even with xz) is NOT carried: an import-only stand-in takes its place
+#             (frameworks_gpu.py standins: every call of it raises);
+#     bridge/ megatron-bridge 0.6.2, megatron-core 0.19.2, nvidia-resiliency-ext 0.7.0.
 set -o pipefail
 export PYTHONUNBUFFERED=1 NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 CUBLAS_WORKSPACE_CONFIG=:4096:8
 export CUDA_DEVICE_MAX_CONNECTIONS=1 OMP_NUM_THREADS=2
@@ -45,7 +55,8 @@ PIP="python3 -m pip install -q --no-index --no-deps --no-compile"
 $PIP --target /tmp/site "$H"/tecore/*.whl "$H"/transformer_engine-2.20.2-py3-none-any.whl || exit 1
 gunzip -c "$H"/libte_sm90.so.gz > /tmp/site/transformer_engine/wheel_lib/libtransformer_engine.so
 echo "libtransformer_engine.so sha256 want $(cat "$H"/libte_sm90.sha256) got $(sha256sum /tmp/site/transformer_engine/wheel_lib/libtransformer_engine.so | cut -c1-64)"
-$PIP --target /tmp/site3 "$H"/pyd/*.whl || exit 1
+for x in pyd nemo nemo1 bridge; do tar xJf "$H"/$x.tar.xz -C /tmp || exit 1; done  # -> /tmp/<x>/
+mv /tmp/pyd /tmp/site3
 PYTHONPATH=/tmp/site3 python3 -c "import pydantic" 2>/dev/null || $PIP --target /tmp/site3 "$H"/spare/typing_extensions-*.whl
 EXT=transformer_engine_torch.cpython-312-x86_64-linux-gnu.so
 NEED_APEX=0; has a && NEED_APEX=1
@@ -69,7 +80,7 @@ if [ $NEED_APEX = 1 ]; then
     el "Apex extensions from the bundle"
   else
     (mkdir -p /tmp/apex && tar xzf "$H"/apex-src.tar.gz -C /tmp/apex && cp "$H"/apex_setup_min.py /tmp/apex/ &&
-     cd /tmp/apex && TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=6 python3 apex_setup_min.py build_ext --inplace &&
+     cd /tmp/apex && TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=$([ -n "$TE_PID" ] && echo 6 || echo 12) python3 apex_setup_min.py build_ext --inplace &&
      tar czf "$OUT"/apex_ext.tar.gz $(find . -name "*.so") && echo APEX_BUILD_OK) > $W/apex_build.log 2>&1 &
     APEX_PID=$!
   fi
@@ -79,8 +90,6 @@ $PIP --target /tmp/pyb "$H"/mcore/pybind11-*.whl
 (PYTHONPATH=/tmp/pyb PATH=/tmp/pyb/bin:$PATH python3 -m pip install -q --no-index --no-deps --no-build-isolation \
   --target /tmp/mc12 "$H"/mcore/megatron_core-0.12.3.tar.gz > $W/mcore_build.log 2>&1; echo "mcore 0.12.3 build rc=$?" >> $W/mcore_build.log)
 tail -1 $W/mcore_build.log
-$PIP --target /tmp/nemo "$H"/nemo/*.whl || exit 1
-$PIP --target /tmp/nemo1 "$H"/nemo1/*.whl || exit 1
 python3 validation/frameworks_gpu.py standins /tmp/nemo1 jieba > /dev/null
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/plug . > $W/plugin_install.log 2>&1
 el "installed (plugin: $(ls /tmp/plug | grep -c dist-info) dist-info, entry points: $(cat /tmp/plug/nemo_fp8_align-*.dist-info/entry_points.txt 2>/dev/null | grep -c callbacks_factory))"
@@ -103,10 +112,10 @@ nvidia-cuda-mps-control -d && el "MPS daemon started"
 SP="python3 validation/frameworks_gpu.py spawn"
 if has b; then
   el "start (b) NeMo 2: aligned, off, fault"
-  $SP nemo2_aligned $W/b/aligned 2 180 -- python3 validation/frameworks_gpu.py nemo2 $W/b/aligned --policy aligned --comm-overlap &
-  $SP nemo2_off $W/b/off 2 180 -- python3 validation/frameworks_gpu.py nemo2 $W/b/off --policy off --comm-overlap &
-  $SP nemo2_fault $W/b/fault 2 180 -- python3 validation/frameworks_gpu.py nemo2 $W/b/fault --policy aligned --fault-rank 1 --fault-step 1 &
-  wait; el "(b) done"
+  $SP nemo2_aligned $W/b/aligned 2 180 -- python3 validation/frameworks_gpu.py nemo2 $W/b/aligned --policy aligned --comm-overlap & B1=$!
+  $SP nemo2_off $W/b/off 2 180 -- python3 validation/frameworks_gpu.py nemo2 $W/b/off --policy off --comm-overlap & B2=$!
+  $SP nemo2_fault $W/b/fault 2 180 -- python3 validation/frameworks_gpu.py nemo2 $W/b/fault --policy aligned --fault-rank 1 --fault-step 1 & B3=$!
+  wait $B1 $B2 $B3; el "(b) done"
   python3 validation/frameworks_gpu.py judge nemo2 $W/b 2 2>&1 | tee $W/b/judge.txt | cut -c1-900
   grep -h -m3 -E "Error|error:" $W/b/aligned/rank*.log | cut -c1-400; pack
 fi
@@ -124,14 +133,13 @@ if has a; then
       "+model.fp8_transpose_align.telemetry_path=\"$W/a/$r/telemetry.rank{rank}.jsonl\"")
     [ $r = fault ] && export FRAMEWORKS_GPU_FAULT=capture_on_one_rank || unset FRAMEWORKS_GPU_FAULT
     $SP nemo1_$r $W/a/$r 4 220 -- python3 validation/frameworks_gpu.py nemo1 $A +trainer.default_root_dir=$W/a/$r/exp \
-      hydra.run.dir=$W/a/$r/hydra "${PLUG[@]}" &
+      hydra.run.dir=$W/a/$r/hydra "${PLUG[@]}" & APIDS="$APIDS $!"
   done
-  unset FRAMEWORKS_GPU_FAULT; wait; el "(a) done"
+  unset FRAMEWORKS_GPU_FAULT; wait $APIDS; el "(a) done"
   python3 validation/frameworks_gpu.py judge nemo1 $W/a 4 2>&1 | tee $W/a/judge.txt | cut -c1-900
   grep -h -m3 -E "Error|error:" $W/a/aligned/rank*.log | cut -c1-400; pack
 fi
 if has c; then
-  $PIP --target /tmp/bridge "$H"/bridge/*.whl
   PYTHONPATH=/tmp/bridge:/tmp/nemo:$BASEPP timeout 150 python3 validation/frameworks_gpu.py probe megatron.bridge \
     megatron.bridge.training.pretrain megatron.bridge.training.gpt_step > $W/probe_bridge.log 2>&1
   grep PROBE $W/probe_bridge.log | cut -c1-700

@@ -124,8 +124,11 @@ def build_aligner(model: Any, config: AlignConfig, *, weights: FP8Weights = FP8W
     ``attached`` False); every rank calls it at the same point (one agreement).
 
     Call after the optimizer exists and before the first optimizer step (Apex's pre-forward
-    hooks are still disarmed then, so collecting parameters touches none). NeMo closes each
-    step itself (the session calls ``on_step_end``).
+    hooks are still disarmed then, so collecting parameters touches none). The step end is the
+    adapter's where its optimizer has one: with ``mcore_distributed_optim`` NeMo runs
+    megatron-core's ``finalize_model_grads`` (chunk 0's ``finish_grad_sync``), as every
+    megatron-core loop does. Apex's ``DistributedFusedAdam`` has no call NeMo makes once per
+    step, so on that path the session reports it after ``fwd_bwd_step``.
     """
     from megatron.core.num_microbatches_calculator import get_num_microbatches
     from megatron.core.utils import get_model_config
@@ -141,7 +144,7 @@ def build_aligner(model: Any, config: AlignConfig, *, weights: FP8Weights = FP8W
                     config=get_model_config(chunks[0]), backend=backend, weights_of=weights_of,
                     align_config=config,
                     apex_optimizer=None if mcore_optimizer else model._optimizer,
-                    owns_step_end=False, with_context_parallel=True, error_group=None,
+                    owns_step_end=mcore_optimizer, with_context_parallel=True, error_group=None,
                     label=f"attaching nemo_fp8_align, {entry}",
                     telemetry_key="model.fp8_transpose_align.telemetry_path")
 

@@ -15,7 +15,9 @@ everything that touches NeMo at run time is here, once:
   :meth:`~NeMoSession.sync_overlap_parameters` reports to the
   :class:`~nemo_fp8_align.adapters.apex.ApexAdapter`). Validation runs without gradients and
   launches nothing (:func:`~nemo_fp8_align.core.adapter.is_launch`);
-* the training step (:meth:`~NeMoSession.fwd_bwd_step`): closed when it returns;
+* the training step (:meth:`~NeMoSession.fwd_bwd_step`): closed inside it by megatron-core's
+  ``finalize_model_grads`` (``mcore_distributed_optim``: the adapter's step end, as on every
+  megatron-core path), or when it returns (Apex, whose optimizer has no per-step call);
 * :meth:`~NeMoSession.log_metrics` after each training batch (each step once,
   :mod:`nemo_fp8_align.core.metrics`);
 * :meth:`~NeMoSession.close`: hooks, chunk claim and every shadow removed; idempotent, and run
@@ -29,8 +31,10 @@ runs no forward (gradient all-reduces, the embedding wgrad drain). Lightning's a
 optimization then runs ``on_before_optimizer_step`` and the optimizer step (NeMo's ``backward``
 and ``optimizer_zero_grad`` are no-ops), and only after that ``on_train_batch_end``. So the
 return of the training ``fwd_bwd_step`` is the exact point where "every planned forward ran" is
-known, the point the megatron-core entry point judges at (``finalize_model_grads_func``). The
-step is closed there, by the mixin and the callback alike, in the same ``try`` as its launches:
+known, the point the megatron-core entry point judges at (``finalize_model_grads_func``, which
+NeMo's ``mcore_distributed_optim`` path runs inside ``fwd_bwd_step``: there the adapter closes
+the step). The step is closed there, by the mixin and the callback alike, in the same ``try`` as
+its launches:
 a step that did not run as planned raises before the optimizer applies its update; no step is
 left open across Lightning code the session does not see; and no skipped Lightning hook
 (``on_train_batch_start`` returning -1 ends the epoch without ``on_train_batch_end``) can leave
@@ -192,7 +196,8 @@ class NeMoSession:
                 out = run(dataloader_iter, forward_only, first_val_step)
             finally:
                 self.in_training_step = False
-            aligner.on_step_end()  # every planned forward ran: judged before the optimizer step
+            if not aligner.adapter.owns_step_end:  # Apex: no step end of its own
+                aligner.on_step_end()  # every planned forward ran: judged before the optimizer step
         except BaseException:
             self.close()
             raise
