@@ -165,3 +165,28 @@ def test_baseline_problems_fail(tmp_path, capsys):
     rows = _rows(LAZY)[1:]
     code, out, err = _report(capsys, ALIGNED, "--baseline", _write(tmp_path, rows))
     assert code == 1 and "FAILED: baseline: missing record" in out
+
+
+#: NeMo 2.3.3's MegatronStrategy fit on one H100 (PP=2 VP=2 DP=1 M=4, 4 steps, TE 2.20.2
+#: Float8Tensor weights, FP8TransposeAlignNeMo2; benchmarks/results/frameworks_gpu.md): at step 0
+#: fp8_model_init's weights carry valid transposes, so nothing is built or observed there.
+NEMO2_GPU = DATA / "telemetry_nemo2_h100_te_pp2_vp2_aligned.jsonl"
+
+
+def test_a_real_te_runs_first_step_with_nothing_stale_is_named_not_observed(capsys):
+    code, out, err = _report(capsys, str(NEMO2_GPU))
+    assert code == 0, err
+    assert "step 0 as built (each run's first step found every transpose valid" in out
+
+
+def test_the_same_record_later_in_the_run_is_a_stale_transpose_flagged_valid(capsys, tmp_path):
+    """Step 2 made to look like step 0 (valid, none built, none observed): mid-run the weights
+    changed at the optimizer step, so a transpose no one built is stale however it is flagged."""
+    rows = _rows(NEMO2_GPU)
+    for r in rows:
+        if r["step"] == 2:
+            r.update(transposed=0, obs_built=0, obs_at=[], obs_slot=None)
+    code, out, err = _report(capsys, _write(tmp_path, rows))
+    assert code == 1, out
+    assert "step 2 chunk 0 pp rank 0 dp rank 0: observed 0 transpose builds of 4 FP8 weights" \
+        in out + err

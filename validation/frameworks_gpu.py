@@ -23,6 +23,7 @@ Subcommands:
 * ``judge KIND OUT`` : PASS/FAIL lines for one framework's runs under OUT (aligned, off, fault):
   losses bit-identical, ``nemo-fp8-align report`` on the aligned telemetry (exit 0 and a
   record for every step/chunk/rank), the fault run stopped on every rank with the plugin's error.
+* ``probe MODULE...``: import discovery (not a run), see :func:`probe`.
 * ``standins DIR NAME...``: import-only stand-in packages for NAMEs (see ``_STANDIN``); recorded
   in DIR/STANDINS.txt. Every attribute is a placeholder whose call or instantiation raises, so a
   run that passes never used one.
@@ -355,9 +356,9 @@ def judge(argv: List[str]) -> int:
 
 
 # --------------------------------------------------------------------------- standins
-_STANDIN = '''"""Import-only stand-in for {name!r} (validation/frameworks_gpu.py standins): the package
-was not carried to this machine. NeMo imports it at module import; any call or instantiation of
-anything here raises."""
+_STANDIN = '''"""Import-only stand-in for {name!r} (validation/frameworks_gpu.py standins): the
+package was not carried to this machine. NeMo imports it at module import; any call or
+instantiation of anything here raises."""
 import sys as _sys, types as _types
 
 

@@ -13,6 +13,10 @@
 # Each of (a) and (b): aligned, off and a one-rank fault side by side, then
 # `python -m nemo_fp8_align report` and frameworks_gpu.py judge (PASS/FAIL lines).
 #
+# Seen on one H100 (2026-12-07, benchmarks/results/frameworks_gpu.md): `b a c` in 248 s; (b) passed but for
+# `report` on step 0 (nothing to build there); (a) stopped in NeMo's trainer build (megatron-core 0.12.3's
+# checkpoint strategies import zarr: carry zarr 2.x + numcodecs next); (c) needs datasets, megatron-energon
+# and nvidia-modelopt beyond the image.
 # Usage (repo root, .h200 carried): bash validation/run_frameworks_gpu.sh [WHAT...]
 #   WHAT: probe (imports only), b, a, c (default: probe b a c); logs and results under $OUT.
 # Carry: .h200 (about 54 MiB), made on the CPU machine (.git/info/exclude has /.h200/):
@@ -112,9 +116,9 @@ nvidia-cuda-mps-control -d && el "MPS daemon started"
 SP="python3 validation/frameworks_gpu.py spawn"
 if has b; then
   el "start (b) NeMo 2: aligned, off, fault"
-  $SP nemo2_aligned $W/b/aligned 2 180 -- python3 validation/frameworks_gpu.py nemo2 $W/b/aligned --policy aligned --comm-overlap & B1=$!
-  $SP nemo2_off $W/b/off 2 180 -- python3 validation/frameworks_gpu.py nemo2 $W/b/off --policy off --comm-overlap & B2=$!
-  $SP nemo2_fault $W/b/fault 2 180 -- python3 validation/frameworks_gpu.py nemo2 $W/b/fault --policy aligned --fault-rank 1 --fault-step 1 & B3=$!
+  $SP nemo2_aligned $W/b/aligned 2 150 -- python3 validation/frameworks_gpu.py nemo2 $W/b/aligned --policy aligned --comm-overlap & B1=$!
+  $SP nemo2_off $W/b/off 2 150 -- python3 validation/frameworks_gpu.py nemo2 $W/b/off --policy off --comm-overlap & B2=$!
+  $SP nemo2_fault $W/b/fault 2 150 -- python3 validation/frameworks_gpu.py nemo2 $W/b/fault --policy aligned --fault-rank 1 --fault-step 1 & B3=$!
   wait $B1 $B2 $B3; el "(b) done"
   python3 validation/frameworks_gpu.py judge nemo2 $W/b 2 2>&1 | tee $W/b/judge.txt | cut -c1-900
   grep -h -m3 -E "Error|error:" $W/b/aligned/rank*.log | cut -c1-400; pack
@@ -132,7 +136,7 @@ if has a; then
     [ $r != off ] && PLUG=(+model.fp8_transpose_align.policy=aligned
       "+model.fp8_transpose_align.telemetry_path=\"$W/a/$r/telemetry.rank{rank}.jsonl\"")
     [ $r = fault ] && export FRAMEWORKS_GPU_FAULT=capture_on_one_rank || unset FRAMEWORKS_GPU_FAULT
-    $SP nemo1_$r $W/a/$r 4 220 -- python3 validation/frameworks_gpu.py nemo1 $A +trainer.default_root_dir=$W/a/$r/exp \
+    $SP nemo1_$r $W/a/$r 4 150 -- python3 validation/frameworks_gpu.py nemo1 $A +trainer.default_root_dir=$W/a/$r/exp \
       hydra.run.dir=$W/a/$r/hydra "${PLUG[@]}" & APIDS="$APIDS $!"
   done
   unset FRAMEWORKS_GPU_FAULT; wait $APIDS; el "(a) done"
@@ -140,7 +144,7 @@ if has a; then
   grep -h -m3 -E "Error|error:" $W/a/aligned/rank*.log | cut -c1-400; pack
 fi
 if has c; then
-  PYTHONPATH=/tmp/bridge:/tmp/nemo:$BASEPP timeout 150 python3 validation/frameworks_gpu.py probe megatron.bridge \
+  PYTHONPATH=/tmp/bridge:/tmp/nemo:$BASEPP timeout 60 python3 validation/frameworks_gpu.py probe megatron.bridge \
     megatron.bridge.training.pretrain megatron.bridge.training.gpt_step > $W/probe_bridge.log 2>&1
   grep PROBE $W/probe_bridge.log | cut -c1-700
 fi

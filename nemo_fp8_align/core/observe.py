@@ -159,10 +159,22 @@ def _where(position: Sequence[Any], pp_rank: int, aligned_slot: int) -> str:
             f"{_slot(position, pp_rank, aligned_slot)})")
 
 
-def observed_problems(r: Mapping[str, Any], where: str, policy: str) -> List[str]:
+def valid_from_the_start(r: Mapping[str, Any], first_of_run: bool) -> bool:
+    """A run's first step where no transpose was stale: every weight's transpose valid at the
+    slot, none built by the plugin nor observed built. Fresh ``fp8_model_init`` weights (and
+    weights just loaded) carry valid transposes until the first optimizer step changes them, so
+    there is nothing to build or to observe; later in a run the same record would be a stale
+    transpose flagged valid, which only a build could show."""
+    return (first_of_run and r.get("obs_built") == 0 and r.get("transposed") == 0
+            and r.get("valid") == r.get("weights"))
+
+
+def observed_problems(r: Mapping[str, Any], where: str, policy: str, *,
+                      first_of_run: bool = False) -> List[str]:
     """What the record's observed builds (``obs_*``) contradict: every weight built once, all at
-    the position the policy and the schedule shape give. Nothing for records without them."""
-    if r.get("obs_built") is None or not r.get("weights"):
+    the position the policy and the schedule shape give. Nothing for records without them, nor
+    for a run's first step with nothing stale (:func:`valid_from_the_start`)."""
+    if r.get("obs_built") is None or not r.get("weights") or valid_from_the_start(r, first_of_run):
         return []
     out: List[str] = []
     built, weights, at = r["obs_built"], r["weights"], [tuple(p) for p in r.get("obs_at") or []]

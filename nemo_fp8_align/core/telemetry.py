@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from nemo_fp8_align.core.observe import observed_problems, schedule_of
 from nemo_fp8_align.errors import TelemetryError
-from typing import IO, Any, Iterable, List, Mapping, Optional
+from typing import IO, Any, Dict, Iterable, List, Mapping, Optional
 
 __all__ = ["TransposeRecord", "TelemetryWriter", "read_records", "record_problems"]
 
@@ -208,6 +208,11 @@ def record_problems(records: Iterable[Mapping], *, policy: str = "aligned",
     """
     problems: List[str] = []
     seen: Counter = Counter()
+    records = list(records)
+    first: Dict[str, int] = {}  # each run's first step (a resumed job's process: its own)
+    for r in records:
+        run = r.get("run", "")
+        first[run] = min(first.get(run, r["step"]), r["step"])
     for r in records:
         key = (r["step"], r["chunk"], r["pp_rank"], r["dp_rank"], r.get("rank", -1),
                r.get("run", ""))
@@ -231,7 +236,8 @@ def record_problems(records: Iterable[Mapping], *, policy: str = "aligned",
         # a chunk or pipeline rank outside its own schedule has no expected position to
         # compare the observed builds with (the schedule model would raise on it)
         if observed_builds and not any(p.endswith(_OUTSIDE) for p in shape):
-            problems.extend(observed_problems(r, where, policy))
+            problems.extend(observed_problems(r, where, policy,
+                                              first_of_run=r["step"] == first[key[5]]))
     problems.extend(f"step/chunk/pp/dp/rank/run {key}: {n} records, expected exactly 1"
                     for key, n in seen.items() if n != 1)
     return problems
