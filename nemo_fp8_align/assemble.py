@@ -38,7 +38,6 @@ from nemo_fp8_align.core.step_end import agreed
 from nemo_fp8_align.core.telemetry import TelemetryWriter
 from nemo_fp8_align.errors import UnsupportedSetupError
 
-
 __all__ = ["DERIVED", "assemble", "check_telemetry_path", "default_backend", "pick_adapter",
            "schedule_for", "telemetry_writer"]
 

@@ -89,7 +89,7 @@ from nemo_fp8_align.errors import UnsupportedSetupError
 __all__ = ["TRANSPOSE", "COLUMNWISE", "REQUANTIZE", "NVFP4_TRANSPOSE", "KINDS", "TE_BLOCK_CLASSES",
            "RECIPE_KIND", "SINCE", "McoreFeatures", "chunk_kind", "kind_of", "kinds_of",
            "mcore_features", "recipe_refusals", "refuse_recipes", "weights_with_work",
-           "REFUSALS", "Refusal", "Setup", "fired", "refuse_unsupported"]
+           "REFUSALS", "Refusal", "Setup", "fired", "refuse_unsupported", "refuse_path"]
 
 # ---------------------------------------------------------------------------------------------
 # The recipes
@@ -322,3 +322,12 @@ def refuse_unsupported(setup: Setup) -> None:
         raise UnsupportedSetupError(
             "nemo_fp8_align cannot align this megatron-core setup:\n"
             + "\n".join(f"  - {m}" for m in messages))
+
+
+def refuse_path(config: Any, weights: Sequence[Sequence[Any]], backend: Any,
+                features: Optional[McoreFeatures], path: str = "megatron-core") -> None:
+    """What an optimizer's path refuses (``Adapter.weights_to_align``): the setups of
+    ``config`` (the table above), then the recipes of ``weights`` (per chunk) that ``features``
+    cannot post-process (None: a path where the plugin would build them itself)."""
+    refuse_unsupported(Setup(config=config))
+    refuse_recipes(list(kinds_of(weights, backend)), features, path)

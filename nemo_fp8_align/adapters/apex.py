@@ -102,10 +102,8 @@ class ApexAdapter:
         """The refused setups of ``config`` raise, and so does every block-scaled recipe: no
         megatron-core post-processing runs on Apex's path, and the plugin never byte-transposes
         block-scaled data. Every weight is kept otherwise."""
-        support.refuse_unsupported(support.Setup(config=config))
         kept = [list(w) for w in weights]
-        support.refuse_recipes(list(support.kinds_of(kept, backend)), None,
-                               path="NeMo's Apex distributed_fused_adam")
+        support.refuse_path(config, kept, backend, None, path="NeMo's Apex distributed_fused_adam")
         return kept
 
     # ------------------------------------------------------------------ bucket state

@@ -122,10 +122,9 @@ class McoreDDPAdapter:
         post-process raise; MXFP8 weights that megatron-core does not re-quantize after the
         all-gather (the chunk's ``ddp_config.reuse_grad_buf_for_mxfp8_param_ag`` off) carry no
         work and are left out. The rest are also what the forced-all-gather watch rebuilds."""
-        support.refuse_unsupported(support.Setup(config=config))
         kept = [support.weights_with_work(list(w), backend, requantized=_requantizes_mxfp8(chunk))
                 for w, chunk in zip(weights, self.chunks)]
-        support.refuse_recipes(list(support.kinds_of(kept, backend)), support.mcore_features())
+        support.refuse_path(config, kept, backend, support.mcore_features())
         self._forced_sync = (kept, backend)
         return kept
 

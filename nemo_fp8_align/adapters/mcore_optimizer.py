@@ -98,9 +98,8 @@ class McoreOptimizerAdapter:
         """The refused setups of ``config`` and the recipes megatron-core 0.7/0.8 cannot
         post-process raise, and so do Transformer Engine FP8 parameters: this DDP never
         gathers into them. Every weight is kept otherwise."""
-        support.refuse_unsupported(support.Setup(config=config))
         kept = [list(w) for w in weights]
-        support.refuse_recipes(list(support.kinds_of(kept, backend)), support.mcore_features())
+        support.refuse_path(config, kept, backend, support.mcore_features())
         problem = mcore_versions.fp8_parameter_problem([param_of(w) for w in sum(kept, [])])
         if problem is not None:
             raise UnsupportedSetupError(problem)

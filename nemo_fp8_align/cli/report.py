@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from nemo_fp8_align.cli.common import one_line_usage_errors, plot_path_problem
 from nemo_fp8_align.core.completeness import completeness_problems, observed_all, unseen_steps
-from nemo_fp8_align.core.observe import schedule_of, valid_from_the_start
+from nemo_fp8_align.core.observe import first_steps, schedule_of, valid_from_the_start
 from nemo_fp8_align.core.schedule import ScheduleError
 from nemo_fp8_align.core.telemetry import record_problems
 from nemo_fp8_align.errors import TelemetryError
@@ -127,9 +127,9 @@ def _not_observed(records: List[dict], steps: List[int], observed: bool) -> str:
     if ms:
         unseen.append(f"the microbatches (M={ms[-1]} as the records state it; no record observes "
                       "the microbatches themselves)")
-    fresh = sorted({r["step"] for r in records if valid_from_the_start(r, True)
-                    and r["step"] == min(q["step"] for q in records
-                                         if q.get("run", "") == r.get("run", ""))})
+    first = first_steps(records)
+    fresh = sorted({r["step"] for r in records
+                    if valid_from_the_start(r, r["step"] == first[r.get("run", "")])})
     if fresh:
         unseen.append(_spans(fresh) + " as built (each run's first step found every transpose "
                       "valid, as fresh or just loaded FP8 weights carry them: nothing to build)")

@@ -41,7 +41,7 @@ from nemo_fp8_align.core.gpu_spans import GpuSpans
 from nemo_fp8_align.core.adapter import Adapter, Listener, run_listeners
 from nemo_fp8_align.core.observe import RecordExtras
 from nemo_fp8_align.core.schedule import AT_START, InterleavedSchedule
-from nemo_fp8_align.core.step_end import agree
+from nemo_fp8_align.core import step_end
 from nemo_fp8_align.core.telemetry import TelemetryWriter, TransposeRecord
 from nemo_fp8_align.backends.protocol import FP8TransposeBackend
 from nemo_fp8_align.errors import StepMismatchError, TransposeVerifyError
@@ -254,12 +254,9 @@ class TransposeAligner:
                 raise
             own.append(err)
         if agree:
-            from nemo_fp8_align.core.step_end import agree as agree_all
-
             found = held + own
-            agree_all(found[0] if found else None, group=self._error_group,
-                      label=f"rank {self.rank} (pipeline rank {self.pp_rank}, data-parallel "
-                            f"rank {self.dp_rank}, detaching after step {self._step})")
+            step_end.agree(found[0] if found else None, group=self._error_group,
+                           label=self._label(f"detaching after step {self._step}"))
             return
         for err in held:
             logger.error("nemo_fp8_align: detached with an error no step end reported (call "
@@ -332,9 +329,13 @@ class TransposeAligner:
         except Exception as err:
             held.append(err)
         held += run_listeners(self.step_end_listeners)
-        agree(failure or (held[0] if held else None), group=self._error_group,
-              label=f"rank {self.rank} (pipeline rank {self.pp_rank}, data-parallel rank "
-                    f"{self.dp_rank}, step {self._step})")
+        step_end.agree(failure or (held[0] if held else None), group=self._error_group,
+                       label=self._label(f"step {self._step}"))
+
+    def _label(self, when: str) -> str:
+        """This rank as the step-end agreement names it to the others."""
+        return (f"rank {self.rank} (pipeline rank {self.pp_rank}, data-parallel rank "
+                f"{self.dp_rank}, {when})")
 
     def _open_step(self) -> None:
         self._vmid = 0  # open (before anything can fail): a failure ends it at the step end

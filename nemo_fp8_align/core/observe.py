@@ -19,15 +19,16 @@ record's schedule shape says the policy puts it at.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence,
+                    Tuple)
 
 from nemo_fp8_align.core.schedule import InterleavedSchedule
 
 if TYPE_CHECKING:  # torch is imported on use: `report` reads records without it
     import torch
 
-__all__ = ["BuildObserver", "RecordExtras", "expected_position", "observed_problems",
-           "schedule_of"]
+__all__ = ["BuildObserver", "RecordExtras", "expected_position", "first_steps",
+           "observed_problems", "schedule_of", "valid_from_the_start"]
 
 Position = Tuple[int, bool]
 
@@ -157,6 +158,16 @@ def _where(position: Sequence[Any], pp_rank: int, aligned_slot: int) -> str:
     k, inside = position
     return (f"{'inside' if inside else 'before'} forward {k} of this rank's step (slot "
             f"{_slot(position, pp_rank, aligned_slot)})")
+
+
+def first_steps(records: Iterable[Mapping[str, Any]]) -> Dict[str, int]:
+    """Each run's first step (``run``: one id per aligner, so a resumed job's process has its
+    own)."""
+    first: Dict[str, int] = {}
+    for r in records:
+        run = r.get("run", "")
+        first[run] = min(first.get(run, r["step"]), r["step"])
+    return first
 
 
 def valid_from_the_start(r: Mapping[str, Any], first_of_run: bool) -> bool:

@@ -8,9 +8,9 @@ import json
 from collections import Counter
 from dataclasses import dataclass
 
-from nemo_fp8_align.core.observe import observed_problems, schedule_of
+from nemo_fp8_align.core.observe import first_steps, observed_problems, schedule_of
 from nemo_fp8_align.errors import TelemetryError
-from typing import IO, Any, Dict, Iterable, List, Mapping, Optional
+from typing import IO, Any, Iterable, List, Mapping, Optional
 
 __all__ = ["TransposeRecord", "TelemetryWriter", "read_records", "record_problems"]
 
@@ -209,10 +209,7 @@ def record_problems(records: Iterable[Mapping], *, policy: str = "aligned",
     problems: List[str] = []
     seen: Counter = Counter()
     records = list(records)
-    first: Dict[str, int] = {}  # each run's first step (a resumed job's process: its own)
-    for r in records:
-        run = r.get("run", "")
-        first[run] = min(first.get(run, r["step"]), r["step"])
+    first = first_steps(records)
     for r in records:
         key = (r["step"], r["chunk"], r["pp_rank"], r["dp_rank"], r.get("rank", -1),
                r.get("run", ""))
